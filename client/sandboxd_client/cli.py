@@ -1,0 +1,248 @@
+"""`sandboxctl`: run a command in a sandbox, fetch artifacts, read traces, explain
+policies. Exit codes follow `docker run` and `timeout`: the command's own code, 124
+when the timeout killed it, 137 when it was killed for memory, 125 when sandboxd
+refused or failed before the command ran."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import yaml
+
+from .canonical import event_hash
+from .client import SandboxdClient, default_socket, to_json
+from .errors import SandboxdClientError
+from .pb import sandboxd_pb2 as pb
+
+EXIT_REFUSED = 125
+EXIT_TIMEOUT = 124
+EXIT_OOM = 137
+EXIT_CANCELLED = 130
+
+
+def load_policy(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    data = yaml.safe_load(text)  # YAML is a superset of JSON
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a policy must be a mapping")
+    return data
+
+
+def exit_code_for(result: pb.ToolResult) -> int:
+    if result.timed_out:
+        return EXIT_TIMEOUT
+    if result.oom_killed:
+        return EXIT_OOM
+    if result.status == "cancelled":
+        return EXIT_CANCELLED
+    if result.exit_code < 0:  # the sandbox failed before or around the command
+        return EXIT_REFUSED
+    return result.exit_code
+
+
+def _fail(message: str, code: int = EXIT_REFUSED) -> int:
+    print(f"sandboxctl: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    argv = args.argv[1:] if args.argv and args.argv[0] == "--" else args.argv
+    if not argv:
+        return _fail("exec needs a command after --")
+    policy = load_policy(args.policy) if args.policy else {}
+    process = policy.setdefault("process", {})
+    if args.timeout_ms:
+        process["timeoutMs"] = args.timeout_ms
+    if args.memory_mb:
+        process["maxMemoryMb"] = args.memory_mb
+    if args.env:
+        injected = policy.setdefault("environment", {}).setdefault("injectedEnv", {})
+        for item in args.env:
+            name, sep, value = item.partition("=")
+            if not sep:
+                return _fail(f"--env {item!r}: expected NAME=VALUE")
+            injected[name] = value
+    call: dict[str, Any] = {
+        "toolId": "sandboxctl.exec",
+        "argv": argv,
+        "workspace": os.path.abspath(args.workspace or os.getcwd()),
+        "policy": policy,
+        "authorization": {"status": "not_required"},
+        "runtime": {"image": args.image or ""},
+    }
+    if args.cwd:
+        call["cwd"] = args.cwd
+    if args.stdin:
+        call["stdin"] = sys.stdin.buffer.read()
+    out, err = sys.stdout.buffer, sys.stderr.buffer
+    with SandboxdClient(args.socket) as client:
+        stream = client.execute(call)
+        result = None
+        try:
+            for event in stream:
+                kind = event.WhichOneof("kind")
+                if kind == "output":
+                    target = out if event.output.stream == pb.OUTPUT_STREAM_STDOUT else err
+                    target.write(event.output.data)
+                    target.flush()
+                elif kind == "finished":
+                    result = event.finished.result
+        except KeyboardInterrupt:
+            stream.cancel()
+            return _fail("interrupted; the call was cancelled", EXIT_CANCELLED)
+        except SandboxdClientError as exc:
+            suffix = f" (call {exc.tool_call_id})" if exc.tool_call_id else ""
+            return _fail(f"{exc.code.name}: {exc.message}{suffix}")
+    if result is None:
+        return _fail("the daemon ended the stream without a result")
+    if args.json:
+        out.write(json.dumps(to_json(result), sort_keys=True).encode() + b"\n")
+        out.flush()
+    if result.status == "error" and result.exit_code < 0 and result.error.message:
+        print(f"sandboxctl: {result.error.code}: {result.error.message}", file=sys.stderr)
+    return exit_code_for(result)
+
+
+def cmd_artifact_get(args: argparse.Namespace) -> int:
+    with SandboxdClient(args.socket) as client:
+        try:
+            if args.output and args.output != "-":
+                tmp = args.output + ".part"
+                with open(tmp, "wb") as f:
+                    ref = client.download_artifact(args.artifact_id, f)
+                os.replace(tmp, args.output)
+            else:
+                ref = client.download_artifact(args.artifact_id, sys.stdout.buffer)
+                sys.stdout.buffer.flush()
+        except SandboxdClientError as exc:
+            return _fail(f"{exc.code.name}: {exc.message}", 1)
+    print(f"{ref.artifact_id} {ref.kind} {ref.size_bytes} bytes {ref.content_hash} (verified)", file=sys.stderr)
+    return 0
+
+
+def cmd_artifact_ls(args: argparse.Namespace) -> int:
+    with SandboxdClient(args.socket) as client:
+        try:
+            refs = client.list_artifacts(args.tool_call_id)
+        except SandboxdClientError as exc:
+            return _fail(f"{exc.code.name}: {exc.message}", 1)
+    if args.json:
+        print(json.dumps([to_json(r) for r in refs], sort_keys=True))
+    else:
+        for r in refs:
+            print(f"{r.artifact_id}\t{r.kind}\t{r.size_bytes}\t{r.content_hash}")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    with SandboxdClient(args.socket) as client:
+        try:
+            events = client.get_trace(args.tool_call_id)
+        except SandboxdClientError as exc:
+            return _fail(f"{exc.code.name}: {exc.message}", 1)
+    bad = 0
+    for e in events:
+        ok = event_hash(e.seq, e.event_id, e.tool_call_id, e.type, e.time, e.parent_event_id,
+                        e.payload_json, e.prev_hash) == e.hash
+        bad += not ok
+        if args.json:
+            entry = to_json(e)
+            entry["payload"] = json.loads(entry.pop("payloadJson"))
+            entry["hashVerified"] = ok
+            print(json.dumps(entry, sort_keys=True))
+        else:
+            payload = json.loads(e.payload_json)
+            print(f"{e.seq:>8}  {e.time}  {e.type:<22} {e.event_id}  {'ok' if ok else 'HASH MISMATCH'}")
+            if args.verbose:
+                print("          " + json.dumps(payload, sort_keys=True))
+    if bad:
+        return _fail(f"{bad} event(s) do not match their hash", 1)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    policy = load_policy(args.policy) if args.policy else None
+    with SandboxdClient(args.socket) as client:
+        try:
+            resp = client.explain(policy, os.path.abspath(args.workspace or os.getcwd()), image=args.image or "")
+        except SandboxdClientError as exc:
+            return _fail(f"{exc.code.name}: {exc.message}", 1)
+    if args.json:
+        print(json.dumps({"backend": resp.backend, "image": resp.image,
+                          "effectivePolicy": json.loads(resp.effective_policy_json),
+                          "spec": json.loads(resp.spec_json), "notes": list(resp.notes)}, sort_keys=True))
+    else:
+        print(f"backend: {resp.backend}\nimage:   {resp.image}\n\neffective policy:\n{resp.effective_policy_json}\n")
+        print(f"{resp.backend} spec:\n{resp.spec_json}")
+        for n in resp.notes:
+            print(f"note: {n}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sandboxctl", description="Client for the sandboxd daemon.")
+    parser.add_argument("--socket", default=None, help=f"daemon socket (default $SANDBOXD_SOCKET or {default_socket()})")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--socket", default=argparse.SUPPRESS, help="daemon socket")
+
+    p = sub.add_parser("exec", help="run a command in a fresh sandbox")
+    common(p)
+    p.add_argument("--workspace", help="host workspace directory (default: the current directory)")
+    p.add_argument("--policy", help="SandboxPolicy as JSON or YAML (camelCase names)")
+    p.add_argument("--image")
+    p.add_argument("--cwd", help="working directory inside the sandbox")
+    p.add_argument("--timeout-ms", type=int)
+    p.add_argument("--memory-mb", type=int)
+    p.add_argument("--env", action="append", metavar="K=V")
+    p.add_argument("--stdin", action="store_true", help="pass this process's stdin to the command")
+    p.add_argument("--json", action="store_true", help="print the ToolResult as JSON after the output")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_exec)
+
+    p = sub.add_parser("artifact", help="artifacts of calls")
+    asub = p.add_subparsers(dest="artifact_command", required=True)
+    g = asub.add_parser("get", help="download an artifact and verify its sha256")
+    common(g)
+    g.add_argument("artifact_id")
+    g.add_argument("-o", "--output", help="file to write (default: stdout)")
+    g.set_defaults(func=cmd_artifact_get)
+    ls = asub.add_parser("ls", help="list a call's artifacts")
+    common(ls)
+    ls.add_argument("tool_call_id")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_artifact_ls)
+
+    p = sub.add_parser("trace", help="show a call's event chain")
+    common(p)
+    p.add_argument("tool_call_id")
+    p.add_argument("--json", action="store_true", help="one JSON object per event (JSONL)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show payloads")
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("explain", help="show what a policy would materialize to, without running anything")
+    common(p)
+    p.add_argument("--policy")
+    p.add_argument("--workspace")
+    p.add_argument("--image")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_explain)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        return _fail(str(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Python clients for sandboxd: SandboxdClient (blocking) and AsyncSandboxdClient
+(asyncio). Both speak the proto contract and raise only sandboxd_client.errors."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import grpc
+from google.protobuf import json_format
+
+from .errors import SandboxdClientError, from_rpc_error
+from .pb import sandboxd_pb2 as pb
+from .pb import sandboxd_pb2_grpc as pb_grpc
+
+DEFAULT_SOCKET = "/run/sandboxd/sandboxd.sock"
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                    ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+
+
+def default_socket() -> str:
+    return os.environ.get("SANDBOXD_SOCKET", DEFAULT_SOCKET)
+
+
+def build_call(call: dict[str, Any] | pb.PreparedToolCall) -> pb.PreparedToolCall:
+    """A PreparedToolCall from its JSON form (the seed's camelCase names). `stdin` may
+    be bytes or base64 text."""
+    if isinstance(call, pb.PreparedToolCall):
+        return call
+    data = dict(call)
+    stdin = data.pop("stdin", None)
+    message = json_format.ParseDict(data, pb.PreparedToolCall())
+    if isinstance(stdin, (bytes, bytearray)):
+        message.stdin = bytes(stdin)
+    elif isinstance(stdin, str):
+        message.stdin = base64.b64decode(stdin)
+    return message
+
+
+def to_json(message) -> dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=False, always_print_fields_with_no_presence=True)
+
+
+@dataclass
+class CallOutcome:
+    """What a finished Execute stream delivered."""
+
+    tool_call_id: str
+    result: pb.ToolResult
+    stdout: bytes = b""
+    stderr: bytes = b""
+    events: list[pb.ExecuteEvent] = field(default_factory=list)
+
+
+class SandboxdClient:
+    def __init__(self, socket_path: str | None = None, *, target: str | None = None):
+        self._channel = grpc.insecure_channel(target or f"unix:{socket_path or default_socket()}", options=_CHANNEL_OPTIONS)
+        self._exec = pb_grpc.ExecutionServiceStub(self._channel)
+        self._artifacts = pb_grpc.ArtifactServiceStub(self._channel)
+        self._traces = pb_grpc.TraceServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "SandboxdClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def execute(self, call: dict[str, Any] | pb.PreparedToolCall, timeout_s: float | None = None) -> "ExecuteStream":
+        """Starts a call; iterate the returned stream for its events."""
+        return ExecuteStream(self._exec.Execute(pb.ExecuteRequest(call=build_call(call)), timeout=timeout_s))
+
+    def run(self, call: dict[str, Any] | pb.PreparedToolCall, timeout_s: float | None = None) -> CallOutcome:
+        """Runs a call to the end and collects its output and result."""
+        out, err = bytearray(), bytearray()
+        events: list[pb.ExecuteEvent] = []
+        tool_call_id = ""
+        for event in self.execute(call, timeout_s):
+            events.append(event)
+            tool_call_id = event.tool_call_id
+            kind = event.WhichOneof("kind")
+            if kind == "output":
+                (out if event.output.stream == pb.OUTPUT_STREAM_STDOUT else err).extend(event.output.data)
+            elif kind == "finished":
+                return CallOutcome(tool_call_id, event.finished.result, bytes(out), bytes(err), events)
+        raise SandboxdClientError("the stream ended without a result", tool_call_id)
+
+    def cancel(self, tool_call_id: str, reason: str = "") -> bool:
+        try:
+            return self._exec.Cancel(pb.CancelRequest(tool_call_id=tool_call_id, reason=reason)).cancelled
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def explain(self, policy: dict[str, Any] | None, workspace: str, *, image: str = "", argv: list[str] | None = None,
+                cwd: str = "") -> pb.ExplainPolicyResponse:
+        request = pb.ExplainPolicyRequest(workspace=workspace, argv=argv or [], cwd=cwd)
+        if policy is not None:
+            request.policy.CopyFrom(json_format.ParseDict(policy, pb.SandboxPolicy()))
+        if image:
+            request.runtime.image = image
+        try:
+            return self._exec.ExplainPolicy(request)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def list_artifacts(self, tool_call_id: str) -> list[pb.ArtifactRef]:
+        try:
+            return list(self._artifacts.ListArtifacts(pb.ListArtifactsRequest(tool_call_id=tool_call_id)).artifacts)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def download_artifact(self, artifact_id: str, sink: BinaryIO) -> pb.ArtifactRef:
+        """Streams an artifact into `sink` and checks its sha256; raises on mismatch."""
+        ref = None
+        digest = hashlib.sha256()
+        try:
+            for chunk in self._artifacts.DownloadArtifact(pb.DownloadArtifactRequest(artifact_id=artifact_id)):
+                if chunk.HasField("artifact"):
+                    ref = chunk.artifact
+                digest.update(chunk.data)
+                sink.write(chunk.data)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        if ref is None:
+            raise SandboxdClientError(f"artifact {artifact_id}: the stream carried no metadata")
+        if ref.content_hash != "sha256:" + digest.hexdigest():
+            raise SandboxdClientError(f"artifact {artifact_id}: content does not match {ref.content_hash}")
+        return ref
+
+    def get_trace(self, tool_call_id: str) -> list[pb.TraceEvent]:
+        try:
+            return list(self._traces.GetTrace(pb.GetTraceRequest(tool_call_id=tool_call_id)).events)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+
+class ExecuteStream:
+    """Iterator over one call's events; `cancel()` abandons it (the daemon then
+    cancels the call and removes its sandbox)."""
+
+    def __init__(self, rpc):
+        self._rpc = rpc
+
+    def __iter__(self) -> Iterator[pb.ExecuteEvent]:
+        try:
+            yield from self._rpc
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def cancel(self) -> None:
+        self._rpc.cancel()
+
+
+class AsyncSandboxdClient:
+    def __init__(self, socket_path: str | None = None, *, target: str | None = None):
+        self._channel = grpc.aio.insecure_channel(target or f"unix:{socket_path or default_socket()}", options=_CHANNEL_OPTIONS)
+        self._exec = pb_grpc.ExecutionServiceStub(self._channel)
+        self._artifacts = pb_grpc.ArtifactServiceStub(self._channel)
+        self._traces = pb_grpc.TraceServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncSandboxdClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def execute(self, call: dict[str, Any] | pb.PreparedToolCall, timeout_s: float | None = None) -> AsyncIterator[pb.ExecuteEvent]:
+        rpc = self._exec.Execute(pb.ExecuteRequest(call=build_call(call)), timeout=timeout_s)
+        try:
+            async for event in rpc:
+                yield event
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def run(self, call: dict[str, Any] | pb.PreparedToolCall, timeout_s: float | None = None) -> CallOutcome:
+        out, err = bytearray(), bytearray()
+        events: list[pb.ExecuteEvent] = []
+        async for event in self.execute(call, timeout_s):
+            events.append(event)
+            kind = event.WhichOneof("kind")
+            if kind == "output":
+                (out if event.output.stream == pb.OUTPUT_STREAM_STDOUT else err).extend(event.output.data)
+            elif kind == "finished":
+                return CallOutcome(event.tool_call_id, event.finished.result, bytes(out), bytes(err), events)
+        raise SandboxdClientError("the stream ended without a result")
+
+    async def cancel(self, tool_call_id: str, reason: str = "") -> bool:
+        try:
+            return (await self._exec.Cancel(pb.CancelRequest(tool_call_id=tool_call_id, reason=reason))).cancelled
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def list_artifacts(self, tool_call_id: str) -> list[pb.ArtifactRef]:
+        try:
+            return list((await self._artifacts.ListArtifacts(pb.ListArtifactsRequest(tool_call_id=tool_call_id))).artifacts)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def get_trace(self, tool_call_id: str) -> list[pb.TraceEvent]:
+        try:
+            return list((await self._traces.GetTrace(pb.GetTraceRequest(tool_call_id=tool_call_id))).events)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None

@@ -1,0 +1,141 @@
+"""The append-only, hash-chained event log: the single source of truth for what
+happened. Each event's hash covers its content and the previous event's hash, so an
+edited, removed or reordered event breaks the chain at a point `verify_chain` names."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sandboxd_client.canonical import canonical_json, event_hash
+
+from .store import Database
+
+GENESIS_HASH = "sha256:" + "0" * 64
+
+# The seed's causal chain of one call, in order.
+REQUESTED = "ToolCallRequested"
+ARGS_VALIDATED = "ToolArgsValidated"
+POLICY_CHECKED = "ToolPolicyChecked"
+SANDBOX_PREPARED = "ToolSandboxPrepared"
+STARTED = "ToolCallStarted"
+FINISHED = "ToolCallFinished"
+RESULT_VALIDATED = "ToolResultValidated"
+ARTIFACT_PERSISTED = "ArtifactPersisted"
+REJECTED = "ToolCallRejected"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    event_id: str
+    tool_call_id: str
+    type: str
+    time: str
+    parent_event_id: str
+    payload_json: str
+    prev_hash: str
+    hash: str
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        return json.loads(self.payload_json)
+
+
+@dataclass(frozen=True)
+class EventDraft:
+    type: str
+    payload: dict[str, Any]
+    event_id: str = ""
+
+
+@dataclass(frozen=True)
+class ChainReport:
+    ok: bool
+    events_checked: int
+    first_bad_seq: int | None = None
+    reason: str = ""
+
+
+def verify_chain(events: Iterable[Event], prev_hash: str = GENESIS_HASH, prev_seq: int = 0) -> ChainReport:
+    """Checks a contiguous run of the log: sequence, back-links and each hash."""
+    n = 0
+    for ev in events:
+        n += 1
+        if ev.seq != prev_seq + 1:
+            return ChainReport(False, n, ev.seq, f"expected seq {prev_seq + 1}, found {ev.seq} (event removed or reordered)")
+        if ev.prev_hash != prev_hash:
+            return ChainReport(False, n, ev.seq, "prev_hash does not match the previous event's hash")
+        want = event_hash(ev.seq, ev.event_id, ev.tool_call_id, ev.type, ev.time,
+                          ev.parent_event_id, ev.payload_json, ev.prev_hash)
+        if want != ev.hash:
+            return ChainReport(False, n, ev.seq, "content does not match its hash (event edited)")
+        prev_hash, prev_seq = ev.hash, ev.seq
+    return ChainReport(True, n)
+
+
+class EventLog:
+    def __init__(self, db: Database):
+        self._db = db
+
+    def append(self, conn, tool_call_id: str, parent_event_id: str, drafts: Sequence[EventDraft]) -> list[Event]:
+        """Appends drafts as a causal chain (each the parent of the next) inside the
+        caller's transaction `conn` (Database.transaction())."""
+        row = conn.execute("SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1").fetchone()
+        seq, prev = (row[0], row[1]) if row else (0, GENESIS_HASH)
+        out: list[Event] = []
+        parent = parent_event_id
+        for d in drafts:
+            seq += 1
+            event_id = d.event_id or new_id("ev")
+            time = utc_now()
+            payload_json = canonical_json(d.payload).decode()
+            h = event_hash(seq, event_id, tool_call_id, d.type, time, parent, payload_json, prev)
+            conn.execute(
+                "INSERT INTO events (seq, event_id, tool_call_id, type, time, parent_event_id, payload_json, prev_hash, hash)"
+                " VALUES (?,?,?,?,?,?,?,?,?)",
+                (seq, event_id, tool_call_id, d.type, time, parent, payload_json, prev, h),
+            )
+            ev = Event(seq, event_id, tool_call_id, d.type, time, parent, payload_json, prev, h)
+            out.append(ev)
+            prev, parent = h, event_id
+        return out
+
+    def record(self, tool_call_id: str, parent_event_id: str, drafts: Sequence[EventDraft]) -> list[Event]:
+        with self._db.transaction() as conn:
+            return self.append(conn, tool_call_id, parent_event_id, drafts)
+
+    def for_call(self, tool_call_id: str) -> list[Event]:
+        rows = self._db.query("SELECT * FROM events WHERE tool_call_id = ? ORDER BY seq", (tool_call_id,))
+        return [Event(**r) for r in rows]
+
+    def has_call(self, tool_call_id: str) -> bool:
+        return bool(self._db.query("SELECT 1 FROM events WHERE tool_call_id = ? LIMIT 1", (tool_call_id,)))
+
+    def range(self, after_seq: int = 0, limit: int = 10_000) -> list[Event]:
+        rows = self._db.query("SELECT * FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (after_seq, limit))
+        return [Event(**r) for r in rows]
+
+    def verify(self) -> ChainReport:
+        total, prev_hash, prev_seq = 0, GENESIS_HASH, 0
+        while True:
+            batch = self.range(prev_seq)
+            if not batch:
+                return ChainReport(True, total)
+            report = verify_chain(batch, prev_hash, prev_seq)
+            if not report.ok:
+                return ChainReport(False, total + report.events_checked, report.first_bad_seq, report.reason)
+            total += report.events_checked
+            prev_hash, prev_seq = batch[-1].hash, batch[-1].seq

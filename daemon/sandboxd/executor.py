@@ -1,0 +1,457 @@
+"""CallExecutor: the life of one prepared tool call, from the request to the recorded
+result. Verification, host preflight and compilation happen synchronously and refuse
+before anything is created; the run itself happens on its own thread, so a consumer
+that goes away never leaves a sandbox behind. Every step is an event in the log, and
+an event is durable before the caller hears of it."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import events as ev
+from .artifacts import ArtifactRecord, FileArtifactStore
+from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle
+from .compile import SandboxIdentity, compile_docker
+from .errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
+                     ResourceExhausted, SandboxdError)
+from .events import EventDraft, EventLog
+from .output import STDERR, STDOUT, OutputSpool
+from .policy import EffectivePolicy, PreparedToolCall, canonical_json, check_admission, parse_call, resolve_policy
+from .preflight import HostPlan, preflight
+from .settings import DaemonSettings
+
+log = logging.getLogger("sandboxd.executor")
+# After a kill, how long the engine gets to end the process tree before we give up.
+KILL_GRACE_S = 10.0
+
+
+@dataclass
+class StreamItem:
+    kind: str  # "accepted" | "started" | "output" | "finished"
+    event_id: str = ""
+    data: Any = None
+
+
+@dataclass
+class Prepared:
+    call: PreparedToolCall
+    policy: EffectivePolicy
+    plan: HostPlan
+    image: str
+    image_digest: str
+    backend: Backend
+    spec: Any
+    sandbox_id: str
+
+
+class CallRun:
+    """One accepted call. Its thread owns the sandbox from create to destroy."""
+
+    def __init__(self, executor: "CallExecutor", tool_call_id: str, prepared: Prepared, spool: OutputSpool,
+                 last_event_id: str):
+        self.tool_call_id = tool_call_id
+        self.prepared = prepared
+        self.spool = spool
+        self._executor = executor
+        self._last_event_id = last_event_id
+        self._cond = threading.Condition()
+        self._started_event_id = ""
+        self._result: dict[str, Any] | None = None
+        self._result_event_id = ""
+        self._cancel_reason = ""
+        self._handle: SandboxHandle | None = None
+        self._thread = threading.Thread(target=self._run, name=f"call-{tool_call_id}", daemon=True)
+        self.accepted_event_id = last_event_id
+
+    # -- control ------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def cancel(self, reason: str) -> bool:
+        with self._cond:
+            if self._result is not None or self._cancel_reason:
+                return False
+            self._cancel_reason = reason or "cancelled"
+            handle = self._handle
+        if handle is not None:
+            try:
+                self.prepared.backend.kill(handle)
+            except SandboxdError as exc:
+                log.error("cancel of %s could not kill its sandbox: %s", self.tool_call_id, exc)
+        return True
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        with self._cond:
+            return self._result
+
+    # -- the stream a caller sees ------------------------------------------------
+    def stream(self, is_active=lambda: True) -> Iterator[StreamItem]:
+        yield StreamItem("accepted", self.accepted_event_id, {
+            "backend": self.prepared.backend.name, "image": self.prepared.image})
+        with self._cond:
+            while not self._started_event_id and self._result is None:
+                if not is_active():
+                    return
+                self._cond.wait(0.25)
+            started = self._started_event_id
+        if started:
+            yield StreamItem("started", started, {"sandboxId": self.prepared.sandbox_id})
+            for stream, offset, data in self.spool.follow(should_stop=lambda: not is_active()):
+                yield StreamItem("output", "", (stream, offset, data))
+        with self._cond:
+            while self._result is None:
+                if not is_active():
+                    return
+                self._cond.wait(0.25)
+            yield StreamItem("finished", self._result_event_id, self._result)
+
+    # -- the run ------------------------------------------------------------------
+    def _record(self, drafts: list[EventDraft]) -> list[ev.Event]:
+        out = self._executor.events.record(self.tool_call_id, self._last_event_id, drafts)
+        self._last_event_id = out[-1].event_id
+        return out
+
+    def _run(self) -> None:
+        p = self.prepared
+        backend = p.backend
+        t0 = time.monotonic()
+        timed_out = False
+        status: ExitStatus | None = None
+        usage = ResourceUsage(0, 0)
+        failure: SandboxdError | None = None
+        handle: SandboxHandle | None = None
+        try:
+            with self._cond:
+                cancelled_early = bool(self._cancel_reason)
+            if not cancelled_early:
+                handle = backend.create(p.spec)
+                self._record([EventDraft(ev.SANDBOX_PREPARED, {
+                    "sandboxId": p.sandbox_id, "engineId": handle.engine_id, "backend": backend.name,
+                    "specDigest": "sha256:" + hashlib.sha256(canonical_json(_spec_for_record(p.spec))).hexdigest(),
+                })])
+                with self._cond:
+                    self._handle = handle
+                    cancelled_early = bool(self._cancel_reason)
+            if not cancelled_early and handle is not None:
+                t0 = time.monotonic()
+                backend.start(handle, self.spool, p.call.stdin)
+                started = self._record([EventDraft(ev.STARTED, {"sandboxId": p.sandbox_id})])
+                with self._cond:
+                    self._started_event_id = started[-1].event_id
+                    self._cond.notify_all()
+                    if self._cancel_reason:
+                        backend.kill(handle)
+                if not backend.wait(handle, p.policy.timeout_ms / 1000):
+                    with self._cond:
+                        timed_out = not self._cancel_reason
+                    backend.kill(handle)
+                    if not backend.wait(handle, KILL_GRACE_S):
+                        raise FailedPrecondition("the sandbox did not end after SIGKILL")
+                status, usage = backend.collect(handle)
+        except SandboxdError as exc:
+            failure = exc
+            log.error("call %s failed in the backend: %s", self.tool_call_id, exc.message)
+        except Exception as exc:  # never let a bug leave the sandbox running
+            failure = SandboxdError("internal error while running the sandbox")
+            log.exception("call %s: unexpected error: %s", self.tool_call_id, exc)
+        finally:
+            if handle is not None:
+                try:
+                    backend.destroy(handle)
+                except Exception:
+                    log.exception("destroying sandbox %s failed", p.sandbox_id)
+            self.spool.close()
+        latency_ms = int((time.monotonic() - t0) * 1000)
+        with self._cond:
+            cancel_reason = self._cancel_reason
+        try:
+            self._finish(status, usage, latency_ms, timed_out, cancel_reason, failure)
+        except Exception:
+            log.exception("recording the result of %s failed", self.tool_call_id)
+            with self._cond:
+                self._result = _error_result(self.tool_call_id, "INTERNAL", "the result could not be recorded")
+                self._cond.notify_all()
+        finally:
+            self._executor._forget(self)
+
+    def _finish(self, status: ExitStatus | None, usage: ResourceUsage, latency_ms: int, timed_out: bool,
+                cancel_reason: str, failure: SandboxdError | None) -> None:
+        ex = self._executor
+        out, err = self.spool.summary(STDOUT), self.spool.summary(STDERR)
+        now = ev.utc_now()
+        records: list[ArtifactRecord] = []
+        for kind, summ in (("stdout", out), ("stderr", err)):
+            if summ.stored_bytes == 0 and not summ.truncated:
+                summ.path.unlink(missing_ok=True)
+                continue
+            ex.artifacts.put_blob(summ.path, summ.content_hash)
+            note = f"{kind} of {self.tool_call_id}: {summ.stored_bytes} bytes"
+            if summ.truncated:
+                note += f" (truncated; the command wrote {summ.produced_bytes})"
+            records.append(ArtifactRecord(ev.new_id("art"), self.tool_call_id, ev.new_id("ev"), kind,
+                                          summ.content_hash, summ.stored_bytes, note, now))
+        self.spool.discard()
+
+        exit_code = status.exit_code if status else -1
+        oom = bool(status and status.oom_killed)
+        if cancel_reason:
+            state, error = "cancelled", {"code": "CANCELLED", "message": cancel_reason, "retryable": False, "safeToShowUser": True}
+        elif failure is not None:
+            state, error = "error", {"code": failure.kind, "message": failure.message, "retryable": failure.retryable, "safeToShowUser": True}
+        elif timed_out:
+            state, error = "error", {"code": "TIMEOUT", "message": f"killed after the {self.prepared.policy.timeout_ms} ms timeout", "retryable": False, "safeToShowUser": True}
+        elif oom:
+            state, error = "error", {"code": "OOM_KILLED", "message": f"killed at the memory limit of {self.prepared.policy.memory_bytes // 2**20} MB", "retryable": False, "safeToShowUser": True}
+        elif exit_code != 0:
+            state, error = "error", {"code": "NONZERO_EXIT", "message": f"the command exited with {exit_code}", "retryable": False, "safeToShowUser": True}
+        elif out.truncated or err.truncated:
+            state, error = "partial", {"code": "OUTPUT_TRUNCATED", "message": "output exceeded its cap and was truncated", "retryable": False, "safeToShowUser": True}
+        else:
+            state, error = "success", None
+
+        finished_id, validated_id = ev.new_id("ev"), ev.new_id("ev")
+        result: dict[str, Any] = {
+            "toolCallId": self.tool_call_id,
+            "status": state,
+            "exitCode": exit_code,
+            "signal": status.signal if status else "",
+            "timedOut": timed_out,
+            "oomKilled": oom,
+            "stdoutTruncated": out.truncated,
+            "stderrTruncated": err.truncated,
+            "stdoutPreview": out.preview,
+            "stderrPreview": err.preview,
+            "artifacts": [_artifact_json(r) for r in records],
+            "effectsObserved": {"reads": [], "writes": [], "deletes": [], "externalCalls": []},
+            "usage": {"latencyMs": latency_ms, "cpuMs": usage.cpu_ms, "peakMemoryBytes": usage.peak_memory_bytes,
+                      "outputBytes": out.produced_bytes + err.produced_bytes},
+            "provenance": {"eventId": validated_id, "artifactRefs": [r.artifact_id for r in records]},
+        }
+        if error:
+            result["error"] = error
+        drafts = [
+            EventDraft(ev.FINISHED, {
+                "exitCode": exit_code, "signal": result["signal"], "timedOut": timed_out, "oomKilled": oom,
+                "cancelled": bool(cancel_reason), "failure": failure.message if failure else "",
+                "usage": result["usage"],
+                "stdout": {"producedBytes": out.produced_bytes, "storedBytes": out.stored_bytes, "sha256": out.content_hash},
+                "stderr": {"producedBytes": err.produced_bytes, "storedBytes": err.stored_bytes, "sha256": err.content_hash},
+            }, finished_id),
+            # The whole result is recorded, so the log alone can answer for the call.
+            EventDraft(ev.RESULT_VALIDATED, {"result": result}, validated_id),
+        ] + [
+            EventDraft(ev.ARTIFACT_PERSISTED, {
+                "artifactId": r.artifact_id, "kind": r.kind, "contentHash": r.content_hash, "sizeBytes": r.size_bytes,
+            }, r.event_id)
+            for r in records
+        ]
+        with ex.db.transaction() as conn:
+            for r in records:
+                ex.artifacts.insert(conn, r)
+            written = ex.events.append(conn, self.tool_call_id, self._last_event_id, drafts)
+        self._last_event_id = written[-1].event_id
+        with self._cond:
+            self._result = result
+            self._result_event_id = finished_id
+            self._cond.notify_all()
+
+
+def _artifact_json(r: ArtifactRecord) -> dict[str, Any]:
+    return {"artifactId": r.artifact_id, "kind": r.kind, "uri": r.uri, "contentHash": r.content_hash,
+            "sizeBytes": r.size_bytes, "summary": r.summary, "toolCallId": r.tool_call_id,
+            "eventId": r.event_id, "createdAt": r.created_at}
+
+
+def _error_result(tool_call_id: str, code: str, message: str) -> dict[str, Any]:
+    return {"toolCallId": tool_call_id, "status": "error", "exitCode": -1,
+            "error": {"code": code, "message": message, "retryable": False, "safeToShowUser": True}}
+
+
+def _spec_for_record(spec: Any) -> dict[str, Any]:
+    return spec.to_json_dict()
+
+
+def _request_summary(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """What the trace keeps of a request: everything but stdin's bytes."""
+    summary = {k: v for k, v in raw.items() if k != "stdin"}
+    stdin = raw.get("stdin") or b""
+    if isinstance(stdin, (bytes, bytearray)):
+        summary["stdinBytes"] = len(stdin)
+        summary["stdinSha256"] = "sha256:" + hashlib.sha256(stdin).hexdigest()
+    return summary
+
+
+class CallExecutor:
+    def __init__(self, settings: DaemonSettings, db, events: EventLog, artifacts: FileArtifactStore,
+                 backends: Mapping[str, Backend], daemon_id: str, mask_file: str):
+        self.settings = settings
+        self.db = db
+        self.events = events
+        self.artifacts = artifacts
+        self.backends = dict(backends)
+        self.daemon_id = daemon_id
+        self._mask_file = mask_file
+        self._lock = threading.Lock()
+        self._runs: dict[str, CallRun] = {}
+        self._closing = False
+        self._inheritable = {n: os.environ[n] for n in settings.inheritable_env if n in os.environ}
+
+    # -- admission ------------------------------------------------------------------
+    def _prepare(self, call: PreparedToolCall, tool_call_id: str) -> Prepared:
+        check_admission(call)
+        policy = resolve_policy(call, self.settings.limits, self._inheritable)
+        argv_bytes = sum(len(a.encode()) + 1 for a in call.argv)
+        if argv_bytes > self.settings.limits.max_argv_bytes:
+            raise InvalidArgument(f"{argv_bytes} bytes exceed the maximum of {self.settings.limits.max_argv_bytes}", field="argv")
+        if len(call.stdin) > self.settings.limits.max_stdin_bytes:
+            raise InvalidArgument(f"{len(call.stdin)} bytes exceed the maximum of {self.settings.limits.max_stdin_bytes}", field="stdin")
+        backend_name = call.runtime.adapter or self.settings.default_backend
+        backend = self.backends.get(backend_name)
+        if backend is None:
+            raise FailedPrecondition(f"backend {backend_name!r} is not enabled in this daemon", field="runtime.adapter")
+        image = call.runtime.image or self.settings.default_image
+        if not any(fnmatch.fnmatchcase(image, pat) for pat in self.settings.allowed_images):
+            raise PermissionDenied(f"image {image!r} is not in the daemon's allowed images", field="runtime.image")
+        plan = preflight(policy, call.workspace, self.settings)
+        digest = backend.image_digest(image)
+        sandbox_id = "sbx-" + ev.new_id("x")[2:]
+        spec = compile_docker(
+            policy, plan, SandboxIdentity(self.daemon_id, sandbox_id, tool_call_id),
+            argv=tuple(call.argv), image=image, stdin_open=bool(call.stdin),
+            mask_file=self._mask_file, seccomp_profile=os.path.basename(str(self.settings.seccomp_profile)),
+        )
+        return Prepared(call, policy, plan, image, digest, backend, spec, sandbox_id)
+
+    def submit(self, raw: Mapping[str, Any], principal: str) -> CallRun:
+        """Verifies and starts a call. Refusals raise (after being recorded); an
+        accepted call's events up to ToolPolicyChecked are durable on return."""
+        requested_id = raw.get("toolCallId") if isinstance(raw.get("toolCallId"), str) else ""
+        tool_call_id = ""
+        try:
+            call = parse_call(raw)
+            tool_call_id = call.tool_call_id or ev.new_id("tc")
+        except SandboxdError as exc:
+            tool_call_id = ev.new_id("tc")
+            exc.tool_call_id = tool_call_id
+            self._reject(tool_call_id, raw, principal, "validation", exc, requested_id)
+            raise
+        with self._lock:
+            if self._closing:
+                raise FailedPrecondition("the daemon is shutting down")
+            if tool_call_id in self._runs or self.events.has_call(tool_call_id):
+                # Not recorded under that id: the id belongs to the earlier call.
+                raise AlreadyExists(f"a call with id {tool_call_id} was already submitted", field="toolCallId")
+            if len(self._runs) >= self.settings.max_concurrent_calls:
+                exc = ResourceExhausted(f"{len(self._runs)} calls are running, the daemon's maximum")
+                exc.tool_call_id = tool_call_id
+                self._reject(tool_call_id, raw, principal, "admission", exc)
+                raise exc
+            placeholder = self._runs[tool_call_id] = None  # type: ignore[assignment]
+        try:
+            try:
+                prepared = self._prepare(call, tool_call_id)
+            except SandboxdError as exc:
+                exc.tool_call_id = tool_call_id
+                self._reject(tool_call_id, raw, principal, "verification", exc)
+                raise
+            recorded = self.events.record(tool_call_id, call.parent_event_id, [
+                EventDraft(ev.REQUESTED, self._requested_payload(raw, call, principal)),
+                EventDraft(ev.ARGS_VALIDATED, {
+                    "effectivePolicy": prepared.policy.to_json_dict(), "policyDigest": prepared.policy.digest()}),
+                EventDraft(ev.POLICY_CHECKED, {
+                    "decision": "allowed", "backend": prepared.backend.name, "image": prepared.image,
+                    "imageDigest": prepared.image_digest, "uid": prepared.plan.uid, "gid": prepared.plan.gid,
+                    "workspace": prepared.plan.workspace,
+                    "binds": [[b.sandbox_path, "ro" if b.read_only else "rw"] for b in prepared.plan.binds],
+                    "masks": [m.sandbox_path for m in prepared.plan.masks], "notes": list(prepared.plan.notes),
+                }),
+            ])
+            spool = OutputSpool(self.settings.spool_dir / prepared.sandbox_id,
+                                {STDOUT: prepared.policy.max_stdout_bytes, STDERR: prepared.policy.max_stderr_bytes},
+                                self.settings.limits.preview_bytes)
+            run = CallRun(self, tool_call_id, prepared, spool, recorded[-1].event_id)
+        except BaseException:
+            with self._lock:
+                if self._runs.get(tool_call_id) is placeholder:
+                    del self._runs[tool_call_id]
+            raise
+        with self._lock:
+            self._runs[tool_call_id] = run
+        run.start()
+        return run
+
+    def _requested_payload(self, raw: Mapping[str, Any], call: PreparedToolCall, principal: str) -> dict[str, Any]:
+        payload = _request_summary(raw)
+        if not call.policy.audit.record_command:
+            payload.pop("argv", None)
+            payload["argvSha256"] = "sha256:" + hashlib.sha256(canonical_json(call.argv)).hexdigest()
+        payload["principal"] = principal
+        payload["daemonId"] = self.daemon_id
+        return payload
+
+    def _reject(self, tool_call_id: str, raw: Mapping[str, Any], principal: str, stage: str,
+                exc: SandboxdError, requested_id: str = "") -> None:
+        payload = _request_summary(raw)
+        payload["principal"] = principal
+        payload["daemonId"] = self.daemon_id
+        parent = raw.get("parentEventId") if isinstance(raw.get("parentEventId"), str) else ""
+        self.events.record(tool_call_id, parent[:256], [
+            EventDraft(ev.REQUESTED, payload),
+            EventDraft(ev.REJECTED, {"stage": stage, "code": exc.kind, "field": exc.field or "",
+                                     "reason": exc.reason, "requestedToolCallId": requested_id[:256]}),
+        ])
+
+    # -- explain --------------------------------------------------------------------
+    def explain(self, raw_call: Mapping[str, Any]) -> tuple[Prepared, list[str]]:
+        call = parse_call(raw_call)
+        prepared = self._prepare(call, call.tool_call_id or "explain")
+        return prepared, list(prepared.plan.notes)
+
+    # -- running calls ----------------------------------------------------------------
+    def get_run(self, tool_call_id: str) -> CallRun | None:
+        with self._lock:
+            return self._runs.get(tool_call_id)
+
+    def cancel(self, tool_call_id: str, reason: str) -> bool:
+        run = self.get_run(tool_call_id)
+        if run is None:
+            if self.events.has_call(tool_call_id):
+                return False
+            raise NotFound(f"no call {tool_call_id}", field="toolCallId")
+        return run.cancel(reason)
+
+    def _forget(self, run: CallRun) -> None:
+        with self._lock:
+            if self._runs.get(run.tool_call_id) is run:
+                del self._runs[run.tool_call_id]
+
+    def shutdown(self, grace_s: float) -> None:
+        """Cancels every running call and waits for their sandboxes to be removed."""
+        with self._lock:
+            self._closing = True
+            runs = [r for r in self._runs.values() if r is not None]
+        for r in runs:
+            r.cancel("the daemon is shutting down")
+        deadline = time.monotonic() + grace_s
+        for r in runs:
+            r.join(max(0.0, deadline - time.monotonic()))
+
+
+def clean_spool(settings: DaemonSettings) -> None:
+    """Spool files of calls that a crashed daemon never finished."""
+    shutil.rmtree(settings.spool_dir, ignore_errors=True)
+    settings.spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

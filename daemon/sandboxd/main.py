@@ -1,0 +1,169 @@
+"""`sandboxd`: builds the daemon's parts explicitly and serves them on a Unix socket."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sandboxd_client.pb import sandboxd_pb2 as pb
+from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
+
+from .artifacts import FileArtifactStore
+from .backends.docker import DockerBackend, load_seccomp_profile
+from .errors import SandboxdError
+from .events import EventLog
+from .executor import CallExecutor, clean_spool
+from .service import ArtifactServicer, ErrorInterceptor, ExecutionServicer, TraceServicer
+from .settings import DaemonSettings, load_settings
+from .store import Database
+
+log = logging.getLogger("sandboxd")
+SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[n].full_name
+                      for n in ("ExecutionService", "ArtifactService", "TraceService"))
+
+
+class JsonLogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
+                 "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _daemon_id(settings: DaemonSettings) -> str:
+    if settings.daemon_id:
+        return settings.daemon_id
+    path = settings.state_dir / "daemon_id"
+    if path.exists():
+        return path.read_text().strip()
+    value = "sd-" + secrets.token_hex(8)
+    path.write_text(value + "\n")
+    return value
+
+
+def _mask_file(settings: DaemonSettings) -> str:
+    """An empty, root-owned, mode-000 file bound over blocked files."""
+    path = settings.state_dir / "mask" / "empty"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    if not path.exists():
+        path.touch()
+    os.chmod(path, 0)
+    return str(path)
+
+
+@dataclass
+class Daemon:
+    settings: DaemonSettings
+    server: grpc.Server
+    executor: CallExecutor
+    db: Database
+    daemon_id: str
+
+    def stop(self, grace_s: float | None = None) -> None:
+        grace = self.settings.grace_period_s if grace_s is None else grace_s
+        log.info("shutting down: cancelling running calls")
+        self.executor.shutdown(grace)
+        self.server.stop(grace=1).wait()
+        self.db.close()
+        try:
+            self.settings.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+        log.info("stopped")
+
+
+def build_daemon(settings: DaemonSettings) -> Daemon:
+    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(settings.state_dir, 0o700)
+    daemon_id = _daemon_id(settings)
+    seccomp_json = load_seccomp_profile(str(settings.seccomp_profile))
+    docker_backend = DockerBackend(settings.docker_host, seccomp_json)
+    docker_backend.check()
+    reaped = docker_backend.reap_orphans(daemon_id)
+    if reaped:
+        log.warning("removed %d sandboxes left by an earlier run of this daemon", reaped)
+    clean_spool(settings)
+    db = Database(settings.db_path)
+    events = EventLog(db)
+    artifacts = FileArtifactStore(settings.blob_dir, db)
+    executor = CallExecutor(settings, db, events, artifacts, {"docker": docker_backend}, daemon_id, _mask_file(settings))
+
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=settings.max_concurrent_calls * 2 + 8, thread_name_prefix="rpc"),
+        interceptors=[ErrorInterceptor()],
+        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                 ("grpc.max_send_message_length", 64 * 1024 * 1024)],
+    )
+    pb_grpc.add_ExecutionServiceServicer_to_server(ExecutionServicer(executor), server)
+    pb_grpc.add_ArtifactServiceServicer_to_server(ArtifactServicer(artifacts), server)
+    pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("",) + SERVICE_NAMES:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    sock = settings.socket_path
+    sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    if sock.exists() or sock.is_symlink():
+        sock.unlink()
+    server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    os.chmod(sock, settings.socket_mode)
+    log.info("serving on %s (daemon %s, state %s)", sock, daemon_id, settings.state_dir)
+    return Daemon(settings, server, executor, db, daemon_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sandboxd", description="The execution boundary for agent tool calls.")
+    parser.add_argument("--config", help="YAML settings file (embedded defaults otherwise)")
+    parser.add_argument("--socket", dest="socket_path", help="Unix socket to serve on")
+    parser.add_argument("--state-dir", help="directory for the database, artifacts and spool")
+    parser.add_argument("--workspace-root", action="append", dest="workspace_roots",
+                        help="directory whose subdirectories may be workspaces (repeatable)")
+    parser.add_argument("--log-level", default=None)
+    args = parser.parse_args(argv)
+
+    try:
+        settings = load_settings(args.config or os.environ.get("SANDBOXD_CONFIG"),
+                                 socket_path=args.socket_path, state_dir=args.state_dir,
+                                 workspace_roots=args.workspace_roots, log_level=args.log_level)
+    except (OSError, ValueError) as exc:
+        print(f"sandboxd: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter())
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
+
+    try:
+        daemon = build_daemon(settings)
+    except SandboxdError as exc:
+        log.error("cannot start: %s", exc.message)
+        return 1
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    daemon.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

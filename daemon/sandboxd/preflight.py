@@ -1,0 +1,151 @@
+"""Host checks before anything is created: the workspace lies under a configured root,
+every root is a real directory of it (no `..`, no symlink out), the Docker socket and
+the daemon's state can never be mounted, and the sandbox's uid is the workspace owner.
+It refuses; it never degrades. The result, a HostPlan, is all the host facts the pure
+compilers need."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+
+from .errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from .policy import WORKSPACE, EffectivePolicy, is_within
+from .settings import DOCKER_SOCKET, DaemonSettings
+
+# A blocked directory with more entries than this is refused rather than half-checked.
+MAX_BLOCKED_SCAN_ENTRIES = 20_000
+
+
+@dataclass(frozen=True)
+class Bind:
+    sandbox_path: str
+    host_path: str
+    read_only: bool
+
+
+@dataclass(frozen=True)
+class Mask:
+    sandbox_path: str
+    kind: str  # "file" | "dir"
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    workspace: str
+    uid: int
+    gid: int
+    binds: tuple[Bind, ...]
+    masks: tuple[Mask, ...]
+    notes: tuple[str, ...] = field(default=())
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def resolve_workspace(raw: str, settings: DaemonSettings) -> str:
+    if not os.path.isabs(raw):
+        raise InvalidArgument("must be an absolute host path", field="workspace")
+    real = os.path.realpath(raw)
+    roots = [os.path.realpath(r) for r in settings.workspace_roots]
+    if not any(_within(real, r) and real != r for r in roots):
+        raise PermissionDenied(
+            f"{raw} (resolved {real}) is not below a configured workspace root", field="workspace"
+        )
+    forbidden = [str(DOCKER_SOCKET), os.path.realpath(DOCKER_SOCKET), os.path.realpath(settings.state_dir),
+                 os.path.realpath(settings.socket_path)]
+    for f in forbidden:
+        if _within(f, real) or _within(real, f):
+            raise PermissionDenied(f"{raw} contains or lies in {f}, which is never mounted", field="workspace")
+    if not os.path.isdir(real):
+        raise FailedPrecondition(f"{raw} is not an existing directory", field="workspace")
+    return real
+
+
+def sandbox_owner(workspace: str, settings: DaemonSettings) -> tuple[int, int]:
+    st = os.stat(workspace)
+    if st.st_uid != 0:
+        return st.st_uid, st.st_gid
+    if settings.root_workspace_uid is None:
+        raise PermissionDenied(
+            "the workspace is owned by root and the daemon's config names no uid to run it as "
+            "(root_workspace_uid)", field="workspace")
+    gid = settings.root_workspace_gid if settings.root_workspace_gid is not None else settings.root_workspace_uid
+    return settings.root_workspace_uid, gid
+
+
+def _host_path(workspace: str, sandbox_path: str) -> str:
+    rel = os.path.relpath(sandbox_path, WORKSPACE)
+    return workspace if rel == "." else os.path.join(workspace, rel)
+
+
+def _check_root(workspace: str, sandbox_path: str, where: str) -> str:
+    host = _host_path(workspace, sandbox_path)
+    real = os.path.realpath(host)
+    if not _within(real, workspace):
+        raise PermissionDenied(f"{sandbox_path} resolves outside the workspace", field=where)
+    if real != host:
+        raise PermissionDenied(f"{sandbox_path} goes through a symlink; name its target instead", field=where)
+    if not os.path.exists(host):
+        raise FailedPrecondition(f"{sandbox_path} does not exist in the workspace", field=where)
+    return host
+
+
+def _hard_linked(path: str) -> str | None:
+    """A file under `path` whose content is also reachable under another name."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        return path if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 else None
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in filenames:
+            seen += 1
+            if seen > MAX_BLOCKED_SCAN_ENTRIES:
+                raise FailedPrecondition(f"{path} holds more than {MAX_BLOCKED_SCAN_ENTRIES} files to check")
+            full = os.path.join(dirpath, name)
+            fst = os.lstat(full)
+            if stat.S_ISREG(fst.st_mode) and fst.st_nlink > 1:
+                return full
+    return None
+
+
+def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSettings) -> HostPlan:
+    workspace = resolve_workspace(workspace_raw, settings)
+    uid, gid = sandbox_owner(workspace, settings)
+    fs = "policy.filesystem"
+    binds: list[Bind] = []
+    for i, p in enumerate(policy.read_roots):
+        binds.append(Bind(p, _check_root(workspace, p, f"{fs}.readRoots[{i}]"), read_only=True))
+    for i, p in enumerate(policy.write_roots):
+        if is_within(p, policy.temp_dir):
+            continue  # already writable: it is the tmpfs
+        binds.append(Bind(p, _check_root(workspace, p, f"{fs}.writeRoots[{i}]"), read_only=False))
+
+    masks: list[Mask] = []
+    notes: list[str] = []
+    visible = [b.sandbox_path for b in binds]
+    for i, p in enumerate(policy.blocked_paths):
+        where = f"{fs}.blockedPaths[{i}]"
+        host = _host_path(workspace, p)
+        if not os.path.lexists(host):
+            notes.append(f"blocked path {p} does not exist; nothing to mask")
+            continue
+        real = os.path.realpath(host)
+        if not _within(real, workspace):
+            notes.append(f"blocked path {p} points outside the workspace, which is not mounted")
+            continue
+        target = WORKSPACE if real == workspace else f"{WORKSPACE}/{os.path.relpath(real, workspace)}"
+        if not any(is_within(target, v) for v in visible):
+            notes.append(f"blocked path {p} is not under any read or write root; already invisible")
+            continue
+        linked = _hard_linked(real)
+        if linked:
+            raise FailedPrecondition(
+                f"{p} has a hard link elsewhere ({os.path.relpath(linked, workspace)}); "
+                "its content would stay visible under the other name", field=where)
+        kind = "dir" if os.path.isdir(real) else "file"
+        if all(m.sandbox_path != target for m in masks):
+            masks.append(Mask(target, kind))
+    return HostPlan(workspace=workspace, uid=uid, gid=gid, binds=tuple(binds), masks=tuple(masks), notes=tuple(notes))

@@ -1,0 +1,199 @@
+"""gRPC servicers: they only translate proto <-> domain. Errors are turned into status
+codes in exactly one place, ErrorInterceptor."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from sandboxd_client.pb import sandboxd_pb2 as pb
+from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
+
+from .artifacts import FileArtifactStore
+from .errors import InvalidArgument, NotFound, SandboxdError
+from .events import EventLog
+from .executor import CallExecutor
+from .output import STDOUT
+
+log = logging.getLogger("sandboxd.service")
+TOOL_CALL_ID_KEY = "sandboxd-tool-call-id"
+DOWNLOAD_CHUNK_BYTES = 256 * 1024
+
+
+def message_to_json(message) -> dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=False)
+
+
+def call_to_json(call: pb.PreparedToolCall) -> dict[str, Any]:
+    raw = message_to_json(call)
+    if call.stdin:
+        raw["stdin"] = bytes(call.stdin)
+    else:
+        raw.pop("stdin", None)
+    return raw
+
+
+def peer_principal(context: grpc.ServicerContext) -> str:
+    # Peer credentials become principals with the tenancy issue; until then the
+    # transport's peer string is what the trace records.
+    return context.peer() or "unknown"
+
+
+def _abort(context: grpc.ServicerContext, exc: SandboxdError) -> None:
+    if exc.tool_call_id:
+        context.set_trailing_metadata(((TOOL_CALL_ID_KEY, exc.tool_call_id),))
+    context.abort(exc.code, exc.message)
+
+
+def _wrap_unary(behavior: Callable) -> Callable:
+    def wrapper(request, context):
+        try:
+            return behavior(request, context)
+        except SandboxdError as exc:
+            _abort(context, exc)
+        except Exception:
+            if context.code() is not None:  # already aborted deliberately
+                raise
+            log.exception("unhandled error in %s", getattr(behavior, "__name__", "handler"))
+            context.abort(grpc.StatusCode.INTERNAL, "internal error")
+    return wrapper
+
+
+def _wrap_stream(behavior: Callable) -> Callable:
+    def wrapper(request, context):
+        try:
+            yield from behavior(request, context)
+        except SandboxdError as exc:
+            _abort(context, exc)
+        except Exception:
+            if context.code() is not None:
+                raise
+            log.exception("unhandled error in %s", getattr(behavior, "__name__", "handler"))
+            context.abort(grpc.StatusCode.INTERNAL, "internal error")
+    return wrapper
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """SandboxdError -> its status code; anything else -> INTERNAL without details."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        return handler
+
+
+class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
+    def __init__(self, executor: CallExecutor):
+        self._executor = executor
+
+    def Execute(self, request: pb.ExecuteRequest, context) -> Iterator[pb.ExecuteEvent]:
+        run = self._executor.submit(call_to_json(request.call), peer_principal(context))
+        context.add_callback(lambda: run.cancel("the client went away") if run.result is None else None)
+        context.set_trailing_metadata(((TOOL_CALL_ID_KEY, run.tool_call_id),))
+        for item in run.stream(is_active=context.is_active):
+            out = pb.ExecuteEvent(tool_call_id=run.tool_call_id, event_id=item.event_id)
+            if item.kind == "accepted":
+                out.accepted.CopyFrom(pb.CallAccepted(tool_call_id=run.tool_call_id, **item.data))
+            elif item.kind == "started":
+                out.started.sandbox_id = item.data["sandboxId"]
+            elif item.kind == "output":
+                stream, offset, data = item.data
+                out.output.CopyFrom(pb.OutputChunk(
+                    stream=pb.OUTPUT_STREAM_STDOUT if stream == STDOUT else pb.OUTPUT_STREAM_STDERR,
+                    offset=offset, data=data))
+            else:
+                out.finished.result.CopyFrom(json_format.ParseDict(item.data, pb.ToolResult()))
+            yield out
+
+    def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        if not request.tool_call_id:
+            raise InvalidArgument("required", field="toolCallId")
+        return pb.CancelResponse(cancelled=self._executor.cancel(request.tool_call_id, request.reason or "cancelled by the caller"))
+
+    def ExplainPolicy(self, request: pb.ExplainPolicyRequest, context) -> pb.ExplainPolicyResponse:
+        raw: dict[str, Any] = {
+            "toolId": "sandboxd.explain",
+            "argv": list(request.argv) or ["true"],
+            "workspace": request.workspace,
+            "authorization": {"status": "not_required"},
+        }
+        if request.HasField("policy"):
+            raw["policy"] = message_to_json(request.policy)
+        if request.HasField("runtime"):
+            raw["runtime"] = message_to_json(request.runtime)
+        if request.cwd:
+            raw["cwd"] = request.cwd
+        prepared, notes = self._executor.explain(raw)
+        return pb.ExplainPolicyResponse(
+            backend=prepared.backend.name,
+            image=prepared.image,
+            effective_policy_json=json.dumps(prepared.policy.to_json_dict(), indent=2, sort_keys=True),
+            spec_json=json.dumps(prepared.spec.to_json_dict(), indent=2, sort_keys=True),
+            notes=notes,
+        )
+
+
+def artifact_to_pb(r) -> pb.ArtifactRef:
+    return pb.ArtifactRef(artifact_id=r.artifact_id, kind=r.kind, uri=r.uri, content_hash=r.content_hash,
+                          size_bytes=r.size_bytes, summary=r.summary, tool_call_id=r.tool_call_id,
+                          event_id=r.event_id, created_at=r.created_at)
+
+
+class ArtifactServicer(pb_grpc.ArtifactServiceServicer):
+    def __init__(self, store: FileArtifactStore):
+        self._store = store
+
+    def ListArtifacts(self, request: pb.ListArtifactsRequest, context) -> pb.ListArtifactsResponse:
+        if not request.tool_call_id:
+            raise InvalidArgument("required", field="toolCallId")
+        return pb.ListArtifactsResponse(artifacts=[artifact_to_pb(r) for r in self._store.list_for_call(request.tool_call_id)])
+
+    def DownloadArtifact(self, request: pb.DownloadArtifactRequest, context) -> Iterator[pb.ArtifactChunk]:
+        if not request.artifact_id:
+            raise InvalidArgument("required", field="artifactId")
+        record = self._store.get(request.artifact_id)
+        with self._store.open(record) as f:
+            offset = 0
+            first = True
+            while True:
+                data = f.read(DOWNLOAD_CHUNK_BYTES)
+                if not data and not first:
+                    return
+                chunk = pb.ArtifactChunk(offset=offset, data=data)
+                if first:
+                    chunk.artifact.CopyFrom(artifact_to_pb(record))
+                    first = False
+                yield chunk
+                offset += len(data)
+                if not data:
+                    return
+
+
+class TraceServicer(pb_grpc.TraceServiceServicer):
+    def __init__(self, events: EventLog):
+        self._events = events
+
+    def GetTrace(self, request: pb.GetTraceRequest, context) -> pb.GetTraceResponse:
+        if not request.tool_call_id:
+            raise InvalidArgument("required", field="toolCallId")
+        found = self._events.for_call(request.tool_call_id)
+        if not found:
+            raise NotFound(f"no trace for call {request.tool_call_id}", field="toolCallId")
+        return pb.GetTraceResponse(events=[
+            pb.TraceEvent(seq=e.seq, event_id=e.event_id, tool_call_id=e.tool_call_id, type=e.type, time=e.time,
+                          parent_event_id=e.parent_event_id, payload_json=e.payload_json,
+                          prev_hash=e.prev_hash, hash=e.hash)
+            for e in found
+        ])

@@ -1,0 +1,109 @@
+"""DaemonSettings: how this daemon is configured (never what a call may do; that is
+policy.py). Embedded defaults make `sandboxd` start with no file at all; a YAML file
+given with --config overrides any of them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DOCKER_SOCKET = Path("/var/run/docker.sock")
+
+
+class LimitSettings(BaseModel):
+    """Defaults applied when a policy leaves a limit unset, and the maxima a policy
+    may ask for. Every limit is always enforced: there is no "unlimited"."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    default_timeout_ms: int = 60_000
+    max_timeout_ms: int = 3_600_000
+    default_memory_mb: int = 512
+    max_memory_mb: int = 8192
+    default_stdout_bytes: int = 16 * 1024 * 1024
+    default_stderr_bytes: int = 16 * 1024 * 1024
+    max_output_bytes: int = 1024 * 1024 * 1024
+    default_pids: int = 256
+    max_pids: int = 4096
+    default_cpu_millicores: int = 1000
+    max_cpu_millicores: int = (os.cpu_count() or 1) * 1000
+    default_file_size_mb: int = 1024
+    max_file_size_mb: int = 16384
+    default_tmp_size_mb: int = 256
+    max_tmp_size_mb: int = 4096
+    max_argv_bytes: int = 256 * 1024
+    max_stdin_bytes: int = 16 * 1024 * 1024
+    preview_bytes: int = 4096
+
+
+class DaemonSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    socket_path: Path = Path("/run/sandboxd/sandboxd.sock")
+    socket_mode: int = 0o660
+    state_dir: Path = Path("/var/lib/sandboxd")
+    # A call's workspace must be a directory strictly below one of these.
+    workspace_roots: tuple[Path, ...] = (Path("/home"), Path("/srv/sandboxd/workspaces"))
+    # uid:gid the sandbox runs as when the workspace is owned by root; None refuses.
+    root_workspace_uid: int | None = None
+    root_workspace_gid: int | None = None
+    default_backend: str = "docker"
+    default_image: str = "sandboxd/default:latest"
+    # fnmatch patterns of images a call may name.
+    allowed_images: tuple[str, ...] = ("sandboxd/*",)
+    docker_host: str | None = None
+    seccomp_profile: Path = REPO_ROOT / "seccomp" / "sandboxd-docker.json"
+    # Names a policy's environment.inheritedEnv may copy from the daemon's env.
+    inheritable_env: tuple[str, ...] = ("LANG", "LC_ALL", "TZ")
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    max_concurrent_calls: int = 32
+    grace_period_s: float = 10.0
+    log_level: str = "INFO"
+    daemon_id: str | None = None
+
+    @model_validator(mode="after")
+    def _roots_are_safe(self) -> "DaemonSettings":
+        state = self.state_dir.resolve()
+        for root in self.workspace_roots:
+            if not root.is_absolute():
+                raise ValueError(f"workspace root {root} must be absolute")
+            real = root.resolve()
+            if _is_within(state, real) or _is_within(real, state):
+                raise ValueError(f"workspace root {root} overlaps the state dir {state}, which may never be mounted")
+            for forbidden in (DOCKER_SOCKET.resolve(), self.socket_path.resolve()):
+                if _is_within(forbidden, real):
+                    raise ValueError(f"workspace root {root} contains {forbidden}, which may never be mounted")
+            if real == Path("/"):
+                raise ValueError("workspace root / would expose the whole host")
+        return self
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "sandboxd.db"
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.state_dir / "blobs"
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.state_dir / "spool"
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def load_settings(path: str | os.PathLike | None = None, **overrides) -> DaemonSettings:
+    data: dict = {}
+    if path:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the config file must be a mapping")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return DaemonSettings.model_validate(data)
