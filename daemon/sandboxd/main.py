@@ -37,8 +37,10 @@ SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[n].full_name
 
 
 class JsonLogFormatter(logging.Formatter):
+    converter = time.gmtime  # log times are UTC, whatever TZ the daemon runs with
+
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%SZ"), "level": record.levelname,
                  "logger": record.name, "msg": record.getMessage()}
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)

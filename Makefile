@@ -1,0 +1,48 @@
+# sandboxd: `make run` starts the daemon, `make test` runs the whole suite. Both install
+# what is missing first (venv, Debian's docker.io with a started dockerd, images).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: run test unit integration venv docker images proto proto-check bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+docker:
+	scripts/ensure-docker.sh
+
+images: docker
+	images/build.sh default
+	images/build.sh busybox
+
+proto: venv
+	PYTHON=$(PY) scripts/gen-proto.sh
+
+proto-check: venv
+	PYTHON=$(PY) scripts/gen-proto.sh --check
+
+run: venv images
+	$(VENV)/bin/sandboxd $(if $(CONFIG),--config $(CONFIG))
+
+unit: venv
+	$(VENV)/bin/pytest -q tests/unit $(PYTEST_ARGS)
+
+integration: venv images
+	$(VENV)/bin/pytest -q tests/integration $(PYTEST_ARGS)
+
+test: venv images proto-check
+	$(VENV)/bin/pytest -q tests $(PYTEST_ARGS)
+
+bench: venv images
+	$(PY) bench/cold_start.py
+	$(PY) bench/stream_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,133 @@
+"""A real sandboxd subprocess on a private socket, state dir and workspace root: what
+the integration tests and the benchmarks run against. Not used by the daemon itself."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sandboxd_client import SandboxdClient
+
+SANDBOXD = str(Path(sys.executable).with_name("sandboxd"))
+WORKSPACE_UID = 1000
+_counter = itertools.count()
+
+
+@dataclass
+class DaemonProcess:
+    base: Path
+    socket: Path
+    state_dir: Path
+    workspace_root: Path
+    config: Path
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    daemon_id: str = ""
+
+    @property
+    def log_path(self) -> Path:
+        return self.base / "daemon.log"
+
+    def start(self, timeout_s: float = 30.0) -> "DaemonProcess":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([SANDBOXD, "--config", str(self.config)], env=self.env,
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sandboxd exited with {self.proc.returncode}:\n{self.log()}")
+            if self.socket.exists() and self.healthy():
+                self.daemon_id = (self.state_dir / "daemon_id").read_text().strip()
+                return self
+            time.sleep(0.05)
+        raise RuntimeError(f"sandboxd did not become healthy:\n{self.log()}")
+
+    def healthy(self) -> bool:
+        try:
+            with grpc.insecure_channel(f"unix:{self.socket}") as ch:
+                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                return resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()[-4000:]
+        except OSError:
+            return ""
+
+    def client(self) -> SandboxdClient:
+        return SandboxdClient(str(self.socket))
+
+    def new_workspace(self, files: dict[str, str] | None = None, uid: int = WORKSPACE_UID) -> Path:
+        ws = self.workspace_root / f"ws{next(_counter)}"
+        ws.mkdir(mode=0o750)
+        for rel, content in (files or {}).items():
+            p = ws / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(content)
+        for dirpath, _dirnames, filenames in os.walk(ws):
+            os.chown(dirpath, uid, uid)
+            for n in filenames:
+                os.chown(os.path.join(dirpath, n), uid, uid)
+        return ws
+
+
+def make_daemon(base: Path, env: dict[str, str] | None = None, **settings) -> DaemonProcess:
+    """Writes a config under `base` (socket, state dir, one workspace root); call
+    .start() to run it."""
+    base.mkdir(parents=True, exist_ok=True)
+    os.chmod(base, 0o755)
+    root = base / "workspaces"
+    root.mkdir(exist_ok=True)
+    os.chmod(root, 0o755)
+    d = DaemonProcess(base=base, socket=base / "run" / "sandboxd.sock", state_dir=base / "state",
+                      workspace_root=root, config=base / "sandboxd.yaml",
+                      env=env or {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"})
+    config = {
+        "socket_path": str(d.socket),
+        "state_dir": str(d.state_dir),
+        "workspace_roots": [str(root)],
+        "log_level": "INFO",
+    }
+    config.update(settings)
+    d.config.write_text(yaml.safe_dump(config))
+    return d
+
+
+def prepared_call(workspace: Path, argv: list[str], policy: dict | None = None, **extra) -> dict:
+    """A prepared call in its JSON form, with no authorization needed."""
+    c = {
+        "toolId": extra.pop("tool_id", "test.shell"),
+        "toolVersion": "1",
+        "argv": argv,
+        "workspace": str(workspace),
+        "authorization": {"status": "not_required"},
+        "runtime": {"image": extra.pop("image", "sandboxd/default:latest")},
+    }
+    if policy is not None:
+        c["policy"] = policy
+    c.update(extra)
+    return c

@@ -1,0 +1,87 @@
+"""The daemon's own life: graceful shutdown, crash and restart, admission limits."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+from sandboxd_client import errors
+
+from .conftest import call, sandbox_containers, sh, wait_for
+
+
+def _start_sleeper(d, ws, seconds: int = 120):
+    """Starts a long call on its own thread; returns once its sandbox runs."""
+    c = d.client()
+    stream = c.execute(call(ws, sh(f"echo up; sleep {seconds}")))
+    it = iter(stream)
+    ready = threading.Event()
+    outcome: dict = {}
+
+    def consume():
+        try:
+            for event in it:
+                outcome["tool_call_id"] = event.tool_call_id
+                if event.WhichOneof("kind") == "output":
+                    ready.set()
+                if event.WhichOneof("kind") == "finished":
+                    outcome["result"] = event.finished.result
+        except errors.SandboxdClientError as exc:
+            outcome["error"] = exc
+        finally:
+            ready.set()
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    assert ready.wait(30)
+    return t, outcome, c
+
+
+def test_graceful_shutdown_cancels_calls_and_removes_containers(spare_daemon, docker_engine):
+    d = spare_daemon().start()
+    ws = d.new_workspace()
+    t, outcome, c = _start_sleeper(d, ws)
+    assert len(sandbox_containers(docker_engine, d.daemon_id)) == 1
+    assert d.stop(signal.SIGTERM) == 0
+    t.join(10)
+    assert not sandbox_containers(docker_engine, d.daemon_id)
+    assert outcome.get("result") is not None and outcome["result"].status == "cancelled"
+    c.close()
+
+
+def test_restart_after_a_crash_reaps_orphaned_containers(spare_daemon, docker_engine):
+    d = spare_daemon().start()
+    ws = d.new_workspace()
+    t, _outcome, c = _start_sleeper(d, ws)
+    d.stop(signal.SIGKILL)
+    orphans = sandbox_containers(docker_engine, d.daemon_id)
+    assert len(orphans) == 1, "a killed daemon cannot clean up; its restart must"
+    d.start()
+    assert not sandbox_containers(docker_engine, d.daemon_id)
+    # Events written before the crash are still there and intact.
+    with d.client() as c2:
+        out = c2.run(call(ws, ["echo", "after restart"]))
+        assert out.stdout == b"after restart\n"
+    c.close()
+
+
+def test_concurrency_limit_answers_resource_exhausted(spare_daemon, docker_engine):
+    d = spare_daemon(max_concurrent_calls=1).start()
+    ws = d.new_workspace()
+    t, outcome, c = _start_sleeper(d, ws, seconds=30)
+    with d.client() as c2:
+        with pytest.raises(errors.ResourceExhausted):
+            c2.run(call(ws, ["true"]))
+        assert c2.cancel(outcome["tool_call_id"], "done")
+    t.join(15)
+    assert wait_for(lambda: not sandbox_containers(docker_engine, d.daemon_id))
+    c.close()
+
+
+def test_daemon_refuses_to_start_without_its_seccomp_profile(spare_daemon, tmp_path):
+    d = spare_daemon(seccomp_profile=str(tmp_path / "missing.json"))
+    with pytest.raises(RuntimeError) as exc:
+        d.start(timeout_s=15)
+    assert "seccomp profile" in str(exc.value)
