@@ -55,13 +55,19 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if not argv:
         return _fail("exec needs a command after --")
     policy = load_policy(args.policy) if args.policy else {}
-    process = policy.setdefault("process", {})
+    for section in ("process", "environment"):
+        if policy.get(section) is None:
+            policy[section] = {}
+        elif not isinstance(policy[section], dict):
+            return _fail(f"{args.policy}: {section} must be a mapping")
+    process = policy["process"]
     if args.timeout_ms:
         process["timeoutMs"] = args.timeout_ms
     if args.memory_mb:
         process["maxMemoryMb"] = args.memory_mb
     if args.env:
-        injected = policy.setdefault("environment", {}).setdefault("injectedEnv", {})
+        injected = policy["environment"].setdefault("injectedEnv", {}) or {}
+        policy["environment"]["injectedEnv"] = injected
         for item in args.env:
             name, sep, value = item.partition("=")
             if not sep:

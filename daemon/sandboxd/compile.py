@@ -68,6 +68,10 @@ class DockerSpec:
         return asdict(self)
 
 
+def cgroup_parent_for(sandbox_id: str) -> str:
+    return f"/sandboxd/{sandbox_id}"
+
+
 def _mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str) -> tuple[MountSpec, ...]:
     mounts: list[MountSpec] = []
     bound = {b.sandbox_path for b in plan.binds}
@@ -81,8 +85,9 @@ def _mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str) -> tuple[Mo
     mounts.append(MountSpec("tmpfs", policy.temp_dir, tmpfs_size_bytes=policy.tmp_size_bytes, tmpfs_mode=0o1777))
     for m in plan.masks:
         if m.kind == "dir":
+            # Docker ignores a tmpfs mode of 0; 0500 root-owned is as closed to the sandbox user.
             mounts.append(MountSpec("tmpfs", m.sandbox_path, read_only=True,
-                                    tmpfs_size_bytes=MASK_DIR_TMPFS_BYTES, tmpfs_mode=0))
+                                    tmpfs_size_bytes=MASK_DIR_TMPFS_BYTES, tmpfs_mode=0o500))
         else:
             mounts.append(MountSpec("bind", m.sandbox_path, source=mask_file, read_only=True))
     # Parents before children, so that every mount lands on the view it refines.
@@ -126,7 +131,7 @@ def compile_docker(
         ),
         # A per-sandbox parent cgroup outlives the container, so CPU time and peak
         # memory can still be read after the container has exited.
-        cgroup_parent=f"/sandboxd/{identity.sandbox_id}",
+        cgroup_parent=cgroup_parent_for(identity.sandbox_id),
         stdin_open=stdin_open,
         timeout_ms=policy.timeout_ms,
         max_stdout_bytes=policy.max_stdout_bytes,

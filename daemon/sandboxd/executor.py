@@ -174,6 +174,8 @@ class CallRun:
                     backend.destroy(handle)
                 except Exception:
                     log.exception("destroying sandbox %s failed", p.sandbox_id)
+                if handle.reader is not None:
+                    handle.reader.join(KILL_GRACE_S)  # the last bytes land before the spool closes
             self.spool.close()
         latency_ms = int((time.monotonic() - t0) * 1000)
         with self._cond:

@@ -47,19 +47,22 @@ class OutputSpool:
         n = len(data)
         if not n:
             return
-        room = self._caps[stream] - self._stored[stream]
-        keep = data[:room] if room < n else data
-        if len(keep):
-            fd = self._fds[stream]
-            view = memoryview(keep)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            self._hashes[stream].update(keep)
-            preview = self._previews[stream]
-            if len(preview) < self._preview_bytes:
-                preview += keep[: self._preview_bytes - len(preview)]
+        # Under the lock: close() must never free a descriptor that a late write uses.
         with self._cond:
+            if self._closed:
+                return
+            room = self._caps[stream] - self._stored[stream]
+            keep = data[:room] if room < n else data
+            if len(keep):
+                fd = self._fds[stream]
+                view = memoryview(keep)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+                self._hashes[stream].update(keep)
+                preview = self._previews[stream]
+                if len(preview) < self._preview_bytes:
+                    preview += keep[: self._preview_bytes - len(preview)]
             self._produced[stream] += n
             self._stored[stream] += len(keep)
             self._cond.notify_all()

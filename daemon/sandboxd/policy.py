@@ -23,8 +23,8 @@ from .settings import LimitSettings
 
 WORKSPACE = "/workspace"
 DEFAULT_TEMP_DIR = "/tmp"
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
 # Sandbox paths where a tmpfs or a bind would hide the kernel's own views.
 _FORBIDDEN_MOUNT_PARENTS = ("/proc", "/sys", "/dev")
 
@@ -126,7 +126,7 @@ class PreparedToolCall(_Model):
     @field_validator("tool_call_id")
     @classmethod
     def _id_shape(cls, v: str) -> str:
-        if v and not _ID_RE.match(v):
+        if v and not _ID_RE.fullmatch(v):
             raise ValueError("must be 1-128 characters of [A-Za-z0-9._:-], starting alphanumeric")
         return v
 
@@ -288,6 +288,12 @@ def resolve_policy(
             "it is refused rather than run as 'open'",
             field="policy.network.egress",
         )
+    if net.egress == "open" and net.deny_private_networks:
+        raise Unimplemented(
+            "egress 'open' cannot yet keep private, loopback and metadata addresses out; "
+            "set denyPrivateNetworks: false to accept that, or use egress 'none'",
+            field="policy.network.denyPrivateNetworks",
+        )
     if net.allow_domains and net.egress != "allowlist":
         raise InvalidArgument(f"allowDomains needs egress 'allowlist', not '{net.egress}'", field="policy.network.allowDomains")
 
@@ -328,7 +334,7 @@ def _resolve_env(call: PreparedToolCall, temp_dir: str, inheritable_env: Mapping
     env = {"PATH": BASE_PATH, "HOME": temp_dir, "TMPDIR": temp_dir, "LANG": "C.UTF-8"}
     for i, name in enumerate(envp.inherited_env):
         where = f"policy.environment.inheritedEnv[{i}]"
-        if not _ENV_NAME_RE.match(name):
+        if not _ENV_NAME_RE.fullmatch(name):
             raise InvalidArgument(f"{name!r} is not a valid variable name", field=where)
         if name not in inheritable_env:
             raise PermissionDenied(f"{name} is not in the daemon's inheritable allowlist", field=where)
@@ -337,7 +343,7 @@ def _resolve_env(call: PreparedToolCall, temp_dir: str, inheritable_env: Mapping
             env[name] = value
     for name, value in envp.injected_env.items():
         where = f"policy.environment.injectedEnv.{name}"
-        if not _ENV_NAME_RE.match(name):
+        if not _ENV_NAME_RE.fullmatch(name):
             raise InvalidArgument(f"{name!r} is not a valid variable name", field=where)
         if "\x00" in value:
             raise InvalidArgument("value contains a NUL byte", field=where)

@@ -93,22 +93,71 @@ def _check_root(workspace: str, sandbox_path: str, where: str) -> str:
     return host
 
 
-def _hard_linked(path: str) -> str | None:
+def _hard_linked(path: str, where: str) -> str | None:
     """A file under `path` whose content is also reachable under another name."""
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
         return path if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 else None
     seen = 0
-    for dirpath, dirnames, filenames in os.walk(path):
+    for dirpath, _dirnames, filenames in os.walk(path):
         for name in filenames:
             seen += 1
             if seen > MAX_BLOCKED_SCAN_ENTRIES:
-                raise FailedPrecondition(f"{path} holds more than {MAX_BLOCKED_SCAN_ENTRIES} files to check")
+                raise FailedPrecondition(f"holds more than {MAX_BLOCKED_SCAN_ENTRIES} files to check for hard links",
+                                         field=where)
             full = os.path.join(dirpath, name)
             fst = os.lstat(full)
             if stat.S_ISREG(fst.st_mode) and fst.st_nlink > 1:
                 return full
     return None
+
+
+MAX_SYMLINK_HOPS = 40
+
+
+def resolve_in_sandbox(workspace: str, sandbox_path: str) -> str | None:
+    """What `sandbox_path` designates inside the sandbox, following the workspace's
+    symlinks the way the sandbox sees them (an absolute target is a sandbox path).
+    None when it leaves /workspace or loops."""
+    resolved: list[str] = []
+    pending = [p for p in sandbox_path.split("/") if p]
+    hops = 0
+    while pending:
+        name = pending.pop(0)
+        if name == ".":
+            continue
+        if name == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        resolved.append(name)
+        if resolved[0] != WORKSPACE.strip("/") or len(resolved) == 1:
+            continue
+        host = os.path.join(workspace, *resolved[1:])
+        if os.path.islink(host):
+            hops += 1
+            if hops > MAX_SYMLINK_HOPS:
+                return None
+            target = os.readlink(host)
+            resolved.pop()
+            if target.startswith("/"):
+                resolved = []
+            pending = [p for p in target.split("/") if p] + pending
+    path = "/" + "/".join(resolved)
+    return path if is_within(path, WORKSPACE) else None
+
+
+def _blocked_targets(workspace: str, sandbox_path: str) -> list[str]:
+    """Every sandbox path a blocked name may designate: as the host resolves it and as
+    the sandbox resolves it (they differ for absolute symlinks). Masking both is safe."""
+    targets: list[str] = []
+    real = os.path.realpath(_host_path(workspace, sandbox_path))
+    if _within(real, workspace):
+        targets.append(WORKSPACE if real == workspace else f"{WORKSPACE}/{os.path.relpath(real, workspace)}")
+    inside = resolve_in_sandbox(workspace, sandbox_path)
+    if inside is not None and inside not in targets:
+        targets.append(inside)
+    return targets
 
 
 def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSettings) -> HostPlan:
@@ -126,26 +175,31 @@ def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSetti
     masks: list[Mask] = []
     notes: list[str] = []
     visible = [b.sandbox_path for b in binds]
-    for i, p in enumerate(policy.blocked_paths):
+    # Shallowest first, so that a path inside an already masked directory adds nothing.
+    order = sorted(range(len(policy.blocked_paths)), key=lambda i: policy.blocked_paths[i].count("/"))
+    for i in order:
+        p = policy.blocked_paths[i]
         where = f"{fs}.blockedPaths[{i}]"
-        host = _host_path(workspace, p)
-        if not os.path.lexists(host):
-            notes.append(f"blocked path {p} does not exist; nothing to mask")
-            continue
-        real = os.path.realpath(host)
-        if not _within(real, workspace):
-            notes.append(f"blocked path {p} points outside the workspace, which is not mounted")
-            continue
-        target = WORKSPACE if real == workspace else f"{WORKSPACE}/{os.path.relpath(real, workspace)}"
-        if not any(is_within(target, v) for v in visible):
-            notes.append(f"blocked path {p} is not under any read or write root; already invisible")
-            continue
-        linked = _hard_linked(real)
-        if linked:
-            raise FailedPrecondition(
-                f"{p} has a hard link elsewhere ({os.path.relpath(linked, workspace)}); "
-                "its content would stay visible under the other name", field=where)
-        kind = "dir" if os.path.isdir(real) else "file"
-        if all(m.sandbox_path != target for m in masks):
-            masks.append(Mask(target, kind))
+        targets = _blocked_targets(workspace, p)
+        if not targets:
+            notes.append(f"blocked path {p} resolves outside the workspace, which is not mounted")
+        for target in targets:
+            host = _host_path(workspace, target)
+            if not os.path.lexists(host):
+                notes.append(f"blocked path {p} ({target}) does not exist; nothing to mask")
+                continue
+            if any(is_within(v, target) for v in visible):
+                raise FailedPrecondition(f"{p} resolves to {target}, which contains a read or write root", field=where)
+            if not any(is_within(target, v) for v in visible):
+                notes.append(f"blocked path {p} ({target}) is not under any read or write root; already invisible")
+                continue
+            if any(m.kind == "dir" and is_within(target, m.sandbox_path) for m in masks):
+                continue
+            linked = _hard_linked(host, where)
+            if linked:
+                raise FailedPrecondition(
+                    f"{p} has a hard link elsewhere ({os.path.relpath(linked, workspace)}); "
+                    "its content would stay visible under the other name", field=where)
+            if all(m.sandbox_path != target for m in masks):
+                masks.append(Mask(target, "dir" if os.path.isdir(host) else "file"))
     return HostPlan(workspace=workspace, uid=uid, gid=gid, binds=tuple(binds), masks=tuple(masks), notes=tuple(notes))

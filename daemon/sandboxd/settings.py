@@ -72,13 +72,13 @@ class DaemonSettings(BaseModel):
             if not root.is_absolute():
                 raise ValueError(f"workspace root {root} must be absolute")
             real = root.resolve()
+            if real == Path("/"):
+                raise ValueError("workspace root / would expose the whole host")
             if _is_within(state, real) or _is_within(real, state):
                 raise ValueError(f"workspace root {root} overlaps the state dir {state}, which may never be mounted")
             for forbidden in (DOCKER_SOCKET.resolve(), self.socket_path.resolve()):
                 if _is_within(forbidden, real):
                     raise ValueError(f"workspace root {root} contains {forbidden}, which may never be mounted")
-            if real == Path("/"):
-                raise ValueError("workspace root / would expose the whole host")
         return self
 
     @property

@@ -211,8 +211,16 @@ def test_egress_none_has_only_loopback(client, workspace):
 
 
 def test_egress_open_has_a_network_interface(client, workspace):
-    out = client.run(call(workspace, ["ls", "/sys/class/net"], {"network": {"egress": "open"}}))
+    out = client.run(call(workspace, ["ls", "/sys/class/net"], {"network": {"egress": "open", "denyPrivateNetworks": False}}))
     assert b"eth0" in out.stdout.split()
+
+
+def test_egress_open_that_must_deny_private_networks_is_refused(client, workspace):
+    # Until the egress proxy and firewall exist, 'open' cannot keep the host, the LAN and
+    # the metadata service out, so it is refused rather than run with less protection.
+    with pytest.raises(errors.Unimplemented) as exc:
+        client.run(call(workspace, ["true"], {"network": {"egress": "open"}}))
+    assert "policy.network.denyPrivateNetworks" in exc.value.message
 
 
 def test_egress_allowlist_is_refused_not_run_open(client, workspace, docker_engine, daemon):

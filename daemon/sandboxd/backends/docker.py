@@ -14,7 +14,7 @@ import socket
 import threading
 from typing import Any
 
-from ..compile import LABEL_PREFIX, DockerSpec
+from ..compile import LABEL_PREFIX, DockerSpec, cgroup_parent_for
 from ..errors import BackendUnavailable, FailedPrecondition, InternalError
 from ..output import STDERR, STDOUT, OutputSpool
 from . import ExitStatus, ResourceUsage, SandboxHandle
@@ -259,7 +259,7 @@ class DockerBackend:
             self._force_remove(c["Id"])
             sandbox_id = (c.get("Labels") or {}).get(f"{LABEL_PREFIX}sandbox_id")
             if sandbox_id:
-                remove_cgroup(f"/sandboxd/{sandbox_id}")
+                remove_cgroup(cgroup_parent_for(sandbox_id))
         return len(containers)
 
 

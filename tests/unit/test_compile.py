@@ -1,0 +1,303 @@
+"""sandboxd.compile.compile_docker: golden files for representative inputs, plus
+targeted asserts on the properties the sandbox's safety depends on.
+Regenerate the golden files with UPDATE_GOLDEN=1."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from sandboxd.compile import (
+    MASK_DIR_TMPFS_BYTES,
+    MAX_OPEN_FILES,
+    WORKSPACE_BASE_TMPFS_BYTES,
+    DockerSpec,
+    MountSpec,
+    SandboxIdentity,
+    compile_docker,
+)
+from sandboxd.policy import is_within
+from sandboxd.preflight import Bind, HostPlan, Mask
+
+from .conftest import resolve
+
+GOLDEN = Path(__file__).parent / "golden"
+MASK_FILE = "/var/lib/sandboxd/mask/empty"
+WS = "/srv/sandboxd/workspaces/alice/project"
+MB = 2**20
+
+
+def _compile(policy, plan, *, stdin_open=False, argv=("python3", "-c", "print(1)"),
+             image="sandboxd/default:latest", ident=None) -> DockerSpec:
+    return compile_docker(policy, plan, ident or SandboxIdentity("daemon-1", "sbx-0001", "tc-0001"),
+                          argv=argv, image=image, stdin_open=stdin_open,
+                          mask_file=MASK_FILE, seccomp_profile="sandboxd-docker.json")
+
+
+# ------------------------------------------------------------------ cases
+
+
+def case_default():
+    """No filesystem section: the whole workspace read-only, no network."""
+    policy = resolve()
+    plan = HostPlan(workspace=WS, uid=1000, gid=1000, binds=(Bind("/workspace", WS, True),), masks=())
+    return policy, plan, {}
+
+
+def case_partial_workspace():
+    """Parts of the workspace visible, writable output, masks, open egress, custom limits."""
+    policy = resolve({
+        "filesystem": {
+            "readRoots": ["/workspace/src", "/workspace/docs"],
+            "writeRoots": ["/workspace/out", "/tmp/build"],
+            "blockedPaths": ["/workspace/src/.env", "/workspace/src/secrets"],
+            "cwd": "src",
+        },
+        "network": {"egress": "open", "denyPrivateNetworks": False},
+        "environment": {"injectedEnv": {"MODE": "test", "EMPTY": ""}},
+        "process": {"timeoutMs": "120000", "maxMemoryMb": 1024, "maxStdoutBytes": 1048576, "maxStderrBytes": 65536,
+                    "maxPids": 64, "cpuMillicores": 2500, "maxFileSizeMb": 100, "maxTmpSizeMb": 32},
+    })
+    plan = HostPlan(
+        workspace=WS, uid=1000, gid=1001,
+        binds=(Bind("/workspace/src", f"{WS}/src", True), Bind("/workspace/docs", f"{WS}/docs", True),
+               Bind("/workspace/out", f"{WS}/out", False)),
+        masks=(Mask("/workspace/src/.env", "file"), Mask("/workspace/src/secrets", "dir")),
+    )
+    return policy, plan, {"stdin_open": True, "argv": ("make", "-C", "/workspace/src", "test")}
+
+
+def case_writable_workspace_custom_temp():
+    """The whole workspace writable, a custom tempDir used as cwd, inherited env."""
+    policy = resolve({
+        "filesystem": {
+            "writeRoots": ["/workspace"],
+            "blockedPaths": [".git", "id_rsa"],
+            "tempDir": "/scratch",
+            "cwd": "/scratch/run",
+        },
+        "environment": {"inheritedEnv": ["TZ"], "injectedEnv": {"PATH": "/opt/bin:/usr/bin"}},
+        "audit": {"recordCommand": False},
+    }, inheritable={"TZ": "Europe/Paris"})
+    plan = HostPlan(
+        workspace=WS, uid=2000, gid=2000,
+        binds=(Bind("/workspace", WS, False),),
+        masks=(Mask("/workspace/.git", "dir"), Mask("/workspace/id_rsa", "file")),
+    )
+    return policy, plan, {"image": "sandboxd/busybox:1", "argv": ("sh", "-c", "ls -la /workspace"),
+                          "ident": SandboxIdentity("daemon-2", "sbx-abcdef", "tc-writable")}
+
+
+CASES = {
+    "default": case_default,
+    "partial_workspace": case_partial_workspace,
+    "writable_workspace_custom_temp": case_writable_workspace_custom_temp,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden(name):
+    policy, plan, kwargs = CASES[name]()
+    got = json.loads(json.dumps(_compile(policy, plan, **kwargs).to_json_dict()))
+    path = GOLDEN / f"compile_{name}.json"
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
+    assert path.exists(), f"{path} missing: run with UPDATE_GOLDEN=1"
+    want = json.loads(path.read_text())
+    assert got == want
+
+
+def test_golden_files_have_no_strays():
+    names = {p.name for p in GOLDEN.glob("compile_*.json")}
+    assert names == {f"compile_{n}.json" for n in CASES}
+
+
+# ------------------------------------------------------------------ targeted asserts
+
+
+@pytest.fixture(params=sorted(CASES))
+def compiled(request):
+    policy, plan, kwargs = CASES[request.param]()
+    return policy, plan, _compile(policy, plan, **kwargs)
+
+
+def test_hardening_is_always_on(compiled):
+    _, _, spec = compiled
+    assert spec.cap_drop == ("ALL",)
+    assert spec.read_only_rootfs is True
+    assert spec.no_new_privileges is True
+    assert spec.init is True
+    assert spec.seccomp_profile == "sandboxd-docker.json"
+
+
+def test_user_is_the_plan_uid_gid(compiled):
+    _, plan, spec = compiled
+    assert spec.user == f"{plan.uid}:{plan.gid}"
+    assert not spec.user.startswith("0:")
+
+
+def test_env_equals_policy_env_exactly(compiled):
+    policy, _, spec = compiled
+    assert spec.env == policy.env
+    assert spec.env is not policy.env
+
+
+def test_working_dir_and_limits(compiled):
+    policy, _, spec = compiled
+    assert spec.working_dir == policy.cwd
+    assert spec.memory_bytes == policy.memory_bytes
+    assert spec.pids_limit == policy.max_pids
+    assert spec.nano_cpus == policy.cpu_millicores * 1_000_000
+    assert spec.timeout_ms == policy.timeout_ms
+    assert (spec.max_stdout_bytes, spec.max_stderr_bytes) == (policy.max_stdout_bytes, policy.max_stderr_bytes)
+
+
+def test_ulimits(compiled):
+    policy, _, spec = compiled
+    u = {name: (soft, hard) for name, soft, hard in spec.ulimits}
+    assert u == {"fsize": (policy.max_file_size_bytes,) * 2, "nofile": (MAX_OPEN_FILES,) * 2, "core": (0, 0)}
+
+
+def test_mounts_parents_before_children(compiled):
+    _, _, spec = compiled
+    targets = [m.target for m in spec.mounts]
+    for i, parent in enumerate(targets):
+        for child in targets[:i]:
+            assert not (child != parent and is_within(child, parent)), f"{child} mounted before its parent {parent}"
+
+
+def test_mount_targets_are_unique(compiled):
+    _, _, spec = compiled
+    targets = [m.target for m in spec.mounts]
+    assert len(targets) == len(set(targets))
+
+
+def test_temp_dir_tmpfs(compiled):
+    policy, _, spec = compiled
+    [tmp] = [m for m in spec.mounts if m.target == policy.temp_dir]
+    assert tmp == MountSpec("tmpfs", policy.temp_dir, tmpfs_size_bytes=policy.tmp_size_bytes, tmpfs_mode=0o1777)
+
+
+def test_labels(compiled):
+    _, plan, spec = compiled
+    assert set(spec.labels) == {"sandboxd.daemon_id", "sandboxd.sandbox_id", "sandboxd.tool_call_id", "sandboxd.workspace"}
+    assert spec.labels["sandboxd.workspace"] == plan.workspace
+    assert spec.name == f"sandboxd-{spec.labels['sandboxd.sandbox_id']}"
+    assert spec.cgroup_parent == f"/sandboxd/{spec.labels['sandboxd.sandbox_id']}"
+
+
+def test_label_values_are_the_identity():
+    policy, plan, _ = case_default()
+    spec = _compile(policy, plan, ident=SandboxIdentity("dmn", "sbx-9", "tc-9"))
+    assert spec.labels["sandboxd.daemon_id"] == "dmn"
+    assert spec.labels["sandboxd.sandbox_id"] == "sbx-9"
+    assert spec.labels["sandboxd.tool_call_id"] == "tc-9"
+
+
+def test_network_none():
+    policy, plan, _ = case_default()
+    assert _compile(policy, plan).network_mode == "none"
+
+
+def test_network_open_is_bridge():
+    policy, plan, kwargs = case_partial_workspace()
+    assert _compile(policy, plan, **kwargs).network_mode == "bridge"
+
+
+def test_whole_workspace_bind_has_no_base_tmpfs():
+    policy, plan, _ = case_default()
+    spec = _compile(policy, plan)
+    assert [m for m in spec.mounts if m.target == "/workspace"] == [MountSpec("bind", "/workspace", WS, True)]
+
+
+def test_workspace_is_root_owned_tmpfs_when_not_a_root():
+    policy, plan, kwargs = case_partial_workspace()
+    spec = _compile(policy, plan, **kwargs)
+    [base] = [m for m in spec.mounts if m.target == "/workspace"]
+    assert base.type == "tmpfs"
+    assert base.tmpfs_mode == 0o755
+    assert base.tmpfs_size_bytes == WORKSPACE_BASE_TMPFS_BYTES
+    # Mounted before everything inside it; root owns a tmpfs unless told otherwise,
+    # and the spec carries no owner for it.
+    first_inside = min(i for i, m in enumerate(spec.mounts) if m.target.startswith("/workspace/"))
+    assert spec.mounts.index(base) < first_inside
+    assert base.source == "" and base.read_only is False
+
+
+def test_empty_roots_still_get_workspace_tmpfs():
+    policy = resolve({"filesystem": {}})
+    spec = _compile(policy, HostPlan(WS, 1000, 1000, (), ()))
+    assert [m.target for m in spec.mounts] == ["/tmp", "/workspace"]
+    assert all(m.type == "tmpfs" for m in spec.mounts)
+
+
+def test_binds_keep_read_only_flags():
+    policy, plan, kwargs = case_partial_workspace()
+    spec = _compile(policy, plan, **kwargs)
+    binds = {m.target: m for m in spec.mounts if m.type == "bind" and m.source != MASK_FILE}
+    assert binds == {
+        "/workspace/src": MountSpec("bind", "/workspace/src", f"{WS}/src", True),
+        "/workspace/docs": MountSpec("bind", "/workspace/docs", f"{WS}/docs", True),
+        "/workspace/out": MountSpec("bind", "/workspace/out", f"{WS}/out", False),
+    }
+
+
+def test_blocked_file_is_read_only_bind_of_mask_file():
+    policy, plan, kwargs = case_partial_workspace()
+    spec = _compile(policy, plan, **kwargs)
+    [m] = [m for m in spec.mounts if m.target == "/workspace/src/.env"]
+    assert m == MountSpec("bind", "/workspace/src/.env", source=MASK_FILE, read_only=True)
+
+
+def test_blocked_dir_is_a_read_only_tmpfs_closed_to_the_sandbox_user():
+    policy, plan, kwargs = case_partial_workspace()
+    spec = _compile(policy, plan, **kwargs)
+    [m] = [m for m in spec.mounts if m.target == "/workspace/src/secrets"]
+    assert m == MountSpec("tmpfs", "/workspace/src/secrets", read_only=True,
+                          tmpfs_size_bytes=MASK_DIR_TMPFS_BYTES, tmpfs_mode=0o500)
+
+
+def test_masks_come_after_the_bind_they_cover():
+    policy, plan, kwargs = case_partial_workspace()
+    targets = [m.target for m in _compile(policy, plan, **kwargs).mounts]
+    assert targets.index("/workspace/src") < targets.index("/workspace/src/.env")
+    assert targets.index("/workspace/src") < targets.index("/workspace/src/secrets")
+    assert targets.index("/workspace") < targets.index("/workspace/src")
+
+
+def test_write_root_in_temp_dir_is_not_mounted():
+    policy, plan, kwargs = case_partial_workspace()
+    targets = [m.target for m in _compile(policy, plan, **kwargs).mounts]
+    assert "/tmp/build" not in targets and "/tmp" in targets
+
+
+def test_stdin_open_and_argv_pass_through():
+    policy, plan, kwargs = case_partial_workspace()
+    spec = _compile(policy, plan, **kwargs)
+    assert spec.stdin_open is True
+    assert spec.argv == ("make", "-C", "/workspace/src", "test")
+    policy, plan, _ = case_default()
+    assert _compile(policy, plan).stdin_open is False
+
+
+def test_compile_is_deterministic():
+    for factory in CASES.values():
+        policy, plan, kwargs = factory()
+        assert _compile(policy, plan, **kwargs).to_json_dict() == _compile(policy, plan, **kwargs).to_json_dict()
+
+
+def test_to_json_dict_is_json_serializable():
+    policy, plan, kwargs = case_partial_workspace()
+    d = _compile(policy, plan, **kwargs).to_json_dict()
+    assert json.loads(json.dumps(d))["mounts"][0]["type"] == "tmpfs"
+
+
+def test_egress_allowlist_cannot_compile():
+    # resolve_policy refuses it; compile must not quietly turn it into a network mode.
+    from dataclasses import replace
+    policy, plan, _ = case_default()
+    with pytest.raises(KeyError):
+        _compile(replace(policy, egress="allowlist"), plan)

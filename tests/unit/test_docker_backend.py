@@ -1,0 +1,288 @@
+"""The pure parts of sandboxd.backends.docker: create/host-config arguments, the
+attach stream's frame parser and signal names. No dockerd involved."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from sandboxd.backends.docker import _signal_name, create_args, host_config_args, load_seccomp_profile, parse_frames
+from sandboxd.compile import SandboxIdentity, compile_docker
+from sandboxd.errors import BackendUnavailable
+from sandboxd.output import STDERR, STDOUT, OutputSpool
+from sandboxd.preflight import Bind, HostPlan, Mask
+
+from .conftest import resolve
+
+SECCOMP = json.dumps({"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW"}]})
+WS = "/srv/sandboxd/workspaces/bob"
+
+
+@pytest.fixture
+def spec():
+    policy = resolve({
+        "filesystem": {"readRoots": ["/workspace/src"], "writeRoots": ["/workspace/out"],
+                       "blockedPaths": ["/workspace/src/.env", "/workspace/src/keys"]},
+        "environment": {"injectedEnv": {"A": "1"}},
+        "process": {"maxMemoryMb": 256, "maxPids": 32, "cpuMillicores": 1500, "maxFileSizeMb": 8, "maxTmpSizeMb": 16},
+    })
+    plan = HostPlan(WS, 1000, 1000,
+                    binds=(Bind("/workspace/src", f"{WS}/src", True), Bind("/workspace/out", f"{WS}/out", False)),
+                    masks=(Mask("/workspace/src/.env", "file"), Mask("/workspace/src/keys", "dir")))
+    return compile_docker(policy, plan, SandboxIdentity("d1", "sbx-1", "tc-1"), argv=("cat", "-"),
+                          image="sandboxd/default:latest", stdin_open=True, mask_file="/state/mask",
+                          seccomp_profile="p.json")
+
+
+# ------------------------------------------------------------------ create_args
+
+
+def test_create_args(spec):
+    args = create_args(spec)
+    assert args == {
+        "image": "sandboxd/default:latest",
+        "command": ["cat", "-"],
+        "user": "1000:1000",
+        "working_dir": "/workspace",
+        "environment": spec.env,
+        "labels": spec.labels,
+        "name": "sandboxd-sbx-1",
+        "hostname": "sandbox",
+        "stdin_open": True,
+        "tty": False,
+    }
+    assert args["environment"] is not spec.env  # a copy: the SDK may mutate it
+
+
+def test_create_args_has_no_shell_wrapping(spec):
+    assert create_args(spec)["command"] == list(spec.argv)
+
+
+# ------------------------------------------------------------------ host_config_args
+
+
+def test_host_config_security(spec):
+    hc = host_config_args(spec, SECCOMP)
+    assert hc["cap_drop"] == ["ALL"]
+    assert hc["read_only"] is True
+    assert hc["init"] is True
+    assert "no-new-privileges:true" in hc["security_opt"]
+    [seccomp] = [o for o in hc["security_opt"] if o.startswith("seccomp=")]
+    assert json.loads(seccomp.removeprefix("seccomp=")) == json.loads(SECCOMP)
+    assert hc["ipc_mode"] == "private"
+    assert hc["network_mode"] == "none"
+    assert "privileged" not in hc and "cap_add" not in hc
+
+
+def test_host_config_no_privileges_flag_follows_spec(spec):
+    from dataclasses import replace
+    hc = host_config_args(replace(spec, no_new_privileges=False), SECCOMP)
+    assert hc["security_opt"] == [f"seccomp={SECCOMP}"]
+
+
+def test_host_config_logging_off(spec):
+    assert host_config_args(spec, SECCOMP)["log_config"] == {"Type": "none", "Config": {}}
+
+
+def test_host_config_resources(spec):
+    hc = host_config_args(spec, SECCOMP)
+    assert hc["mem_limit"] == 256 * 2**20
+    assert hc["memswap_limit"] == hc["mem_limit"]
+    assert hc["pids_limit"] == 32
+    assert hc["nano_cpus"] == 1_500_000_000
+    assert hc["cgroup_parent"] == "/sandboxd/sbx-1"
+    assert hc["ulimits"] == [
+        {"Name": "fsize", "Soft": 8 * 2**20, "Hard": 8 * 2**20},
+        {"Name": "nofile", "Soft": 4096, "Hard": 4096},
+        {"Name": "core", "Soft": 0, "Hard": 0},
+    ]
+
+
+def test_host_config_mounts_in_docker_api_shape(spec):
+    mounts = host_config_args(spec, SECCOMP)["mounts"]
+    by_target = {m["Target"]: m for m in mounts}
+    assert [m["Target"] for m in mounts] == [m.target for m in spec.mounts]
+    assert by_target["/workspace"] == {"Type": "tmpfs", "Target": "/workspace", "ReadOnly": False,
+                                       "TmpfsOptions": {"SizeBytes": 64 * 1024, "Mode": 0o755}}
+    assert by_target["/tmp"] == {"Type": "tmpfs", "Target": "/tmp", "ReadOnly": False,
+                                 "TmpfsOptions": {"SizeBytes": 16 * 2**20, "Mode": 0o1777}}
+    assert by_target["/workspace/src"] == {"Type": "bind", "Target": "/workspace/src", "ReadOnly": True,
+                                           "Source": f"{WS}/src", "BindOptions": {"Propagation": "rprivate"}}
+    assert by_target["/workspace/out"]["ReadOnly"] is False
+    assert by_target["/workspace/out"]["Source"] == f"{WS}/out"
+    assert by_target["/workspace/src/.env"] == {"Type": "bind", "Target": "/workspace/src/.env", "ReadOnly": True,
+                                                "Source": "/state/mask", "BindOptions": {"Propagation": "rprivate"}}
+    assert by_target["/workspace/src/keys"]["Type"] == "tmpfs"
+    assert by_target["/workspace/src/keys"]["ReadOnly"] is True
+    for m in mounts:
+        if m["Type"] == "tmpfs":
+            assert "Source" not in m and "BindOptions" not in m
+        else:
+            assert "TmpfsOptions" not in m
+
+
+def test_host_config_is_json_serializable(spec):
+    json.dumps(host_config_args(spec, SECCOMP))
+    json.dumps(create_args(spec))
+
+
+# ------------------------------------------------------------------ parse_frames
+
+
+def frame(stream: int, data: bytes) -> bytes:
+    return struct.pack(">BxxxI", stream, len(data)) + data
+
+
+FRAMES = [
+    (1, b"hello "),
+    (2, b"warning: x\n"),
+    (1, b""),
+    (1, b"world\n"),
+    (2, bytes(range(256))),
+    (0, b"stdin-echo"),  # stream 0 is routed to stdout, as Docker's stdcopy does
+    (1, b"\x00\x01\x02 end"),
+]
+WIRE = b"".join(frame(s, d) for s, d in FRAMES)
+WANT_OUT = b"".join(d for s, d in FRAMES if s != 2)
+WANT_ERR = b"".join(d for s, d in FRAMES if s == 2)
+FRAME_ENDS = []
+_pos = 0
+for _s, _d in FRAMES:
+    _pos += 8 + len(_d)
+    FRAME_ENDS.append(_pos)
+
+
+def new_spool(path) -> OutputSpool:
+    return OutputSpool(path, {STDOUT: 1 << 20, STDERR: 1 << 20}, preview_bytes=64)
+
+
+def stored(spool: OutputSpool, stream: int) -> bytes:
+    return spool.summary(stream).path.read_bytes()
+
+
+def test_parse_whole_buffer(tmp_path):
+    spool = new_spool(tmp_path)
+    assert parse_frames(WIRE, spool) == len(WIRE)
+    spool.close()
+    assert stored(spool, STDOUT) == WANT_OUT
+    assert stored(spool, STDERR) == WANT_ERR
+
+
+def test_parse_empty_and_short_headers(tmp_path):
+    spool = new_spool(tmp_path)
+    assert parse_frames(b"", spool) == 0
+    for n in range(1, 8):
+        assert parse_frames(WIRE[:n], spool) == 0
+    spool.close()
+    assert spool.summary(STDOUT).produced_bytes == 0
+
+
+def test_consumed_count_is_end_of_last_complete_frame(tmp_path):
+    for cut in range(len(WIRE) + 1):
+        want = max([0] + [e for e in FRAME_ENDS if e <= cut])
+        spool = new_spool(tmp_path / f"c{cut}")
+        assert parse_frames(WIRE[:cut], spool) == want, cut
+        spool.close()
+        # Exactly the complete frames were written, nothing of the partial one.
+        done = [d for (s, d), e in zip(FRAMES, FRAME_ENDS) if e <= cut]
+        assert spool.summary(STDOUT).produced_bytes + spool.summary(STDERR).produced_bytes == sum(map(len, done)), cut
+        spool.discard()
+
+
+def test_frames_split_at_every_boundary(tmp_path):
+    """Two reads, split at every possible byte, fed the way the pump feeds them."""
+    for cut in range(len(WIRE) + 1):
+        spool = new_spool(tmp_path / f"s{cut}")
+        pending = b""
+        for data in (WIRE[:cut], WIRE[cut:]):
+            buf = pending + data
+            used = parse_frames(buf, spool)
+            pending = buf[used:]
+        spool.close()
+        assert pending == b"", cut
+        assert stored(spool, STDOUT) == WANT_OUT, cut
+        assert stored(spool, STDERR) == WANT_ERR, cut
+        spool.discard()
+
+
+def test_frames_split_into_three_reads(tmp_path):
+    """Every pair of cut points inside the first frames (header and payload split)."""
+    n = FRAME_ENDS[1] + 2
+    for a in range(n):
+        for b in range(a, n):
+            spool = new_spool(tmp_path / f"t{a}-{b}")
+            pending = b""
+            for data in (WIRE[:a], WIRE[a:b], WIRE[b:]):
+                buf = pending + data
+                pending = buf[parse_frames(buf, spool):]
+            spool.close()
+            assert (pending, stored(spool, STDOUT), stored(spool, STDERR)) == (b"", WANT_OUT, WANT_ERR), (a, b)
+            spool.discard()
+
+
+def test_frames_fed_one_byte_at_a_time(tmp_path):
+    spool = new_spool(tmp_path)
+    pending = b""
+    for i in range(len(WIRE)):
+        buf = pending + WIRE[i:i + 1]
+        pending = buf[parse_frames(buf, spool):]
+    spool.close()
+    assert pending == b""
+    assert stored(spool, STDOUT) == WANT_OUT
+    assert stored(spool, STDERR) == WANT_ERR
+
+
+def test_large_frame_size_field_is_big_endian(tmp_path):
+    spool = new_spool(tmp_path)
+    payload = b"x" * 70_000  # needs more than the low byte of the size
+    wire = frame(1, payload)
+    assert parse_frames(wire[:-1], spool) == 0
+    assert parse_frames(wire, spool) == len(wire)
+    spool.close()
+    assert stored(spool, STDOUT) == payload
+
+
+def test_parse_frames_respects_spool_caps(tmp_path):
+    spool = OutputSpool(tmp_path, {STDOUT: 5, STDERR: 100}, preview_bytes=64)
+    assert parse_frames(WIRE, spool) == len(WIRE)
+    spool.close()
+    assert stored(spool, STDOUT) == WANT_OUT[:5]
+    s = spool.summary(STDOUT)
+    assert s.truncated and s.produced_bytes == len(WANT_OUT)
+
+
+# ------------------------------------------------------------------ signals
+
+
+@pytest.mark.parametrize("code, name", [
+    (137, "SIGKILL"), (143, "SIGTERM"), (129, "SIGHUP"), (130, "SIGINT"), (139, "SIGSEGV"), (134, "SIGABRT"),
+    (0, ""), (1, ""), (127, ""), (128, ""), (255, ""), (-1, ""), (128 + 65, ""),
+])
+def test_signal_name(code, name):
+    assert _signal_name(code) == name
+
+
+@pytest.mark.parametrize("code, name", [(128 + 32, "SIG32"), (128 + 35, "SIG35"), (128 + 34, "SIGRTMIN"),
+                                        (128 + 64, "SIGRTMAX")])
+def test_signal_name_unnamed_and_realtime_signals(code, name):
+    assert _signal_name(code) == name
+
+
+# ------------------------------------------------------------------ seccomp profile
+
+
+def test_load_seccomp_profile(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(SECCOMP)
+    assert load_seccomp_profile(str(p)) == SECCOMP
+
+
+@pytest.mark.parametrize("content", [None, "{not json"])
+def test_load_seccomp_profile_refuses_missing_or_broken(tmp_path, content):
+    p = tmp_path / "p.json"
+    if content is not None:
+        p.write_text(content)
+    with pytest.raises(BackendUnavailable):
+        load_seccomp_profile(str(p))

@@ -1,0 +1,389 @@
+"""sandboxd.preflight on a real filesystem under tmp_path (tests run as root; the
+workspace is chowned to a non-root uid like a user's checkout)."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+
+from sandboxd.errors import FailedPrecondition, InvalidArgument, PermissionDenied, SandboxdError
+from sandboxd.preflight import Bind, Mask, preflight, resolve_workspace, sandbox_owner
+from sandboxd.settings import DaemonSettings
+
+from .conftest import WORKSPACE_GID, WORKSPACE_UID, resolve
+
+
+def refused(cls, fn, *args, **kwargs) -> SandboxdError:
+    with pytest.raises(SandboxdError) as info:
+        fn(*args, **kwargs)
+    assert type(info.value) is cls, f"expected {cls.__name__}, got {type(info.value).__name__}: {info.value}"
+    return info.value
+
+
+def plan_for(host, fs: dict | None = None, workspace: str | None = None, settings: DaemonSettings | None = None):
+    policy = resolve(None if fs is None else {"filesystem": fs})
+    return preflight(policy, workspace or str(host.ws), settings or host.settings)
+
+
+def mkfile(path, text="x"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------ workspace
+
+
+def test_plain_workspace(host):
+    plan = plan_for(host)
+    assert plan.workspace == str(host.ws)
+    assert (plan.uid, plan.gid) == (WORKSPACE_UID, WORKSPACE_GID)
+    assert plan.binds == (Bind("/workspace", str(host.ws), read_only=True),)
+    assert plan.masks == () and plan.notes == ()
+
+
+def test_workspace_outside_roots(host):
+    os.chown(host.outside, WORKSPACE_UID, WORKSPACE_GID)
+    exc = refused(PermissionDenied, plan_for, host, workspace=str(host.outside))
+    assert exc.field == "workspace"
+    assert exc.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_workspace_escaping_via_dotdot(host):
+    exc = refused(PermissionDenied, plan_for, host, workspace=f"{host.ws}/../../outside")
+    assert exc.field == "workspace"
+
+
+def test_workspace_via_symlink_out(host):
+    link = host.roots / "sneaky"
+    link.symlink_to(host.outside)
+    exc = refused(PermissionDenied, plan_for, host, workspace=str(link))
+    assert exc.field == "workspace"
+
+
+def test_workspace_via_symlink_inside_roots_resolves(host):
+    link = host.roots / "alias"
+    link.symlink_to(host.ws)
+    assert plan_for(host, workspace=str(link)).workspace == str(host.ws)
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/.", "/alice/.."])
+def test_workspace_equal_to_root_is_refused(host, suffix):
+    exc = refused(PermissionDenied, plan_for, host, workspace=str(host.roots) + suffix)
+    assert exc.field == "workspace"
+
+
+def test_workspace_must_be_absolute(host):
+    exc = refused(InvalidArgument, plan_for, host, workspace="roots/alice")
+    assert exc.field == "workspace"
+
+
+def test_missing_workspace(host):
+    exc = refused(FailedPrecondition, plan_for, host, workspace=str(host.roots / "nobody"))
+    assert exc.field == "workspace"
+
+
+def test_workspace_that_is_a_file(host):
+    f = mkfile(host.roots / "file")
+    exc = refused(FailedPrecondition, plan_for, host, workspace=str(f))
+    assert exc.field == "workspace"
+
+
+def test_resolve_workspace_returns_real_path(host):
+    assert resolve_workspace(f"{host.ws}/./", host.settings) == str(host.ws)
+
+
+def test_root_owned_workspace_is_refused(host):
+    os.chown(host.ws, 0, 0)
+    exc = refused(PermissionDenied, plan_for, host)
+    assert exc.field == "workspace"
+    assert "root_workspace_uid" in exc.reason
+
+
+def test_root_owned_workspace_with_configured_uid(host):
+    os.chown(host.ws, 0, 0)
+    settings = host.settings.model_copy(update={"root_workspace_uid": 4321})
+    assert sandbox_owner(str(host.ws), settings) == (4321, 4321)
+    settings = host.settings.model_copy(update={"root_workspace_uid": 4321, "root_workspace_gid": 99})
+    plan = plan_for(host, settings=settings)
+    assert (plan.uid, plan.gid) == (4321, 99)
+
+
+def test_owner_of_workspace_is_the_sandbox_user(host):
+    os.chown(host.ws, 2345, 3456)
+    plan = plan_for(host)
+    assert (plan.uid, plan.gid) == (2345, 3456)
+
+
+# ------------------------------------------------------------------ roots
+
+
+def test_read_and_write_roots_become_binds(host):
+    (host.ws / "src").mkdir()
+    (host.ws / "out").mkdir()
+    plan = plan_for(host, {"readRoots": ["src"], "writeRoots": ["/workspace/out"]})
+    assert plan.binds == (Bind("/workspace/src", str(host.ws / "src"), True),
+                          Bind("/workspace/out", str(host.ws / "out"), False))
+
+
+def test_write_roots_in_temp_dir_produce_no_bind(host):
+    (host.ws / "out").mkdir()
+    plan = plan_for(host, {"readRoots": [], "writeRoots": ["/tmp", "/tmp/build", "/workspace/out"]})
+    assert [b.sandbox_path for b in plan.binds] == ["/workspace/out"]
+
+
+def test_write_roots_in_custom_temp_dir_produce_no_bind(host):
+    plan = plan_for(host, {"readRoots": ["/workspace"], "writeRoots": ["/scratch/x"], "tempDir": "/scratch"})
+    assert [b.sandbox_path for b in plan.binds] == ["/workspace"]
+
+
+def test_empty_roots_give_no_binds(host):
+    plan = plan_for(host, {})
+    assert plan.binds == () and plan.masks == ()
+
+
+def test_missing_read_root(host):
+    (host.ws / "a").mkdir()
+    exc = refused(FailedPrecondition, plan_for, host, {"readRoots": ["a", "missing"]})
+    assert exc.field == "policy.filesystem.readRoots[1]"
+    assert exc.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_missing_write_root(host):
+    exc = refused(FailedPrecondition, plan_for, host, {"readRoots": ["/workspace"], "writeRoots": ["/tmp/x", "nope"]})
+    assert exc.field == "policy.filesystem.writeRoots[1]"
+
+
+def test_read_root_symlink_inside_is_refused(host):
+    (host.ws / "real").mkdir()
+    (host.ws / "link").symlink_to(host.ws / "real")
+    exc = refused(PermissionDenied, plan_for, host, {"readRoots": ["link"]})
+    assert exc.field == "policy.filesystem.readRoots[0]"
+    assert "symlink" in exc.reason
+
+
+def test_relative_symlink_root_is_refused(host):
+    (host.ws / "real").mkdir()
+    (host.ws / "link").symlink_to("real")
+    exc = refused(PermissionDenied, plan_for, host, {"readRoots": ["/workspace/link"]})
+    assert exc.field == "policy.filesystem.readRoots[0]"
+
+
+def test_read_root_symlink_out_is_refused(host):
+    (host.ws / "out").symlink_to(host.outside)
+    exc = refused(PermissionDenied, plan_for, host, {"readRoots": ["out"]})
+    assert exc.field == "policy.filesystem.readRoots[0]"
+    assert "outside" in exc.reason
+
+
+def test_write_root_symlink_out_is_refused(host):
+    (host.ws / "a").mkdir()
+    (host.ws / "etc").symlink_to("/etc")
+    exc = refused(PermissionDenied, plan_for, host, {"readRoots": ["a"], "writeRoots": ["/workspace/etc"]})
+    assert exc.field == "policy.filesystem.writeRoots[0]"
+
+
+def test_root_below_a_symlinked_directory_is_refused(host):
+    (host.ws / "real" / "sub").mkdir(parents=True)
+    (host.ws / "link").symlink_to(host.ws / "real")
+    exc = refused(PermissionDenied, plan_for, host, {"readRoots": ["/workspace/link/sub"]})
+    assert exc.field == "policy.filesystem.readRoots[0]"
+
+
+def test_dangling_symlink_root_is_refused(host):
+    (host.ws / "dangling").symlink_to(host.ws / "nothing")
+    with pytest.raises((PermissionDenied, FailedPrecondition)) as info:
+        plan_for(host, {"readRoots": ["dangling"]})
+    assert info.value.field == "policy.filesystem.readRoots[0]"
+
+
+def test_file_root_is_a_bind_of_the_file(host):
+    f = mkfile(host.ws / "config.yml")
+    plan = plan_for(host, {"readRoots": ["config.yml"]})
+    assert plan.binds == (Bind("/workspace/config.yml", str(f), True),)
+
+
+# ------------------------------------------------------------------ blocked paths
+
+
+def test_blocked_file_is_masked_as_file(host):
+    mkfile(host.ws / ".env", "SECRET=1")
+    plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": [".env"]})
+    assert plan.masks == (Mask("/workspace/.env", "file"),)
+    assert plan.notes == ()
+
+
+def test_blocked_dir_is_masked_as_dir(host):
+    mkfile(host.ws / ".git" / "config")
+    plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["/workspace/.git"]})
+    assert plan.masks == (Mask("/workspace/.git", "dir"),)
+
+
+def test_missing_blocked_path_is_a_note(host):
+    plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["/workspace/nothing"]})
+    assert plan.masks == ()
+    assert len(plan.notes) == 1 and "/workspace/nothing" in plan.notes[0]
+
+
+def test_blocked_path_not_under_any_root_is_a_note(host):
+    (host.ws / "src").mkdir()
+    mkfile(host.ws / "secret" / "key")
+    plan = plan_for(host, {"readRoots": ["src"], "blockedPaths": ["secret"]})
+    assert plan.masks == ()
+    assert len(plan.notes) == 1 and "/workspace/secret" in plan.notes[0]
+
+
+def test_blocked_path_only_in_temp_dir_write_root_is_a_note(host):
+    mkfile(host.ws / "secret")
+    plan = plan_for(host, {"writeRoots": ["/tmp/x"], "blockedPaths": ["secret"]})
+    assert plan.masks == () and len(plan.notes) == 1
+
+
+def test_blocked_dangling_symlink_is_a_note(host):
+    # .env -> secrets/.env.local, which does not exist (yet). Nothing can be masked;
+    # preflight must say so rather than fail with an unhandled FileNotFoundError
+    # (which the service turns into INTERNAL).
+    (host.ws / ".env").symlink_to("secrets/.env.local")
+    plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": [".env"]})
+    assert plan.masks == ()
+    assert len(plan.notes) == 1 and ".env" in plan.notes[0]
+
+
+def test_blocked_symlink_out_of_workspace_is_a_note(host):
+    (host.ws / "leak").symlink_to(host.outside / "secret.txt")
+    plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["leak"]})
+    assert plan.masks == ()
+    assert len(plan.notes) == 1 and "outside" in plan.notes[0]
+
+
+def test_blocked_file_with_hard_link_elsewhere(host):
+    secret = mkfile(host.ws / "secret.key")
+    os.link(secret, host.ws / "innocent.txt")
+    exc = refused(FailedPrecondition, plan_for, host, {"readRoots": ["/workspace"], "blockedPaths": ["/workspace/x", "secret.key"]})
+    assert exc.field == "policy.filesystem.blockedPaths[1]"
+
+
+def test_blocked_dir_containing_hard_linked_file(host):
+    secret = mkfile(host.ws / "secrets" / "deep" / "key")
+    os.link(secret, host.ws / "copy")
+    exc = refused(FailedPrecondition, plan_for, host, {"readRoots": ["/workspace"], "blockedPaths": ["secrets"]})
+    assert exc.field == "policy.filesystem.blockedPaths[0]"
+    assert "key" in exc.reason
+
+
+def test_hard_link_check_skipped_when_invisible(host):
+    (host.ws / "src").mkdir()
+    secret = mkfile(host.ws / "secret.key")
+    os.link(secret, host.ws / "copy")
+    plan = plan_for(host, {"readRoots": ["src"], "blockedPaths": ["secret.key"]})
+    assert plan.masks == () and len(plan.notes) == 1
+
+
+def test_symlink_to_blocked_file_masks_the_target(host):
+    mkfile(host.ws / "real" / "secret.txt")
+    (host.ws / "alias.txt").symlink_to("real/secret.txt")
+    plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["alias.txt"]})
+    assert plan.masks == (Mask("/workspace/real/secret.txt", "file"),)
+
+
+def test_blocked_absolute_sandbox_symlink_is_not_dismissed(host):
+    # Inside the sandbox an absolute link resolves against the sandbox's root, so
+    # /workspace/creds -> /workspace/.secrets/creds reaches the workspace's secret.
+    # Resolved on the host, the same link points at a host path "/workspace/..." and
+    # preflight dismisses it as "outside the workspace, which is not mounted": nothing
+    # is masked and the blocked alias stays readable. It must mask the in-sandbox
+    # target, or refuse.
+    mkfile(host.ws / ".secrets" / "creds", "token")
+    (host.ws / "creds").symlink_to("/workspace/.secrets/creds")
+    try:
+        plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["/workspace/creds"]})
+    except SandboxdError:
+        return
+    assert Mask("/workspace/.secrets/creds", "file") in plan.masks, plan
+
+
+def test_blocked_path_through_symlinked_dir_masks_the_target(host):
+    mkfile(host.ws / "real" / "secret.txt")
+    (host.ws / "linkdir").symlink_to(host.ws / "real")
+    plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["linkdir/secret.txt"]})
+    assert plan.masks == (Mask("/workspace/real/secret.txt", "file"),)
+
+
+def test_aliases_of_one_blocked_path_give_one_mask(host):
+    mkfile(host.ws / "real" / "secret.txt")
+    (host.ws / "alias.txt").symlink_to(host.ws / "real" / "secret.txt")
+    plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["real/secret.txt", "alias.txt"]})
+    assert plan.masks == (Mask("/workspace/real/secret.txt", "file"),)
+
+
+def test_masks_under_a_write_root(host):
+    mkfile(host.ws / "out" / "token")
+    plan = plan_for(host, {"readRoots": [], "writeRoots": ["out"], "blockedPaths": ["out/token"]})
+    assert plan.masks == (Mask("/workspace/out/token", "file"),)
+
+
+def test_blocked_symlink_aliasing_a_read_root_is_not_exposed(host):
+    # blockedPaths says "never visible, by any alias". /workspace/alias is the same
+    # directory as /workspace/data, and /workspace/data/public lies inside it: the
+    # lexical check in resolve_policy ("a root inside a blocked path") cannot see the
+    # alias, so preflight must refuse it. Today preflight calls the blocked target
+    # "not under any read or write root" and mounts it anyway.
+    mkfile(host.ws / "data" / "public" / "secret.csv")
+    (host.ws / "alias").symlink_to("data")
+    with pytest.raises((InvalidArgument, PermissionDenied, FailedPrecondition)):
+        plan_for(host, {"readRoots": ["/workspace/data/public"], "blockedPaths": ["/workspace/alias"]})
+
+
+def test_blocked_symlink_equal_to_a_read_root_is_refused(host):
+    # The same through an alias of the root itself: the plan would bind
+    # /workspace/data and mount a mask on the same target, which Docker refuses as a
+    # duplicate mount point; the policy is self-contradictory and must be refused here.
+    mkfile(host.ws / "data" / "secret.csv")
+    (host.ws / "alias").symlink_to("data")
+    with pytest.raises((InvalidArgument, PermissionDenied, FailedPrecondition)):
+        plan_for(host, {"readRoots": ["/workspace/data"], "blockedPaths": ["/workspace/alias"]})
+
+
+def test_blocked_symlink_to_the_whole_workspace_is_refused(host):
+    # Lexically, blocking /workspace is refused ("use empty roots instead"); through an
+    # alias (/workspace/here -> .) preflight calls it "not under any root" and leaves
+    # /workspace/src visible.
+    (host.ws / "src").mkdir()
+    (host.ws / "here").symlink_to(".")
+    with pytest.raises((InvalidArgument, PermissionDenied, FailedPrecondition)):
+        plan_for(host, {"readRoots": ["/workspace/src"], "blockedPaths": ["/workspace/here"]})
+
+
+def test_too_many_files_in_blocked_dir_is_refused_naming_the_field(host, monkeypatch):
+    import sandboxd.preflight as preflight_module
+    monkeypatch.setattr(preflight_module, "MAX_BLOCKED_SCAN_ENTRIES", 3)
+    for i in range(4):
+        mkfile(host.ws / "big" / f"f{i}")
+    exc = refused(FailedPrecondition, plan_for, host, {"readRoots": ["/workspace"], "blockedPaths": ["big"]})
+    assert exc.field == "policy.filesystem.blockedPaths[0]"
+
+
+def test_blocked_dir_at_scan_limit_is_masked(host, monkeypatch):
+    import sandboxd.preflight as preflight_module
+    monkeypatch.setattr(preflight_module, "MAX_BLOCKED_SCAN_ENTRIES", 3)
+    for i in range(3):
+        mkfile(host.ws / "big" / f"f{i}")
+    assert plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["big"]}).masks == (Mask("/workspace/big", "dir"),)
+
+
+def test_blocked_path_inside_a_blocked_dir_adds_no_nested_mask(host):
+    # A mask inside a masked directory would need a mount point inside the read-only,
+    # empty tmpfs that masks the parent; runc cannot create it (EROFS) and the
+    # sandbox fails to start. The nested path is already invisible.
+    mkfile(host.ws / "secrets" / "key")
+    plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["secrets", "secrets/key"]})
+    assert plan.masks == (Mask("/workspace/secrets", "dir"),)
+
+
+def test_preflight_does_not_modify_the_workspace(host):
+    mkfile(host.ws / "a" / "b")
+    before = sorted(os.walk(host.ws))
+    plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["a", "missing"]})
+    assert sorted(os.walk(host.ws)) == before
