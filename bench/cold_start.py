@@ -55,7 +55,7 @@ def main() -> int:
                 r = client.run(call).result
                 assert r.exit_code == 0, r
 
-            docker_cmd = ["docker", "run", "--rm", "--network", "none", args.image, "true"]
+            docker_cmd = ["docker", "run", "--rm", "--pull", "never", "--network", "none", args.image, "true"]
             results = {
                 "bare subprocess `true`": timed(lambda: subprocess.run(["true"], check=True), args.n),
                 "docker run --rm (CLI)": timed(lambda: subprocess.run(docker_cmd, check=True), args.n),

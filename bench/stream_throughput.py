@@ -23,7 +23,7 @@ from sandboxd_client.pb import sandboxd_pb2 as pb  # noqa: E402
 
 
 def docker_cli(image: str, argv: list[str]) -> int:
-    proc = subprocess.Popen(["docker", "run", "--rm", "--network", "none", "--log-driver", "none", image, *argv],
+    proc = subprocess.Popen(["docker", "run", "--rm", "--pull", "never", "--network", "none", "--log-driver", "none", image, *argv],
                             stdout=subprocess.PIPE)
     n = 0
     while chunk := proc.stdout.read(1 << 20):

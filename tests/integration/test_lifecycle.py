@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -85,3 +86,35 @@ def test_daemon_refuses_to_start_without_its_seccomp_profile(spare_daemon, tmp_p
     with pytest.raises(RuntimeError) as exc:
         d.start(timeout_s=15)
     assert "seccomp profile" in str(exc.value)
+
+
+def test_root_owned_workspace_runs_as_the_configured_uid(spare_daemon):
+    d = spare_daemon(root_workspace_uid=4242, root_workspace_gid=4343).start()
+    ws = d.new_workspace(uid=0)
+    ws.chmod(0o755)  # the mapped uid gets no more than the modes give it
+    out_dir = ws / "out"
+    out_dir.mkdir()
+    os.chown(out_dir, 4242, 4343)
+    with d.client() as c:
+        out = c.run(call(ws, sh("id -u; id -g; touch /workspace/out/made"),
+                         {"filesystem": {"readRoots": ["/workspace"], "writeRoots": ["/workspace/out"]}}))
+    assert out.stdout.split() == [b"4242", b"4343"]
+    st = (out_dir / "made").stat()
+    assert (st.st_uid, st.st_gid) == (4242, 4343)
+
+
+def test_async_client_runs_a_call(daemon, workspace):
+    import asyncio
+
+    from sandboxd_client import AsyncSandboxdClient
+
+    async def go():
+        async with AsyncSandboxdClient(str(daemon.socket)) as c:
+            outcome = await c.run(call(workspace, sh("echo async; echo e >&2")))
+            trace = await c.get_trace(outcome.tool_call_id)
+            arts = await c.list_artifacts(outcome.tool_call_id)
+            return outcome, trace, arts
+
+    outcome, trace, arts = asyncio.run(go())
+    assert outcome.stdout == b"async\n" and outcome.stderr == b"e\n" and outcome.result.status == "success"
+    assert trace[-1].type == "ArtifactPersisted" and len(arts) == 2
