@@ -14,7 +14,7 @@ from pathlib import Path
 
 STDOUT, STDERR = 1, 2
 STREAM_NAMES = {STDOUT: "stdout", STDERR: "stderr"}
-MAX_CHUNK_BYTES = 256 * 1024
+MAX_CHUNK_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from . import ExitStatus, ResourceUsage, SandboxHandle
 
 log = logging.getLogger("sandboxd.docker")
 CGROUP_ROOT = "/sys/fs/cgroup"
-_RECV_BYTES = 1 << 20
+_RECV_BYTES = 4 << 20
 
 
 def create_args(spec: DockerSpec) -> dict[str, Any]:
@@ -69,19 +69,34 @@ def host_config_args(spec: DockerSpec, seccomp_json: str) -> dict[str, Any]:
     }
 
 
-def parse_frames(buf: bytes, sink: OutputSpool) -> int:
+def parse_frames(buf: bytes | bytearray | memoryview, sink: OutputSpool) -> int:
     """Writes every complete multiplexed frame of `buf` into `sink`; returns the number
-    of bytes consumed. Frame: 1 byte stream, 3 zero bytes, 4 bytes big-endian size."""
+    of bytes consumed. Frame: 1 byte stream, 3 zero bytes, 4 bytes big-endian size.
+    Consecutive frames of one stream go to the sink as one write."""
     view = memoryview(buf)
-    pos, end = 0, len(buf)
+    pos, end = 0, len(view)
+    run_stream, run_parts = 0, []
     while end - pos >= 8:
         size = int.from_bytes(view[pos + 4:pos + 8], "big")
         if end - pos - 8 < size:
             break
         stream = STDERR if view[pos] == 2 else STDOUT
-        sink.write(stream, view[pos + 8:pos + 8 + size])
+        if stream != run_stream and run_parts:
+            sink.write(run_stream, b"".join(run_parts))
+            run_parts = []
+        run_stream = stream
+        run_parts.append(view[pos + 8:pos + 8 + size])
         pos += 8 + size
+    if run_parts:
+        sink.write(run_stream, b"".join(run_parts) if len(run_parts) > 1 else run_parts[0])
     return pos
+
+
+def frame_size_needed(buf: bytes | bytearray | memoryview) -> int:
+    """Bytes the frame at the start of `buf` needs in all (0 if its header is incomplete)."""
+    if len(buf) < 8:
+        return 0
+    return 8 + int.from_bytes(bytes(buf[4:8]), "big")
 
 
 def _signal_name(exit_code: int) -> str:
@@ -200,18 +215,27 @@ class DockerBackend:
 
     @staticmethod
     def _pump(raw: socket.socket, sink: OutputSpool, handle: SandboxHandle) -> None:
-        pending = b""
+        buf = bytearray(_RECV_BYTES)
+        view = memoryview(buf)
+        end = 0
         try:
             while True:
-                data = raw.recv(_RECV_BYTES)
-                if not data:
+                if end == len(buf):  # one frame larger than the buffer: grow it
+                    view.release()
+                    buf.extend(bytes(max(len(buf), frame_size_needed(buf) - len(buf))))
+                    view = memoryview(buf)
+                got = raw.recv_into(view[end:])
+                if not got:
                     break
-                buf = pending + data if pending else data
-                used = parse_frames(buf, sink)
-                pending = buf[used:]
+                end += got
+                used = parse_frames(view[:end], sink)
+                if used:
+                    view[:end - used] = view[used:end]
+                    end -= used
         except OSError as exc:
             log.warning("attach stream of %s broke: %s", handle.sandbox_id, exc)
         finally:
+            view.release()
             try:
                 raw.close()
             except OSError:
