@@ -20,7 +20,7 @@ from typing import Any
 from . import events as ev
 from .artifacts import ArtifactRecord, FileArtifactStore
 from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle
-from .compile import SandboxIdentity, compile_docker
+from .compile import SandboxIdentity
 from .errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                      ResourceExhausted, SandboxdError)
 from .events import EventDraft, EventLog
@@ -299,14 +299,13 @@ def _request_summary(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 class CallExecutor:
     def __init__(self, settings: DaemonSettings, db, events: EventLog, artifacts: FileArtifactStore,
-                 backends: Mapping[str, Backend], daemon_id: str, mask_file: str):
+                 backends: Mapping[str, Backend], daemon_id: str):
         self.settings = settings
         self.db = db
         self.events = events
         self.artifacts = artifacts
         self.backends = dict(backends)
         self.daemon_id = daemon_id
-        self._mask_file = mask_file
         self._lock = threading.Lock()
         self._runs: dict[str, CallRun] = {}
         self._closing = False
@@ -331,11 +330,8 @@ class CallExecutor:
         plan = preflight(policy, call.workspace, self.settings)
         digest = backend.image_digest(image)
         sandbox_id = "sbx-" + ev.new_id("x")[2:]
-        spec = compile_docker(
-            policy, plan, SandboxIdentity(self.daemon_id, sandbox_id, tool_call_id),
-            argv=tuple(call.argv), image=image, stdin_open=bool(call.stdin),
-            mask_file=self._mask_file, seccomp_profile=os.path.basename(str(self.settings.seccomp_profile)),
-        )
+        spec = backend.compile(policy, plan, SandboxIdentity(self.daemon_id, sandbox_id, tool_call_id),
+                               argv=tuple(call.argv), image=image, stdin_open=bool(call.stdin))
         return Prepared(call, policy, plan, image, digest, backend, spec, sandbox_id)
 
     def submit(self, raw: Mapping[str, Any], principal: str) -> CallRun:

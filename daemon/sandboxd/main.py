@@ -23,7 +23,7 @@ from sandboxd_client.pb import sandboxd_pb2 as pb
 from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 
 from .artifacts import FileArtifactStore
-from .backends.docker import DockerBackend, load_seccomp_profile
+from .backends.docker import DockerBackend
 from .errors import SandboxdError
 from .events import EventLog
 from .executor import CallExecutor, clean_spool
@@ -93,8 +93,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(settings.state_dir, 0o700)
     daemon_id = _daemon_id(settings)
-    seccomp_json = load_seccomp_profile(str(settings.seccomp_profile))
-    docker_backend = DockerBackend(settings.docker_host, seccomp_json)
+    docker_backend = DockerBackend(settings.docker_host, str(settings.seccomp_profile), _mask_file(settings))
     docker_backend.check()
     reaped = docker_backend.reap_orphans(daemon_id)
     if reaped:
@@ -103,7 +102,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     db = Database(settings.db_path)
     events = EventLog(db)
     artifacts = FileArtifactStore(settings.blob_dir, db)
-    executor = CallExecutor(settings, db, events, artifacts, {"docker": docker_backend}, daemon_id, _mask_file(settings))
+    executor = CallExecutor(settings, db, events, artifacts, {"docker": docker_backend}, daemon_id)
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.max_concurrent_calls * 2 + 8, thread_name_prefix="rpc"),

@@ -110,9 +110,10 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
                 out.started.sandbox_id = item.data["sandboxId"]
             elif item.kind == "output":
                 stream, offset, data = item.data
-                out.output.CopyFrom(pb.OutputChunk(
-                    stream=pb.OUTPUT_STREAM_STDOUT if stream == STDOUT else pb.OUTPUT_STREAM_STDERR,
-                    offset=offset, data=data))
+                # Field by field: each CopyFrom would copy the data once more.
+                out.output.stream = pb.OUTPUT_STREAM_STDOUT if stream == STDOUT else pb.OUTPUT_STREAM_STDERR
+                out.output.offset = offset
+                out.output.data = data
             else:
                 out.finished.result.CopyFrom(json_format.ParseDict(item.data, pb.ToolResult()))
             yield out

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..output import OutputSpool
+
+if TYPE_CHECKING:
+    from ..compile import SandboxIdentity
+    from ..policy import EffectivePolicy
+    from ..preflight import HostPlan
 
 
 @dataclass
@@ -38,6 +43,11 @@ class Backend(Protocol):
 
     def check(self) -> None:
         """Raises BackendUnavailable when the engine or a feature it needs is missing."""
+
+    def compile(self, policy: "EffectivePolicy", plan: "HostPlan", identity: "SandboxIdentity", *,
+                argv: tuple[str, ...], image: str, stdin_open: bool) -> Any:
+        """This backend's spec for a call: its pure compiler, fed the host facts only the
+        backend knows (mask file, seccomp profile, root filesystem)."""
 
     def image_digest(self, image: str) -> str:
         """The local image's content digest; FailedPrecondition when it is absent."""

@@ -14,7 +14,7 @@ import socket
 import threading
 from typing import Any
 
-from ..compile import LABEL_PREFIX, DockerSpec, cgroup_parent_for
+from ..compile import LABEL_PREFIX, DockerSpec, SandboxIdentity, cgroup_parent_for, compile_docker
 from ..errors import BackendUnavailable, FailedPrecondition, InternalError
 from ..output import STDERR, STDOUT, OutputSpool
 from . import ExitStatus, ResourceUsage, SandboxHandle
@@ -152,11 +152,13 @@ def remove_cgroup(cgroup_parent: str) -> None:
 class DockerBackend:
     name = "docker"
 
-    def __init__(self, docker_host: str | None, seccomp_json: str):
+    def __init__(self, docker_host: str | None, seccomp_path: str, mask_file: str):
         import docker  # heavy; only when this backend is used
 
         self._errors = docker.errors
-        self._seccomp_json = seccomp_json
+        self._seccomp_name = os.path.basename(seccomp_path)
+        self._seccomp_json = load_seccomp_profile(seccomp_path)
+        self._mask_file = mask_file
         try:
             self._api = docker.APIClient(base_url=docker_host or "unix:///var/run/docker.sock",
                                          version="auto", timeout=120)
@@ -168,6 +170,11 @@ class DockerBackend:
             self._api.ping()
         except Exception as exc:  # any transport failure means: no engine
             raise BackendUnavailable(f"dockerd does not answer: {exc}") from None
+
+    def compile(self, policy, plan, identity: SandboxIdentity, *, argv: tuple[str, ...], image: str,
+                stdin_open: bool) -> DockerSpec:
+        return compile_docker(policy, plan, identity, argv=argv, image=image, stdin_open=stdin_open,
+                              mask_file=self._mask_file, seccomp_profile=self._seccomp_name)
 
     def image_digest(self, image: str) -> str:
         try:
