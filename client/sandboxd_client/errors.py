@@ -35,6 +35,10 @@ class FailedPrecondition(SandboxdClientError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Aborted(SandboxdClientError):
+    code = grpc.StatusCode.ABORTED
+
+
 class ResourceExhausted(SandboxdClientError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

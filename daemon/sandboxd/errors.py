@@ -49,6 +49,14 @@ class AlreadyExists(SandboxdError):
     kind = "ALREADY_EXISTS"
 
 
+class Aborted(SandboxdError):
+    """A concurrency conflict the caller should retry."""
+
+    code = grpc.StatusCode.ABORTED
+    kind = "ABORTED"
+    retryable = True
+
+
 class ResourceExhausted(SandboxdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     kind = "RESOURCE_EXHAUSTED"

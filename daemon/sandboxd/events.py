@@ -27,6 +27,8 @@ FINISHED = "ToolCallFinished"
 RESULT_VALIDATED = "ToolResultValidated"
 ARTIFACT_PERSISTED = "ArtifactPersisted"
 REJECTED = "ToolCallRejected"
+# A retry with an already accepted idempotency key, answered from the first call.
+REPLAYED = "ToolCallReplayed"
 
 
 def new_id(prefix: str) -> str:

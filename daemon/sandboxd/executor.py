@@ -21,11 +21,12 @@ from . import events as ev
 from .artifacts import ArtifactRecord, FileArtifactStore
 from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle
 from .compile import SandboxIdentity
-from .errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-                     ResourceExhausted, SandboxdError)
+from .errors import (Aborted, AlreadyExists, FailedPrecondition, InternalError, InvalidArgument, NotFound,
+                     PermissionDenied, ResourceExhausted, SandboxdError)
 from .events import EventDraft, EventLog
-from .output import STDERR, STDOUT, OutputSpool
-from .policy import EffectivePolicy, PreparedToolCall, canonical_json, check_admission, parse_call, resolve_policy
+from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
+from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_admission, parse_call, request_digest,
+                     resolve_policy)
 from .preflight import HostPlan, preflight
 from .settings import DaemonSettings
 
@@ -110,8 +111,17 @@ class CallRun:
             started = self._started_event_id
         if started:
             yield StreamItem("started", started, {"sandboxId": self.prepared.sandbox_id})
-            for stream, offset, data in self.spool.follow(should_stop=lambda: not is_active()):
-                yield StreamItem("output", "", (stream, offset, data))
+            try:
+                for stream, offset, data in self.spool.follow(should_stop=lambda: not is_active()):
+                    yield StreamItem("output", "", (stream, offset, data))
+            except FileNotFoundError:
+                # A late follower (an idempotent retry): the output already moved into
+                # the artifact store, so it is replayed from there.
+                with self._cond:
+                    while self._result is None:
+                        self._cond.wait(0.25)
+                replay = ReplayRun(self._executor, self.tool_call_id)
+                yield from (item for item in replay.stream(is_active) if item.kind == "output")
         with self._cond:
             while self._result is None:
                 if not is_active():
@@ -297,6 +307,63 @@ def _request_summary(raw: Mapping[str, Any]) -> dict[str, Any]:
     return summary
 
 
+class AttachedRun:
+    """A second consumer of a running call (an idempotent retry). Going away does not
+    cancel the call: its first caller still owns it."""
+
+    def __init__(self, run: CallRun):
+        self._run = run
+        self.tool_call_id = run.tool_call_id
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        return self._run.result
+
+    def cancel(self, reason: str) -> bool:
+        return False
+
+    def stream(self, is_active=lambda: True) -> Iterator[StreamItem]:
+        return self._run.stream(is_active)
+
+
+class ReplayRun:
+    """A call that already finished, answered again from the event log and the artifact
+    store: the same events, the same output, the same result. Nothing runs."""
+
+    def __init__(self, executor: "CallExecutor", tool_call_id: str):
+        self.tool_call_id = tool_call_id
+        self._executor = executor
+        self._events = executor.events.for_call(tool_call_id)
+        recorded = [e for e in self._events if e.type == ev.RESULT_VALIDATED]
+        if not recorded:
+            raise InternalError(f"call {tool_call_id} has no recorded result")
+        self.result = recorded[-1].payload["result"]
+
+    def cancel(self, reason: str) -> bool:
+        return False
+
+    def stream(self, is_active=lambda: True) -> Iterator[StreamItem]:
+        by_type = {e.type: e for e in self._events}
+        checked = by_type[ev.POLICY_CHECKED]
+        yield StreamItem("accepted", checked.event_id, {
+            "backend": checked.payload.get("backend", ""), "image": checked.payload.get("image", "")})
+        started = by_type.get(ev.STARTED)
+        if started is not None:
+            yield StreamItem("started", started.event_id, {"sandboxId": started.payload.get("sandboxId", "")})
+        for record in self._executor.artifacts.list_for_call(self.tool_call_id):
+            stream = {"stdout": STDOUT, "stderr": STDERR}.get(record.kind)
+            if stream is None:
+                continue
+            with self._executor.artifacts.open(record) as f:
+                offset = 0
+                while data := f.read(MAX_CHUNK_BYTES):
+                    if not is_active():
+                        return
+                    yield StreamItem("output", "", (stream, offset, data))
+                    offset += len(data)
+        yield StreamItem("finished", by_type[ev.FINISHED].event_id, self.result)
+
+
 class CallExecutor:
     def __init__(self, settings: DaemonSettings, db, events: EventLog, artifacts: FileArtifactStore,
                  backends: Mapping[str, Backend], daemon_id: str):
@@ -308,6 +375,7 @@ class CallExecutor:
         self.daemon_id = daemon_id
         self._lock = threading.Lock()
         self._runs: dict[str, CallRun] = {}
+        self._pending_keys: dict[str, str] = {}
         self._closing = False
         self._inheritable = {n: os.environ[n] for n in settings.inheritable_env if n in os.environ}
 
@@ -334,9 +402,10 @@ class CallExecutor:
                                argv=tuple(call.argv), image=image, stdin_open=bool(call.stdin))
         return Prepared(call, policy, plan, image, digest, backend, spec, sandbox_id)
 
-    def submit(self, raw: Mapping[str, Any], principal: str) -> CallRun:
+    def submit(self, raw: Mapping[str, Any], principal: str) -> "CallRun | AttachedRun | ReplayRun":
         """Verifies and starts a call. Refusals raise (after being recorded); an
-        accepted call's events up to ToolPolicyChecked are durable on return."""
+        accepted call's events up to ToolPolicyChecked are durable on return. A retry
+        of an accepted idempotency key gets the first call instead (running or done)."""
         requested_id = raw.get("toolCallId") if isinstance(raw.get("toolCallId"), str) else ""
         tool_call_id = ""
         try:
@@ -347,9 +416,15 @@ class CallExecutor:
             exc.tool_call_id = tool_call_id
             self._reject(tool_call_id, raw, principal, "validation", exc, requested_id)
             raise
+        key = call.runtime.idempotency_key
+        digest = request_digest(call) if key else ""
         with self._lock:
             if self._closing:
                 raise FailedPrecondition("the daemon is shutting down")
+            if key:
+                earlier = self._answer_retry(key, digest, principal)
+                if earlier is not None:
+                    return earlier
             if tool_call_id in self._runs or self.events.has_call(tool_call_id):
                 # Not recorded under that id: the id belongs to the earlier call.
                 raise AlreadyExists(f"a call with id {tool_call_id} was already submitted", field="toolCallId")
@@ -359,6 +434,8 @@ class CallExecutor:
                 self._reject(tool_call_id, raw, principal, "admission", exc)
                 raise exc
             placeholder = self._runs[tool_call_id] = None  # type: ignore[assignment]
+            if key:
+                self._pending_keys[key] = tool_call_id
         try:
             try:
                 prepared = self._prepare(call, tool_call_id)
@@ -366,8 +443,12 @@ class CallExecutor:
                 exc.tool_call_id = tool_call_id
                 self._reject(tool_call_id, raw, principal, "verification", exc)
                 raise
-            recorded = self.events.record(tool_call_id, call.parent_event_id, [
-                EventDraft(ev.REQUESTED, self._requested_payload(raw, call, principal)),
+            with self.db.transaction() as conn:
+                if key:
+                    conn.execute("INSERT INTO idempotency_keys (idempotency_key, request_digest, tool_call_id)"
+                                 " VALUES (?,?,?)", (key, digest, tool_call_id))
+                recorded = self.events.append(conn, tool_call_id, call.parent_event_id, [
+                EventDraft(ev.REQUESTED, self._requested_payload(raw, call, principal, digest)),
                 EventDraft(ev.ARGS_VALIDATED, {
                     "effectivePolicy": prepared.policy.to_json_dict(), "policyDigest": prepared.policy.digest()}),
                 EventDraft(ev.POLICY_CHECKED, {
@@ -377,7 +458,7 @@ class CallExecutor:
                     "binds": [[b.sandbox_path, "ro" if b.read_only else "rw"] for b in prepared.plan.binds],
                     "masks": [m.sandbox_path for m in prepared.plan.masks], "notes": list(prepared.plan.notes),
                 }),
-            ])
+                ])
             spool = OutputSpool(self.settings.spool_dir / prepared.sandbox_id,
                                 {STDOUT: prepared.policy.max_stdout_bytes, STDERR: prepared.policy.max_stderr_bytes},
                                 self.settings.limits.preview_bytes)
@@ -386,14 +467,87 @@ class CallExecutor:
             with self._lock:
                 if self._runs.get(tool_call_id) is placeholder:
                     del self._runs[tool_call_id]
+                self._pending_keys.pop(key, None)
             raise
         with self._lock:
             self._runs[tool_call_id] = run
+            self._pending_keys.pop(key, None)
         run.start()
         return run
 
-    def _requested_payload(self, raw: Mapping[str, Any], call: PreparedToolCall, principal: str) -> dict[str, Any]:
+    def _answer_retry(self, key: str, digest: str, principal: str) -> "AttachedRun | ReplayRun | None":
+        """A call already accepted under `key` answers the retry: the running call's
+        stream, or the finished call's record. Never a second run. Holds self._lock."""
+        if key in self._pending_keys:
+            raise Aborted("the first call with this key is still being prepared; retry shortly",
+                          field="runtime.idempotencyKey")
+        rows = self.db.query("SELECT request_digest, tool_call_id FROM idempotency_keys WHERE idempotency_key = ?", (key,))
+        if not rows:
+            return None
+        first_id = rows[0]["tool_call_id"]
+        if rows[0]["request_digest"] != digest:
+            raise AlreadyExists(f"was already used by call {first_id} for a different request",
+                                field="runtime.idempotencyKey", tool_call_id=first_id)
+        running = self._runs.get(first_id)
+        answer: AttachedRun | ReplayRun = (AttachedRun(running) if running is not None and running.result is None
+                                           else ReplayRun(self, first_id))
+        last = self.events.for_call(first_id)[-1]
+        self.events.record(first_id, last.event_id, [EventDraft(ev.REPLAYED, {
+            "principal": principal, "idempotencyKey": key, "attached": isinstance(answer, AttachedRun)})])
+        return answer
+
+    def recover_interrupted(self) -> int:
+        """Calls a crashed daemon accepted but never finished get a recorded end, so that
+        the log answers for them and their idempotency keys never run them again."""
+        rows = self.db.query(
+            "SELECT DISTINCT tool_call_id FROM events e WHERE type = ? AND NOT EXISTS ("
+            " SELECT 1 FROM events f WHERE f.tool_call_id = e.tool_call_id AND f.type = ?)",
+            (ev.POLICY_CHECKED, ev.RESULT_VALIDATED))
+        for row in rows:
+            tool_call_id = row["tool_call_id"]
+            trace = self.events.for_call(tool_call_id)
+            prepared = [e for e in trace if e.type == ev.SANDBOX_PREPARED]
+            records = self._salvage_output(tool_call_id, prepared[-1].payload["sandboxId"]) if prepared else []
+            result = _error_result(tool_call_id, "INTERRUPTED",
+                                   "the daemon stopped before the call finished; its sandbox was removed")
+            finished_id, validated_id = ev.new_id("ev"), ev.new_id("ev")
+            result["artifacts"] = [_artifact_json(r) for r in records]
+            result["provenance"] = {"eventId": validated_id, "artifactRefs": [r.artifact_id for r in records]}
+            with self.db.transaction() as conn:
+                for r in records:
+                    self.artifacts.insert(conn, r)
+                self.events.append(conn, tool_call_id, trace[-1].event_id, [
+                    EventDraft(ev.FINISHED, {"interrupted": True, "exitCode": -1}, finished_id),
+                    EventDraft(ev.RESULT_VALIDATED, {"result": result}, validated_id),
+                ] + [EventDraft(ev.ARTIFACT_PERSISTED, {"artifactId": r.artifact_id, "kind": r.kind,
+                                                          "contentHash": r.content_hash, "sizeBytes": r.size_bytes},
+                                r.event_id) for r in records])
+        return len(rows)
+
+    def _salvage_output(self, tool_call_id: str, sandbox_id: str) -> list[ArtifactRecord]:
+        """What an interrupted call printed before the crash, from its spool files."""
+        records = []
+        for kind in ("stdout", "stderr"):
+            path = self.settings.spool_dir / sandbox_id / f"{kind}.out"
+            if not path.exists() or path.stat().st_size == 0:
+                continue
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+            content_hash = "sha256:" + digest.hexdigest()
+            size = path.stat().st_size
+            self.artifacts.put_blob(path, content_hash)
+            records.append(ArtifactRecord(ev.new_id("art"), tool_call_id, ev.new_id("ev"), kind, content_hash, size,
+                                          f"{kind} of {tool_call_id} up to the interruption: {size} bytes",
+                                          ev.utc_now()))
+        return records
+
+    def _requested_payload(self, raw: Mapping[str, Any], call: PreparedToolCall, principal: str,
+                           digest: str) -> dict[str, Any]:
         payload = _request_summary(raw)
+        if digest:
+            payload["requestDigest"] = digest
         if not call.policy.audit.record_command:
             payload.pop("argv", None)
             payload["argvSha256"] = "sha256:" + hashlib.sha256(canonical_json(call.argv)).hexdigest()

@@ -98,11 +98,14 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     reaped = docker_backend.reap_orphans(daemon_id)
     if reaped:
         log.warning("removed %d sandboxes left by an earlier run of this daemon", reaped)
-    clean_spool(settings)
     db = Database(settings.db_path)
     events = EventLog(db)
     artifacts = FileArtifactStore(settings.blob_dir, db)
     executor = CallExecutor(settings, db, events, artifacts, {"docker": docker_backend}, daemon_id)
+    interrupted = executor.recover_interrupted()
+    if interrupted:
+        log.warning("recorded %d calls that an earlier run of this daemon never finished", interrupted)
+    clean_spool(settings)
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.max_concurrent_calls * 2 + 8, thread_name_prefix="rpc"),

@@ -101,7 +101,7 @@ class Authorization(_Model):
 class RuntimeSettings(_Model):
     adapter: Literal["", "docker", "nsjail"] = ""
     image: str = Field(default="", max_length=256)
-    idempotency_key: str = ""
+    idempotency_key: str = Field(default="", max_length=256)
     lease_id: str = ""
 
 
@@ -351,6 +351,19 @@ def _resolve_env(call: PreparedToolCall, temp_dir: str, inheritable_env: Mapping
     return env
 
 
+def request_digest(call: PreparedToolCall) -> str:
+    """Digest of what a call would run; an idempotency key is bound to it. Excludes the
+    ids that a retry may change (toolCallId, parent and session ids)."""
+    body = {
+        "toolId": call.tool_id, "toolVersion": call.tool_version, "argv": call.argv, "cwd": call.cwd,
+        "stdinSha256": hashlib.sha256(call.stdin).hexdigest(), "workspace": call.workspace,
+        "policy": call.policy.model_dump(mode="json", by_alias=True),
+        "credentialRefs": [r.model_dump(mode="json", by_alias=True) for r in call.credential_refs],
+        "adapter": call.runtime.adapter, "image": call.runtime.image,
+    }
+    return "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest()
+
+
 def check_admission(call: PreparedToolCall, now: datetime | None = None) -> None:
     """Refusals that depend on what this daemon supports and on the authorization."""
     status = call.authorization.status
@@ -368,9 +381,6 @@ def check_admission(call: PreparedToolCall, now: datetime | None = None) -> None
             raise PermissionDenied(f"the grant expired at {call.authorization.expires_at}", field="authorization.expiresAt")
     if call.credential_refs:
         raise Unimplemented("the credential broker is not available yet", field="credentialRefs")
-    if call.runtime.idempotency_key:
-        raise Unimplemented("idempotency keys are not supported yet; refusing rather than risk a second run",
-                            field="runtime.idempotencyKey")
     if call.runtime.lease_id:
         raise Unimplemented("sandbox leases are not supported yet", field="runtime.leaseId")
     if call.runtime.adapter == "nsjail":

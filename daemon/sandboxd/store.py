@@ -34,6 +34,13 @@ CREATE TABLE IF NOT EXISTS artifacts (
     created_at TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS artifacts_by_call ON artifacts (tool_call_id);
+-- An index over ToolCallRequested events that carried an idempotency key; written in
+-- the same transaction as those events.
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    idempotency_key TEXT PRIMARY KEY,
+    request_digest TEXT NOT NULL,
+    tool_call_id TEXT NOT NULL
+);
 """
 
 

@@ -43,6 +43,7 @@ EXPECTED = {
     grpc.StatusCode.ALREADY_EXISTS: E.AlreadyExists,
     grpc.StatusCode.FAILED_PRECONDITION: E.FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: E.ResourceExhausted,
+    grpc.StatusCode.ABORTED: E.Aborted,
     grpc.StatusCode.UNIMPLEMENTED: E.Unimplemented,
     grpc.StatusCode.UNAVAILABLE: E.Unavailable,
     grpc.StatusCode.CANCELLED: E.Cancelled,

@@ -601,7 +601,6 @@ def test_expiry_uses_real_clock_by_default():
 
 @pytest.mark.parametrize("fields, field", [
     ({"credentialRefs": [{"bindingId": "b1", "envName": "TOKEN"}]}, "credentialRefs"),
-    ({"runtime": {"idempotencyKey": "k"}}, "runtime.idempotencyKey"),
     ({"runtime": {"leaseId": "l"}}, "runtime.leaseId"),
     ({"runtime": {"adapter": "nsjail"}}, "runtime.adapter"),
 ])
@@ -650,3 +649,14 @@ def test_error_message_format():
     exc = refused(InvalidArgument, resolve, {"process": {"timeoutMs": LIMITS.max_timeout_ms + 1}})
     assert exc.message.startswith("policy.process.timeoutMs: ")
     assert str(exc) == exc.message
+
+
+def test_request_digest_binds_what_runs_not_the_ids_a_retry_may_change():
+    from sandboxd.policy import request_digest
+
+    base = request_digest(parse_call(call_dict(toolCallId="tc-a", sessionId="s1")))
+    assert base == request_digest(parse_call(call_dict(toolCallId="tc-b", sessionId="s2")))
+    assert base != request_digest(parse_call(call_dict(argv=["echo", "other"])))
+    assert base != request_digest(parse_call(call_dict(policy={"process": {"timeoutMs": 1234}})))
+    assert base != request_digest(parse_call(call_dict(stdin=b"input")))
+    assert base.startswith("sha256:") and len(base) == 71

@@ -1,0 +1,105 @@
+"""Idempotency keys: a retried call never runs twice, across restarts and crashes too.
+A counter file in the workspace proves how often the command really ran."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+from sandboxd_client import errors
+
+from .conftest import call, sh
+
+COUNT = "echo run >> /workspace/out/count; echo runs=$(wc -l < /workspace/out/count)"
+POLICY = {"filesystem": {"readRoots": ["/workspace"], "writeRoots": ["/workspace/out"]}}
+
+
+def counting_workspace(d):
+    return d.new_workspace({"out/.keep": ""})
+
+
+def runs(ws) -> int:
+    path = ws / "out" / "count"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def keyed(ws, key: str, script: str = COUNT, **extra) -> dict:
+    c = call(ws, sh(script), POLICY, **extra)
+    c["runtime"]["idempotencyKey"] = key
+    return c
+
+
+def test_a_retried_call_runs_once_and_gets_the_first_result(client, daemon):
+    ws = counting_workspace(daemon)
+    first = client.run(keyed(ws, "key-once", toolCallId="tc-idem-1"))
+    again = client.run(keyed(ws, "key-once", toolCallId="tc-idem-1-retry"))
+    assert runs(ws) == 1
+    assert first.stdout == again.stdout == b"runs=1\n"
+    assert again.tool_call_id == "tc-idem-1" and again.result == first.result
+    trace = client.get_trace("tc-idem-1")
+    assert trace[-1].type == "ToolCallReplayed"
+    with pytest.raises(errors.NotFound):
+        client.get_trace("tc-idem-1-retry")
+
+
+def test_the_same_key_for_a_different_call_is_refused(client, daemon):
+    ws = counting_workspace(daemon)
+    client.run(keyed(ws, "key-conflict"))
+    with pytest.raises(errors.AlreadyExists) as exc:
+        client.run(keyed(ws, "key-conflict", script="echo something else"))
+    assert "runtime.idempotencyKey" in exc.value.message
+    assert runs(ws) == 1
+
+
+def test_a_retry_while_running_attaches_to_the_same_call(client, daemon):
+    ws = counting_workspace(daemon)
+    script = COUNT + "; sleep 2; echo late"
+    outcomes = {}
+
+    def first():
+        outcomes["first"] = client.run(keyed(ws, "key-attach", script))
+
+    t = threading.Thread(target=first)
+    t.start()
+    import time
+
+    time.sleep(1.0)
+    second = client.run(keyed(ws, "key-attach", script))
+    t.join(30)
+    assert runs(ws) == 1
+    assert second.stdout == outcomes["first"].stdout == b"runs=1\nlate\n"
+    assert second.tool_call_id == outcomes["first"].tool_call_id
+
+
+def test_the_key_survives_a_restart(spare_daemon):
+    d = spare_daemon().start()
+    ws = counting_workspace(d)
+    with d.client() as c:
+        first = c.run(keyed(ws, "key-restart"))
+    d.stop()
+    d.start()
+    with d.client() as c:
+        again = c.run(keyed(ws, "key-restart"))
+    assert runs(ws) == 1 and again.result == first.result
+
+
+def test_a_call_interrupted_by_a_crash_is_never_run_again(spare_daemon):
+    d = spare_daemon().start()
+    ws = counting_workspace(d)
+    c = d.client()
+    stream = iter(c.execute(keyed(ws, "key-crash", COUNT + "; sleep 60")))
+    for event in stream:
+        if event.WhichOneof("kind") == "output":
+            break
+    d.stop(signal.SIGKILL)
+    c.close()
+    d.start()
+    with d.client() as c2:
+        again = c2.run(keyed(ws, "key-crash", COUNT + "; sleep 60"))
+    assert runs(ws) == 1
+    assert again.result.status == "error" and again.result.error.code == "INTERRUPTED"
+    # What the first attempt printed before the crash was kept, and is what the retry sees.
+    assert again.stdout == b"runs=1\n"
+    assert [a.kind for a in again.result.artifacts] == ["stdout"]
