@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
+
+GENESIS_HASH = "sha256:" + "0" * 64
 
 
 def canonical_json(value: Any) -> bytes:
@@ -23,3 +27,29 @@ def event_hash(seq: int, event_id: str, tool_call_id: str, type_: str, time: str
         "parentEventId": parent_event_id, "payload": payload_json, "prevHash": prev_hash,
     })
     return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+@dataclass(frozen=True)
+class ChainReport:
+    ok: bool
+    events_checked: int
+    first_bad_seq: int | None = None
+    reason: str = ""
+    head_hash: str = ""
+
+
+def verify_chain(events: Iterable[Any], prev_hash: str = GENESIS_HASH, prev_seq: int = 0) -> ChainReport:
+    """Checks a contiguous run of the log: sequence, back-links and each hash."""
+    n = 0
+    for ev in events:
+        n += 1
+        if ev.seq != prev_seq + 1:
+            return ChainReport(False, n, ev.seq, f"expected seq {prev_seq + 1}, found {ev.seq} (event removed or reordered)")
+        if ev.prev_hash != prev_hash:
+            return ChainReport(False, n, ev.seq, "prev_hash does not match the previous event's hash")
+        want = event_hash(ev.seq, ev.event_id, ev.tool_call_id, ev.type, ev.time,
+                          ev.parent_event_id, ev.payload_json, ev.prev_hash)
+        if want != ev.hash:
+            return ChainReport(False, n, ev.seq, "content does not match its hash (event edited)")
+        prev_hash, prev_seq = ev.hash, ev.seq
+    return ChainReport(True, n, head_hash=prev_hash)

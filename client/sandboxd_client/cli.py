@@ -9,11 +9,12 @@ import argparse
 import json
 import os
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import yaml
 
-from .canonical import event_hash
+from .canonical import GENESIS_HASH, event_hash, verify_chain
 from .client import SandboxdClient, default_socket, to_json
 from .errors import SandboxdClientError
 from .pb import sandboxd_pb2 as pb
@@ -146,9 +147,13 @@ def cmd_artifact_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
+    if args.target == "verify":
+        return _trace_verify(args)
+    if args.target == "export":
+        return _trace_export(args)
     with SandboxdClient(args.socket) as client:
         try:
-            events = client.get_trace(args.tool_call_id)
+            events = client.get_trace(args.target)
         except SandboxdClientError as exc:
             return _fail(f"{exc.code.name}: {exc.message}", 1)
     bad = 0
@@ -168,6 +173,54 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 print("          " + json.dumps(payload, sort_keys=True))
     if bad:
         return _fail(f"{bad} event(s) do not match their hash", 1)
+    return 0
+
+
+def _trace_verify(args: argparse.Namespace) -> int:
+    """The daemon's whole log, or (with --file) an exported JSONL file, offline."""
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            events = [SimpleNamespace(**_export_fields(json.loads(line))) for line in f if line.strip()]
+        first = events[0] if events else None
+        report = verify_chain(events, first.prev_hash if first else GENESIS_HASH, first.seq - 1 if first else 0)
+    else:
+        with SandboxdClient(args.socket) as client:
+            try:
+                report = client.verify_log()
+            except SandboxdClientError as exc:
+                return _fail(f"{exc.code.name}: {exc.message}", 1)
+    if args.json:
+        print(json.dumps({"ok": report.ok, "eventsChecked": report.events_checked,
+                          "firstBadSeq": report.first_bad_seq or 0, "reason": report.reason,
+                          "headHash": report.head_hash}, sort_keys=True))
+    elif report.ok:
+        print(f"ok: {report.events_checked} events, head {report.head_hash}")
+    else:
+        print(f"BROKEN at seq {report.first_bad_seq}: {report.reason} ({report.events_checked} events checked)")
+    return 0 if report.ok else 1
+
+
+def _export_fields(entry: dict[str, Any]) -> dict[str, Any]:
+    return {"seq": int(entry["seq"]), "event_id": entry["eventId"], "tool_call_id": entry["toolCallId"],
+            "type": entry["type"], "time": entry["time"], "parent_event_id": entry.get("parentEventId", ""),
+            "payload_json": entry["payloadJson"], "prev_hash": entry["prevHash"], "hash": entry["hash"]}
+
+
+def _trace_export(args: argparse.Namespace) -> int:
+    """JSONL, one event per line, with payloadJson exactly as hashed (verifiable offline)."""
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    n = 0
+    try:
+        with SandboxdClient(args.socket) as client:
+            for e in client.export_events(args.call or "", args.after_seq):
+                out.write(json.dumps(to_json(e), sort_keys=True) + "\n")
+                n += 1
+    except SandboxdClientError as exc:
+        return _fail(f"{exc.code.name}: {exc.message}", 1)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    print(f"exported {n} events", file=sys.stderr)
     return 0
 
 
@@ -225,11 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_artifact_ls)
 
-    p = sub.add_parser("trace", help="show a call's event chain")
+    p = sub.add_parser("trace", help="a call's event chain: `trace CALL_ID`, `trace verify`, `trace export`")
     common(p)
-    p.add_argument("tool_call_id")
+    p.add_argument("target", metavar="CALL_ID|verify|export")
     p.add_argument("--json", action="store_true", help="one JSON object per event (JSONL)")
     p.add_argument("-v", "--verbose", action="store_true", help="show payloads")
+    p.add_argument("--file", help="verify: check this exported JSONL file offline instead of the daemon's log")
+    p.add_argument("-o", "--output", help="export: write JSONL here (default: stdout)")
+    p.add_argument("--call", help="export: only this call's events")
+    p.add_argument("--after-seq", type=int, default=0, help="export: only events after this log position")
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("explain", help="show what a policy would materialize to, without running anything")

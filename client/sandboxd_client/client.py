@@ -139,6 +139,18 @@ class SandboxdClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
+    def verify_log(self) -> pb.VerifyLogResponse:
+        try:
+            return self._traces.VerifyLog(pb.VerifyLogRequest())
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def export_events(self, tool_call_id: str = "", after_seq: int = 0) -> Iterator[pb.TraceEvent]:
+        try:
+            yield from self._traces.ExportEvents(pb.ExportEventsRequest(tool_call_id=tool_call_id, after_seq=after_seq))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
 
 class ExecuteStream:
     """Iterator over one call's events; `cancel()` abandons it (the daemon then

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sandboxd_client.canonical import canonical_json, event_hash
+from sandboxd_client.canonical import GENESIS_HASH, ChainReport, canonical_json, event_hash, verify_chain
 
 from .store import Database
 
-GENESIS_HASH = "sha256:" + "0" * 64
 
 # The seed's causal chain of one call, in order.
 REQUESTED = "ToolCallRequested"
@@ -61,31 +60,6 @@ class EventDraft:
     type: str
     payload: dict[str, Any]
     event_id: str = ""
-
-
-@dataclass(frozen=True)
-class ChainReport:
-    ok: bool
-    events_checked: int
-    first_bad_seq: int | None = None
-    reason: str = ""
-
-
-def verify_chain(events: Iterable[Event], prev_hash: str = GENESIS_HASH, prev_seq: int = 0) -> ChainReport:
-    """Checks a contiguous run of the log: sequence, back-links and each hash."""
-    n = 0
-    for ev in events:
-        n += 1
-        if ev.seq != prev_seq + 1:
-            return ChainReport(False, n, ev.seq, f"expected seq {prev_seq + 1}, found {ev.seq} (event removed or reordered)")
-        if ev.prev_hash != prev_hash:
-            return ChainReport(False, n, ev.seq, "prev_hash does not match the previous event's hash")
-        want = event_hash(ev.seq, ev.event_id, ev.tool_call_id, ev.type, ev.time,
-                          ev.parent_event_id, ev.payload_json, ev.prev_hash)
-        if want != ev.hash:
-            return ChainReport(False, n, ev.seq, "content does not match its hash (event edited)")
-        prev_hash, prev_seq = ev.hash, ev.seq
-    return ChainReport(True, n)
 
 
 class EventLog:
@@ -135,7 +109,7 @@ class EventLog:
         while True:
             batch = self.range(prev_seq)
             if not batch:
-                return ChainReport(True, total)
+                return ChainReport(True, total, head_hash=prev_hash if total else "")
             report = verify_chain(batch, prev_hash, prev_seq)
             if not report.ok:
                 return ChainReport(False, total + report.events_checked, report.first_bad_seq, report.reason)

@@ -127,7 +127,9 @@ class CallRun:
                 if not is_active():
                     return
                 self._cond.wait(0.25)
-            yield StreamItem("finished", self._result_event_id, self._result)
+            finished = StreamItem("finished", self._result_event_id, self._result)
+        # Never yield holding the lock: the consumer's gRPC thread may need it.
+        yield finished
 
     # -- the run ------------------------------------------------------------------
     def _record(self, drafts: list[EventDraft]) -> list[ev.Event]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start: %s", exc.message)
         return 1
 
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` dumps every thread's stack to the log
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

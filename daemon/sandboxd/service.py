@@ -192,9 +192,28 @@ class TraceServicer(pb_grpc.TraceServiceServicer):
         found = self._events.for_call(request.tool_call_id)
         if not found:
             raise NotFound(f"no trace for call {request.tool_call_id}", field="toolCallId")
-        return pb.GetTraceResponse(events=[
-            pb.TraceEvent(seq=e.seq, event_id=e.event_id, tool_call_id=e.tool_call_id, type=e.type, time=e.time,
-                          parent_event_id=e.parent_event_id, payload_json=e.payload_json,
-                          prev_hash=e.prev_hash, hash=e.hash)
-            for e in found
-        ])
+        return pb.GetTraceResponse(events=[event_to_pb(e) for e in found])
+
+    def VerifyLog(self, request: pb.VerifyLogRequest, context) -> pb.VerifyLogResponse:
+        report = self._events.verify()
+        return pb.VerifyLogResponse(ok=report.ok, events_checked=report.events_checked,
+                                    first_bad_seq=report.first_bad_seq or 0, reason=report.reason,
+                                    head_hash=report.head_hash)
+
+    def ExportEvents(self, request: pb.ExportEventsRequest, context) -> Iterator[pb.TraceEvent]:
+        if request.tool_call_id:
+            found = self._events.for_call(request.tool_call_id)
+            if not found:
+                raise NotFound(f"no trace for call {request.tool_call_id}", field="toolCallId")
+            yield from (event_to_pb(e) for e in found if e.seq > request.after_seq)
+            return
+        after = request.after_seq
+        while batch := self._events.range(after, 1000):
+            yield from (event_to_pb(e) for e in batch)
+            after = batch[-1].seq
+
+
+def event_to_pb(e) -> pb.TraceEvent:
+    return pb.TraceEvent(seq=e.seq, event_id=e.event_id, tool_call_id=e.tool_call_id, type=e.type, time=e.time,
+                         parent_event_id=e.parent_event_id, payload_json=e.payload_json,
+                         prev_hash=e.prev_hash, hash=e.hash)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -118,3 +119,39 @@ def test_async_client_runs_a_call(daemon, workspace):
     outcome, trace, arts = asyncio.run(go())
     assert outcome.stdout == b"async\n" and outcome.stderr == b"e\n" and outcome.result.status == "success"
     assert trace[-1].type == "ArtifactPersisted" and len(arts) == 2
+
+
+def test_trace_verify_and_export_detect_an_edited_event(spare_daemon, tmp_path):
+    import sqlite3
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ctl = [str(Path(sys.executable).with_name("sandboxctl"))]
+    d = spare_daemon().start()
+    ws = d.new_workspace()
+    with d.client() as c:
+        first = c.run(call(ws, ["echo", "one"]))
+        c.run(call(ws, ["echo", "two"]))
+        assert c.verify_log().ok
+    export = tmp_path / "log.jsonl"
+    p = subprocess.run(ctl + ["--socket", str(d.socket), "trace", "export", "-o", str(export)], capture_output=True)
+    assert p.returncode == 0 and len(export.read_text().splitlines()) == 16, p.stderr
+    offline = subprocess.run(ctl + ["trace", "verify", "--file", str(export)], capture_output=True)
+    assert offline.returncode == 0 and offline.stdout.startswith(b"ok:")
+
+    # Someone edits the recorded exit code of the first call in the database.
+    with sqlite3.connect(d.state_dir / "sandboxd.db") as db:
+        seq, payload = db.execute("SELECT seq, payload_json FROM events WHERE tool_call_id = ? AND type = ?",
+                                  (first.tool_call_id, "ToolCallFinished")).fetchone()
+        db.execute("UPDATE events SET payload_json = ? WHERE seq = ?", (payload.replace('"exitCode":0', '"exitCode":1'), seq))
+    p = subprocess.run(ctl + ["--socket", str(d.socket), "trace", "verify", "--json"], capture_output=True)
+    report = json.loads(p.stdout)
+    assert p.returncode == 1 and not report["ok"] and report["firstBadSeq"] == seq and "edited" in report["reason"]
+
+    # A removed line of an export is found offline too.
+    lines = export.read_text().splitlines()
+    del lines[5]
+    export.write_text("\n".join(lines) + "\n")
+    offline = subprocess.run(ctl + ["trace", "verify", "--file", str(export), "--json"], capture_output=True)
+    assert offline.returncode == 1 and json.loads(offline.stdout)["firstBadSeq"] == 7

@@ -436,3 +436,29 @@ class GetTraceResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[TraceEvent]
     def __init__(self, events: _Optional[_Iterable[_Union[TraceEvent, _Mapping]]] = ...) -> None: ...
+
+class VerifyLogRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifyLogResponse(_message.Message):
+    __slots__ = ("ok", "events_checked", "first_bad_seq", "reason", "head_hash")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BAD_SEQ_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HEAD_HASH_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    events_checked: int
+    first_bad_seq: int
+    reason: str
+    head_hash: str
+    def __init__(self, ok: _Optional[bool] = ..., events_checked: _Optional[int] = ..., first_bad_seq: _Optional[int] = ..., reason: _Optional[str] = ..., head_hash: _Optional[str] = ...) -> None: ...
+
+class ExportEventsRequest(_message.Message):
+    __slots__ = ("after_seq", "tool_call_id")
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    tool_call_id: str
+    def __init__(self, after_seq: _Optional[int] = ..., tool_call_id: _Optional[str] = ...) -> None: ...

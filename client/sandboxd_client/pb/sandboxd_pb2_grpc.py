@@ -312,6 +312,16 @@ class TraceServiceStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.GetTraceRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.GetTraceResponse.FromString,
                 _registered_method=True)
+        self.VerifyLog = channel.unary_unary(
+                '/sandboxd.v1.TraceService/VerifyLog',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.VerifyLogRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.VerifyLogResponse.FromString,
+                _registered_method=True)
+        self.ExportEvents = channel.unary_stream(
+                '/sandboxd.v1.TraceService/ExportEvents',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExportEventsRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.TraceEvent.FromString,
+                _registered_method=True)
 
 
 class TraceServiceServicer:
@@ -323,6 +333,20 @@ class TraceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyLog(self, request, context):
+        """Recomputes the whole log's hash chain.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportEvents(self, request, context):
+        """The log's events in order, for JSONL export.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TraceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -330,6 +354,16 @@ def add_TraceServiceServicer_to_server(servicer, server):
                     servicer.GetTrace,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.GetTraceRequest.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.GetTraceResponse.SerializeToString,
+            ),
+            'VerifyLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyLog,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.VerifyLogRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.VerifyLogResponse.SerializeToString,
+            ),
+            'ExportEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportEvents,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExportEventsRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.TraceEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +393,60 @@ class TraceService:
             '/sandboxd.v1.TraceService/GetTrace',
             sandboxd_dot_v1_dot_sandboxd__pb2.GetTraceRequest.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.GetTraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.TraceService/VerifyLog',
+            sandboxd_dot_v1_dot_sandboxd__pb2.VerifyLogRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.VerifyLogResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandboxd.v1.TraceService/ExportEvents',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ExportEventsRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.TraceEvent.FromString,
             options,
             channel_credentials,
             insecure,
