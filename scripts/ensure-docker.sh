@@ -3,9 +3,9 @@
 #
 # Idempotent.  Safe to run from make/CI as root without systemd and without a
 # tty/stdin:
-#   1. if `docker info` already works, exit 0 immediately;
-#   2. otherwise install Debian's docker.io (plus debootstrap and
-#      busybox-static, which images/build.sh needs) when missing;
+#   1. install what is missing: Debian's docker.io, debootstrap and busybox-static
+#      (images/build.sh), tini (the nsjail backend's init);
+#   2. if `docker info` works, done;
 #   3. start dockerd fully detached (setsid + nohup) so it outlives the
 #      calling make, and wait up to DOCKER_WAIT_SECS (60) for `docker info`.
 #
@@ -24,7 +24,17 @@ docker_ok() {
     command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1
 }
 
-if docker_ok; then
+# --- packages ---------------------------------------------------------------
+pkgs=()
+command -v dockerd >/dev/null 2>&1 || pkgs+=(docker.io)
+command -v debootstrap >/dev/null 2>&1 || pkgs+=(debootstrap)
+# images/build.sh needs the *static* busybox binary from busybox-static.
+dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'install ok installed' \
+    || pkgs+=(busybox-static)
+# The nsjail backend runs the static tini as each jail's PID 1.
+[ -x /usr/bin/tini-static ] || pkgs+=(tini)
+
+if docker_ok && [ "${#pkgs[@]}" -eq 0 ]; then
     exit 0
 fi
 
@@ -33,14 +43,6 @@ if [ "$(id -u)" -ne 0 ]; then
     command -v sudo >/dev/null 2>&1 || die "docker is not up and this needs root (no sudo)"
     exec sudo -n --preserve-env=DOCKER_WAIT_SECS,SANDBOXD_DOCKERD_LOG,DOCKER_HOST bash "$0" "$@"
 fi
-
-# --- packages ---------------------------------------------------------------
-pkgs=()
-command -v dockerd >/dev/null 2>&1 || pkgs+=(docker.io)
-command -v debootstrap >/dev/null 2>&1 || pkgs+=(debootstrap)
-# images/build.sh needs the *static* busybox binary from busybox-static.
-dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'install ok installed' \
-    || pkgs+=(busybox-static)
 
 if [ "${#pkgs[@]}" -gt 0 ]; then
     log "installing: ${pkgs[*]}"

@@ -368,12 +368,13 @@ class ReplayRun:
 
 class CallExecutor:
     def __init__(self, settings: DaemonSettings, db, events: EventLog, artifacts: FileArtifactStore,
-                 backends: Mapping[str, Backend], daemon_id: str):
+                 backends: Mapping[str, Backend], daemon_id: str, unavailable: Mapping[str, str] | None = None):
         self.settings = settings
         self.db = db
         self.events = events
         self.artifacts = artifacts
         self.backends = dict(backends)
+        self._unavailable = dict(unavailable or {})
         self.daemon_id = daemon_id
         self._lock = threading.Lock()
         self._runs: dict[str, CallRun] = {}
@@ -393,7 +394,8 @@ class CallExecutor:
         backend_name = call.runtime.adapter or self.settings.default_backend
         backend = self.backends.get(backend_name)
         if backend is None:
-            raise FailedPrecondition(f"backend {backend_name!r} is not enabled in this daemon", field="runtime.adapter")
+            reason = self._unavailable.get(backend_name, "not enabled in this daemon")
+            raise FailedPrecondition(f"backend {backend_name!r} is unavailable: {reason}", field="runtime.adapter")
         image = call.runtime.image or self.settings.default_image
         if not any(fnmatch.fnmatchcase(image, pat) for pat in self.settings.allowed_images):
             raise PermissionDenied(f"image {image!r} is not in the daemon's allowed images", field="runtime.image")

@@ -25,7 +25,8 @@ from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 
 from .artifacts import FileArtifactStore
 from .backends.docker import DockerBackend
-from .errors import SandboxdError
+from .backends.nsjail import NsjailBackend
+from .errors import BackendUnavailable, SandboxdError
 from .events import EventLog
 from .executor import CallExecutor, clean_spool
 from .service import ArtifactServicer, ErrorInterceptor, ExecutionServicer, TraceServicer
@@ -82,6 +83,10 @@ class Daemon:
         log.info("shutting down: cancelling running calls")
         self.executor.shutdown(grace)
         self.server.stop(grace=1).wait()
+        for backend in self.executor.backends.values():
+            close = getattr(backend, "close", None)
+            if close is not None:
+                close()
         self.db.close()
         try:
             self.settings.socket_path.unlink()
@@ -90,19 +95,53 @@ class Daemon:
         log.info("stopped")
 
 
+def _start_backends(settings: DaemonSettings, daemon_id: str) -> tuple[dict, dict[str, str]]:
+    """Every configured backend that passes its checks, and why each other one does not.
+    A backend that fails a check is never used: its calls are refused with the reason."""
+    backends: dict = {}
+    unavailable: dict[str, str] = {}
+    try:
+        docker_backend = DockerBackend(settings.docker_host, str(settings.seccomp_profile), _mask_file(settings))
+        docker_backend.check()
+        reaped = docker_backend.reap_orphans(daemon_id)
+        if reaped:
+            log.warning("removed %d containers left by an earlier run of this daemon", reaped)
+        backends["docker"] = docker_backend
+    except SandboxdError as exc:
+        unavailable["docker"] = exc.message
+    if settings.nsjail.enabled:
+        try:
+            ns = settings.nsjail
+            nsjail_backend = NsjailBackend(ns.rootfs_dir, seccomp_policy_path=ns.seccomp_policy,
+                                           nsjail_binary=ns.nsjail_binary, init_binary=ns.init_binary,
+                                           docker_host=settings.docker_host, warm_slots=ns.warm_slots)
+            nsjail_backend.check()
+            reaped = nsjail_backend.reap_orphans(daemon_id)
+            if reaped:
+                log.warning("removed %d jails left by an earlier run of this daemon", reaped)
+            nsjail_backend.warm(daemon_id)
+            backends["nsjail"] = nsjail_backend
+        except SandboxdError as exc:
+            unavailable["nsjail"] = exc.message
+    else:
+        unavailable["nsjail"] = "disabled in the daemon's settings"
+    for name, reason in unavailable.items():
+        log.error("backend %s unavailable: %s", name, reason)
+    return backends, unavailable
+
+
 def build_daemon(settings: DaemonSettings) -> Daemon:
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(settings.state_dir, 0o700)
     daemon_id = _daemon_id(settings)
-    docker_backend = DockerBackend(settings.docker_host, str(settings.seccomp_profile), _mask_file(settings))
-    docker_backend.check()
-    reaped = docker_backend.reap_orphans(daemon_id)
-    if reaped:
-        log.warning("removed %d sandboxes left by an earlier run of this daemon", reaped)
+    backends, unavailable = _start_backends(settings, daemon_id)
+    if settings.default_backend not in backends:
+        raise BackendUnavailable(f"the default backend {settings.default_backend!r} is unavailable: "
+                                 f"{unavailable.get(settings.default_backend, 'not configured')}")
     db = Database(settings.db_path)
     events = EventLog(db)
     artifacts = FileArtifactStore(settings.blob_dir, db)
-    executor = CallExecutor(settings, db, events, artifacts, {"docker": docker_backend}, daemon_id)
+    executor = CallExecutor(settings, db, events, artifacts, backends, daemon_id, unavailable)
     interrupted = executor.recover_interrupted()
     if interrupted:
         log.warning("recorded %d calls that an earlier run of this daemon never finished", interrupted)

@@ -383,5 +383,3 @@ def check_admission(call: PreparedToolCall, now: datetime | None = None) -> None
         raise Unimplemented("the credential broker is not available yet", field="credentialRefs")
     if call.runtime.lease_id:
         raise Unimplemented("sandbox leases are not supported yet", field="runtime.leaseId")
-    if call.runtime.adapter == "nsjail":
-        raise Unimplemented("the nsjail backend is not available in this daemon", field="runtime.adapter")

