@@ -1,5 +1,6 @@
-"""Cold start: N runs of `true` through the daemon (one fresh container per call, end to
-end through gRPC) versus `docker run --rm` with the same image and a bare subprocess,
+"""Cold start: N runs of `true` through the daemon (one fresh sandbox per call, end to
+end through gRPC) on Docker and on nsjail, versus `docker run --rm` with the same image,
+the bare nsjail binary chrooted into the same exported image, and a bare subprocess,
 all measured in one run. Prints a table of medians and ratios to `docker run`.
 
     .venv/bin/python bench/cold_start.py [-n 30] [--image sandboxd/default:latest]
@@ -8,6 +9,7 @@ all measured in one run. Prints a table of medians and ratios to `docker run`.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import subprocess
 import sys
@@ -17,6 +19,10 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
 
+import docker  # noqa: E402
+
+from sandboxd.backends.nsjail import find_nsjail_binary  # noqa: E402
+from sandboxd.settings import NsjailSettings  # noqa: E402
 from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
 
 
@@ -35,7 +41,7 @@ def row(name: str, samples: list[float], baseline: float | None) -> str:
     med = statistics.median(samples)
     p90 = sorted(samples)[int(len(samples) * 0.9) - 1]
     ratio = f"{med / baseline:.2f}x" if baseline else "-"
-    return f"| {name:<38} | {med:9.1f} | {p90:9.1f} | {ratio:>8} |"
+    return f"| {name:<38} | {med:9.1f} | {p90:9.1f} | {ratio:>13} |"
 
 
 def main() -> int:
@@ -44,31 +50,45 @@ def main() -> int:
     ap.add_argument("--image", default="sandboxd/default:latest")
     args = ap.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="sandboxd-bench-") as tmp:
-        d = make_daemon(Path(tmp)).start()
-        try:
-            ws = d.new_workspace()
-            client = d.client()
-            call = prepared_call(ws, ["true"], image=args.image)
+    # nsjail mounts as the sandbox user: the workspace's parents must be traversable.
+    base = Path(tempfile.mkdtemp(prefix="sandboxd-bench-", dir="/tmp"))
+    base.chmod(0o755)
+    d = make_daemon(base).start()
+    try:
+        ws = d.new_workspace()
+        client = d.client()
 
-            def through_daemon():
+        def through_daemon(adapter: str):
+            call = prepared_call(ws, ["true"], image=args.image)
+            call["runtime"]["adapter"] = adapter
+
+            def once():
                 r = client.run(call).result
                 assert r.exit_code == 0, r
+            return once
 
-            docker_cmd = ["docker", "run", "--rm", "--pull", "never", "--network", "none", args.image, "true"]
-            results = {
-                "bare subprocess `true`": timed(lambda: subprocess.run(["true"], check=True), args.n),
-                "docker run --rm (CLI)": timed(lambda: subprocess.run(docker_cmd, check=True), args.n),
-                "sandboxd Execute (gRPC, fresh container)": timed(through_daemon, args.n),
-            }
-            client.close()
-        finally:
-            d.stop()
+        through_daemon("nsjail")()  # exports the image root once
+        image_hex = docker.from_env().images.get(args.image).id.split(":", 1)[1]
+        rootfs = NsjailSettings().rootfs_dir / image_hex
+        bare_nsjail = [find_nsjail_binary(), "-Mo", "-q", "--chroot", str(rootfs), "-u", "1000:1000:1",
+                       "-g", "1000:1000:1", "--", "/bin/true"]
+        docker_cmd = ["docker", "run", "--rm", "--pull", "never", "--network", "none", args.image, "true"]
+        results = {
+            "bare subprocess `true`": timed(lambda: subprocess.run(["true"], check=True), args.n),
+            "bare nsjail binary (chroot, userns)": timed(lambda: subprocess.run(bare_nsjail, check=True), args.n),
+            "sandboxd Execute on nsjail (gRPC)": timed(through_daemon("nsjail"), args.n),
+            "docker run --rm (CLI)": timed(lambda: subprocess.run(docker_cmd, check=True), args.n),
+            "sandboxd Execute on docker (gRPC)": timed(through_daemon("docker"), args.n),
+        }
+        client.close()
+    finally:
+        d.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
     base = statistics.median(results["docker run --rm (CLI)"])
     print(f"cold start, n={args.n}, image {args.image}; times in ms")
     print("| path                                   |  median   |   p90     | vs docker run |")
-    print("|----------------------------------------|-----------|-----------|----------|")
+    print("|----------------------------------------|-----------|-----------|---------------|")
     for name, samples in results.items():
         print(row(name, samples, base))
     return 0

@@ -11,13 +11,15 @@ import pytest
 
 from sandboxd_client import errors
 
-from .conftest import call, sandbox_containers, sh, wait_for
+from .conftest import call, leftover_sandboxes, sandbox_containers, sh, wait_for
 
 
-def _start_sleeper(d, ws, seconds: int = 120):
+def _start_sleeper(d, ws, seconds: int = 120, adapter: str = "docker"):
     """Starts a long call on its own thread; returns once its sandbox runs."""
     c = d.client()
-    stream = c.execute(call(ws, sh(f"echo up; sleep {seconds}")))
+    sleeper = call(ws, sh(f"echo up; sleep {seconds}"))
+    sleeper["runtime"]["adapter"] = adapter
+    stream = c.execute(sleeper)
     it = iter(stream)
     ready = threading.Event()
     outcome: dict = {}
@@ -41,27 +43,29 @@ def _start_sleeper(d, ws, seconds: int = 120):
     return t, outcome, c
 
 
-def test_graceful_shutdown_cancels_calls_and_removes_containers(spare_daemon, docker_engine):
+@pytest.mark.parametrize("adapter", ["docker", "nsjail"])
+def test_graceful_shutdown_cancels_calls_and_removes_sandboxes(spare_daemon, docker_engine, adapter):
     d = spare_daemon().start()
     ws = d.new_workspace()
-    t, outcome, c = _start_sleeper(d, ws)
-    assert len(sandbox_containers(docker_engine, d.daemon_id)) == 1
+    t, outcome, c = _start_sleeper(d, ws, adapter=adapter)
+    assert len(leftover_sandboxes(docker_engine, d)) == 1
     assert d.stop(signal.SIGTERM) == 0
     t.join(10)
-    assert not sandbox_containers(docker_engine, d.daemon_id)
+    assert not leftover_sandboxes(docker_engine, d)
     assert outcome.get("result") is not None and outcome["result"].status == "cancelled"
     c.close()
 
 
-def test_restart_after_a_crash_reaps_orphaned_containers(spare_daemon, docker_engine):
+@pytest.mark.parametrize("adapter", ["docker", "nsjail"])
+def test_restart_after_a_crash_reaps_orphaned_sandboxes(spare_daemon, docker_engine, adapter):
     d = spare_daemon().start()
     ws = d.new_workspace()
-    t, _outcome, c = _start_sleeper(d, ws)
+    t, _outcome, c = _start_sleeper(d, ws, adapter=adapter)
     d.stop(signal.SIGKILL)
-    orphans = sandbox_containers(docker_engine, d.daemon_id)
+    orphans = leftover_sandboxes(docker_engine, d)
     assert len(orphans) == 1, "a killed daemon cannot clean up; its restart must"
     d.start()
-    assert not sandbox_containers(docker_engine, d.daemon_id)
+    assert not leftover_sandboxes(docker_engine, d)
     # Events written before the crash are still there and intact.
     with d.client() as c2:
         out = c2.run(call(ws, ["echo", "after restart"]))
@@ -155,3 +159,16 @@ def test_trace_verify_and_export_detect_an_edited_event(spare_daemon, tmp_path):
     export.write_text("\n".join(lines) + "\n")
     offline = subprocess.run(ctl + ["trace", "verify", "--file", str(export), "--json"], capture_output=True)
     assert offline.returncode == 1 and json.loads(offline.stdout)["firstBadSeq"] == 7
+
+
+def test_a_backend_that_fails_its_checks_is_refused_never_bypassed(spare_daemon, tmp_path):
+    d = spare_daemon(nsjail={"nsjail_binary": str(tmp_path / "no-such-nsjail")}).start()
+    ws = d.new_workspace()
+    with d.client() as c:
+        jailed = call(ws, ["true"])
+        jailed["runtime"]["adapter"] = "nsjail"
+        with pytest.raises(errors.FailedPrecondition) as exc:
+            c.run(jailed)
+        assert "runtime.adapter" in exc.value.message and "no-such-nsjail" in exc.value.message
+        assert c.run(call(ws, ["echo", "docker still works"])).stdout == b"docker still works\n"
+    assert "backend nsjail unavailable" in d.log()
