@@ -35,6 +35,7 @@ from sandboxd.policy import parse_call, resolve_policy
 from sandboxd.preflight import preflight
 from sandboxd.settings import DaemonSettings, LimitSettings
 
+from .conftest import sh, wait_for
 from .test_escape import ALLOWED
 
 DEFAULT_IMAGE = "sandboxd/default:latest"
@@ -171,20 +172,6 @@ def run(backend: NsjailBackend, host: Host, argv: list[str], policy: dict | None
     out, err = spool.summary(STDOUT), spool.summary(STDERR)
     return Run(status, usage, out.path.read_bytes(), err.path.read_bytes(), timed_out, (out.truncated, err.truncated),
                spec, pol, elapsed, seen, procs_after)
-
-
-def sh(script: str) -> list[str]:
-    return ["/bin/sh", "-c", script]
-
-
-def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.02):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    return predicate()
 
 
 # ------------------------------------------------------------------ availability
