@@ -21,7 +21,7 @@ from . import events as ev
 from .artifacts import ArtifactRecord, FileArtifactStore
 from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle
 from .compile import SandboxIdentity
-from .errors import (Aborted, AlreadyExists, FailedPrecondition, InternalError, InvalidArgument, NotFound,
+from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
                      PermissionDenied, ResourceExhausted, SandboxdError)
 from .events import EventDraft, EventLog
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
@@ -379,6 +379,8 @@ class CallExecutor:
         self._lock = threading.Lock()
         self._runs: dict[str, CallRun] = {}
         self._pending_keys: dict[str, str] = {}
+        # tool_call_id -> (host workspace, can write it), from admission to sandbox removal.
+        self._workspace_users: dict[str, tuple[str, bool]] = {}
         self._closing = False
         self._inheritable = {n: os.environ[n] for n in settings.inheritable_env if n in os.environ}
 
@@ -395,7 +397,7 @@ class CallExecutor:
         backend = self.backends.get(backend_name)
         if backend is None:
             reason = self._unavailable.get(backend_name, "not enabled in this daemon")
-            raise FailedPrecondition(f"backend {backend_name!r} is unavailable: {reason}", field="runtime.adapter")
+            raise BackendUnavailable(f"backend {backend_name!r} is unavailable: {reason}", field="runtime.adapter")
         image = call.runtime.image or self.settings.default_image
         if not any(fnmatch.fnmatchcase(image, pat) for pat in self.settings.allowed_images):
             raise PermissionDenied(f"image {image!r} is not in the daemon's allowed images", field="runtime.image")
@@ -443,10 +445,16 @@ class CallExecutor:
         try:
             try:
                 prepared = self._prepare(call, tool_call_id)
+                self._reserve_workspace(tool_call_id, prepared)
             except SandboxdError as exc:
                 exc.tool_call_id = tool_call_id
                 self._reject(tool_call_id, raw, principal, "verification", exc)
                 raise
+            except Exception as exc:
+                log.exception("preparing call %s failed", tool_call_id)
+                internal = InternalError(f"preparing the sandbox failed: {type(exc).__name__}", tool_call_id=tool_call_id)
+                self._reject(tool_call_id, raw, principal, "verification", internal)
+                raise internal from None
             with self.db.transaction() as conn:
                 if key:
                     conn.execute("INSERT INTO idempotency_keys (idempotency_key, request_digest, tool_call_id)"
@@ -472,6 +480,7 @@ class CallExecutor:
                 if self._runs.get(tool_call_id) is placeholder:
                     del self._runs[tool_call_id]
                 self._pending_keys.pop(key, None)
+                self._workspace_users.pop(tool_call_id, None)
             raise
         with self._lock:
             self._runs[tool_call_id] = run
@@ -590,8 +599,27 @@ class CallExecutor:
             raise NotFound(f"no call {tool_call_id}", field="toolCallId")
         return run.cancel(reason)
 
+    def _reserve_workspace(self, tool_call_id: str, prepared: Prepared) -> None:
+        """A call that can write a workspace runs alone on it. Its writes could swap a
+        directory for a symlink between another call's host checks and that call's
+        mounts, redirecting a bind (or a mask) to anywhere its owner can reach; so while
+        a writer runs nobody else mounts the workspace, and the other way round."""
+        workspace = prepared.plan.workspace
+        writes = any(not b.read_only for b in prepared.plan.binds)
+        with self._lock:
+            if self._closing:
+                raise FailedPrecondition("the daemon is shutting down")
+            others = [(tid, w) for tid, (ws, w) in self._workspace_users.items() if ws == workspace]
+            if any(w for _, w in others) or (writes and others):
+                holder = others[0][0]
+                raise Aborted(f"call {holder} is using this workspace and one of the two can write it; "
+                              "calls that write a workspace run alone on it (retry when it is done)",
+                              field="workspace")
+            self._workspace_users[tool_call_id] = (workspace, writes)
+
     def _forget(self, run: CallRun) -> None:
         with self._lock:
+            self._workspace_users.pop(run.tool_call_id, None)
             if self._runs.get(run.tool_call_id) is run:
                 del self._runs[run.tool_call_id]
 

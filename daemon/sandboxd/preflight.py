@@ -66,8 +66,14 @@ def resolve_workspace(raw: str, settings: DaemonSettings) -> str:
 
 def sandbox_owner(workspace: str, settings: DaemonSettings) -> tuple[int, int]:
     st = os.stat(workspace)
-    if st.st_uid != 0:
+    if st.st_uid != 0 and st.st_gid != 0:
         return st.st_uid, st.st_gid
+    if st.st_uid != 0:
+        # Never the root group either: files the sandbox makes would belong to it.
+        if settings.root_workspace_gid is None:
+            raise PermissionDenied("the workspace's group is root and the daemon's config names no gid to run it as "
+                                   "(root_workspace_gid)", field="workspace")
+        return st.st_uid, settings.root_workspace_gid
     if settings.root_workspace_uid is None:
         raise PermissionDenied(
             "the workspace is owned by root and the daemon's config names no uid to run it as "

@@ -428,3 +428,40 @@ def test_health_and_reflection_answer(daemon):
         names = {s.name for r in responses for s in r.list_services_response.service}
     assert {"sandboxd.v1.ExecutionService", "sandboxd.v1.ArtifactService", "sandboxd.v1.TraceService",
             "grpc.health.v1.Health"} <= names
+
+
+def test_a_call_that_writes_a_workspace_runs_alone_on_it(client, daemon):
+    # Its writes could turn a directory into a symlink between another call's host checks
+    # and that call's mounts; so no other call mounts the workspace while it runs.
+    ws = daemon.new_workspace({"out/.keep": "", "a.txt": "a\n"})
+    writer = iter(client.execute(call(ws, sh("echo up; sleep 30"),
+                                      {"filesystem": {"readRoots": ["/workspace"], "writeRoots": ["/workspace/out"]}})))
+    writer_id = ""
+    for event in writer:
+        writer_id = event.tool_call_id
+        if event.WhichOneof("kind") == "output":
+            break
+    with pytest.raises(errors.Aborted) as exc:
+        client.run(call(ws, ["cat", "/workspace/a.txt"]))
+    assert "workspace" in exc.value.message and writer_id in exc.value.message
+    other = daemon.new_workspace({"b.txt": "b\n"})
+    assert client.run(call(other, ["cat", "/workspace/b.txt"])).stdout == b"b\n", "other workspaces are unaffected"
+    assert client.cancel(writer_id, "done")
+    list(writer)
+    # Readers share a workspace freely once no writer holds it.
+    reader = iter(client.execute(call(ws, sh("echo up; sleep 30"))))
+    for event in reader:
+        if event.WhichOneof("kind") == "output":
+            reader_id = event.tool_call_id
+            break
+    assert client.run(call(ws, ["cat", "/workspace/a.txt"])).stdout == b"a\n"
+    client.cancel(reader_id, "done")
+    list(reader)
+
+
+def test_a_workspace_whose_group_is_root_is_refused(client, daemon):
+    ws = daemon.new_workspace()
+    os.chown(ws, WORKSPACE_UID, 0)
+    with pytest.raises(errors.PermissionDenied) as exc:
+        client.run(call(ws, ["true"]))
+    assert "workspace" in exc.value.message and "group" in exc.value.message

@@ -167,7 +167,7 @@ def test_a_backend_that_fails_its_checks_is_refused_never_bypassed(spare_daemon,
     with d.client() as c:
         jailed = call(ws, ["true"])
         jailed["runtime"]["adapter"] = "nsjail"
-        with pytest.raises(errors.FailedPrecondition) as exc:
+        with pytest.raises(errors.Unavailable) as exc:
             c.run(jailed)
         assert "runtime.adapter" in exc.value.message and "no-such-nsjail" in exc.value.message
         assert c.run(call(ws, ["echo", "docker still works"])).stdout == b"docker still works\n"

@@ -5,6 +5,7 @@ else."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -13,6 +14,8 @@ import signal as signal_module
 import socket
 import threading
 from typing import Any
+
+import requests
 
 from ..compile import LABEL_PREFIX, DockerSpec, SandboxIdentity, cgroup_parent_for, compile_docker
 from ..errors import BackendUnavailable, FailedPrecondition, InternalError
@@ -149,6 +152,20 @@ def remove_cgroup(cgroup_parent: str) -> None:
             pass
 
 
+def _engine_errors_are_unavailable(method):
+    """dockerd gone or unreachable (connection refused, reset, timeouts) is
+    BackendUnavailable, never a bare transport exception."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (requests.exceptions.RequestException, ConnectionError) as exc:
+            raise BackendUnavailable(f"dockerd did not answer: {type(exc).__name__}") from None
+
+    return wrapper
+
+
 class DockerBackend:
     name = "docker"
 
@@ -176,6 +193,7 @@ class DockerBackend:
         return compile_docker(policy, plan, identity, argv=argv, image=image, stdin_open=stdin_open,
                               mask_file=self._mask_file, seccomp_profile=self._seccomp_name)
 
+    @_engine_errors_are_unavailable
     def image_digest(self, image: str) -> str:
         try:
             return self._api.inspect_image(image)["Id"]
@@ -185,6 +203,7 @@ class DockerBackend:
         except self._errors.APIError as exc:
             raise BackendUnavailable(f"dockerd failed to inspect {image!r}: {exc.explanation}") from None
 
+    @_engine_errors_are_unavailable
     def create(self, spec: DockerSpec) -> SandboxHandle:
         sandbox_id = spec.labels[f"{LABEL_PREFIX}sandbox_id"]
         try:
@@ -196,6 +215,7 @@ class DockerBackend:
             raise InternalError(f"dockerd refused the sandbox: {exc.explanation}") from None
         return SandboxHandle(sandbox_id=sandbox_id, engine_id=container["Id"], spec=spec)
 
+    @_engine_errors_are_unavailable
     def start(self, handle: SandboxHandle, sink: OutputSpool, stdin: bytes) -> None:
         spec: DockerSpec = handle.spec
         try:
@@ -252,6 +272,7 @@ class DockerBackend:
     def wait(self, handle: SandboxHandle, timeout_s: float) -> bool:
         return handle.output_closed.wait(max(0.0, timeout_s))
 
+    @_engine_errors_are_unavailable
     def kill(self, handle: SandboxHandle) -> None:
         # SIGKILL to the container's init ends its whole PID namespace.
         try:
@@ -262,6 +283,7 @@ class DockerBackend:
             if exc.status_code != 409:  # 409: not running any more
                 raise InternalError(f"dockerd failed to kill the sandbox: {exc.explanation}") from None
 
+    @_engine_errors_are_unavailable
     def collect(self, handle: SandboxHandle) -> tuple[ExitStatus, ResourceUsage]:
         try:
             code = int(self._api.wait(handle.engine_id, timeout=30)["StatusCode"])
@@ -284,6 +306,7 @@ class DockerBackend:
             if exc.status_code != 409:  # removal already in progress
                 log.error("could not remove container %s: %s", ref, exc.explanation)
 
+    @_engine_errors_are_unavailable
     def reap_orphans(self, daemon_id: str) -> int:
         containers = self._api.containers(all=True, filters={"label": f"{LABEL_PREFIX}daemon_id={daemon_id}"})
         for c in containers:

@@ -150,6 +150,9 @@ def oom_kills(cgroup: str) -> int:
     return 0
 
 
+KILL_SWEEP_S = 2.0
+
+
 def kill_cgroup(cgroup: str, timeout_s: float = 0.0) -> bool:
     """SIGKILLs every process of the sandbox's cgroups; with a timeout, waits for them
     to be gone. True when none is left."""
@@ -529,6 +532,10 @@ class NsjailBackend:
                 jail.proc.kill()
             except ProcessLookupError:
                 pass
+        # Returns once the tree is gone: a process forked during the first sweep, or one
+        # still exiting, would otherwise outlive the call for a moment.
+        if not kill_cgroup(handle.spec.cgroup, timeout_s=KILL_SWEEP_S):
+            log.error("processes of %s survived SIGKILL for %.1f s", handle.sandbox_id, KILL_SWEEP_S)
 
     def collect(self, handle: SandboxHandle) -> tuple[ExitStatus, ResourceUsage]:
         jail = self._jail(handle)
