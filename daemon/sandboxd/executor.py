@@ -455,6 +455,10 @@ class CallExecutor:
                 internal = InternalError(f"preparing the sandbox failed: {type(exc).__name__}", tool_call_id=tool_call_id)
                 self._reject(tool_call_id, raw, principal, "verification", internal)
                 raise internal from None
+            # Before the call is recorded as accepted: once it is, it must get a result.
+            spool = OutputSpool(self.settings.spool_dir / prepared.sandbox_id,
+                                {STDOUT: prepared.policy.max_stdout_bytes, STDERR: prepared.policy.max_stderr_bytes},
+                                self.settings.limits.preview_bytes)
             with self.db.transaction() as conn:
                 if key:
                     conn.execute("INSERT INTO idempotency_keys (idempotency_key, request_digest, tool_call_id)"
@@ -471,9 +475,6 @@ class CallExecutor:
                     "masks": [m.sandbox_path for m in prepared.plan.masks], "notes": list(prepared.plan.notes),
                 }),
                 ])
-            spool = OutputSpool(self.settings.spool_dir / prepared.sandbox_id,
-                                {STDOUT: prepared.policy.max_stdout_bytes, STDERR: prepared.policy.max_stderr_bytes},
-                                self.settings.limits.preview_bytes)
             run = CallRun(self, tool_call_id, prepared, spool, recorded[-1].event_id)
         except BaseException:
             with self._lock:

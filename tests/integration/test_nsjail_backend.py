@@ -29,7 +29,7 @@ from sandboxd.backends import ExitStatus, ResourceUsage, SandboxHandle
 from sandboxd.backends.nsjail import CGROUP_ROOT, CONTROLLERS, NsjailBackend
 from sandboxd.compile import SandboxIdentity
 from sandboxd.compile_nsjail import NSJAIL_CGROUP_ROOT, NsjailSpec
-from sandboxd.errors import BackendUnavailable, InternalError
+from sandboxd.errors import BackendUnavailable, FailedPrecondition, InternalError
 from sandboxd.output import STDERR, STDOUT, OutputSpool
 from sandboxd.policy import parse_call, resolve_policy
 from sandboxd.preflight import preflight
@@ -333,6 +333,16 @@ def test_temp_dir_is_a_sized_private_tmpfs_and_file_size_is_limited(backend, hos
             {"process": {"maxFileSizeMb": 1}})
     rc, size = r.stdout.decode().split()
     assert rc != "rc=0" and int(size) <= 1 << 20
+
+
+def test_a_temp_dir_whose_parent_is_not_in_the_image_is_refused(backend, host, tmp_path):
+    # The exported image root is shared by every later jail: a caller may add its mount
+    # point, never a chain of directories of its choosing.
+    with pytest.raises(FailedPrecondition) as exc:
+        run(backend, host, ["true"], {"filesystem": {"tempDir": "/made/up/chain", "readRoots": ["/workspace"]}})
+    assert exc.value.field == "policy.filesystem.tempDir"
+    images = [p for p in Path(backend._rootfs_dir).iterdir() if p.is_dir()]
+    assert images and not any((p / "made").exists() for p in images)
 
 
 def test_busybox_image(backend, host):

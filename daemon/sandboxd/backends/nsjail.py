@@ -713,10 +713,16 @@ def _ensure_mount_points(spec: NsjailSpec) -> None:
         where = "runtime.image" if m.dst in ("/proc", "/dev", "/workspace") else "policy.filesystem.tempDir"
         fd = os.open(spec.rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
-            for part in m.dst.strip("/").split("/"):
+            parts = m.dst.strip("/").split("/")
+            for i, part in enumerate(parts):
                 try:
                     nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 except FileNotFoundError:
+                    if i != len(parts) - 1:
+                        # The image root is shared by every later jail: at most the mount
+                        # point itself is added to it, never a chain of a caller's names.
+                        raise FailedPrecondition(f"{m.dst} cannot be mounted: /{'/'.join(parts[:i + 1])} does not "
+                                                 "exist in the image", field=where) from None
                     try:
                         os.mkdir(part, 0o755, dir_fd=fd)
                     except FileExistsError:
