@@ -486,6 +486,9 @@ class CallExecutor:
         with self._lock:
             self._runs[tool_call_id] = run
             self._pending_keys.pop(key, None)
+            closing = self._closing
+        if closing:  # accepted just before shutdown began: it ends at once, recorded
+            run.cancel("the daemon is shutting down")
         run.start()
         return run
 
@@ -626,12 +629,18 @@ class CallExecutor:
 
     def shutdown(self, grace_s: float) -> None:
         """Cancels every running call and waits for their sandboxes to be removed."""
+        deadline = time.monotonic() + grace_s
         with self._lock:
             self._closing = True
-            runs = [r for r in self._runs.values() if r is not None]
+        while True:  # calls still in preparation register (cancelled) within moments
+            with self._lock:
+                preparing = any(r is None for r in self._runs.values())
+                runs = [r for r in self._runs.values() if r is not None]
+            if not preparing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
         for r in runs:
             r.cancel("the daemon is shutting down")
-        deadline = time.monotonic() + grace_s
         for r in runs:
             r.join(max(0.0, deadline - time.monotonic()))
 
