@@ -19,7 +19,10 @@ from .pb import sandboxd_pb2_grpc as pb_grpc
 
 DEFAULT_SOCKET = "/run/sandboxd/sandboxd.sock"
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                    ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+                    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                    # A client's identity is its connection (the daemon reads the peer's
+                    # uid when it connects): never share one with another client object.
+                    ("grpc.use_local_subchannel_pool", 1)]
 
 
 def default_socket() -> str:
@@ -65,6 +68,13 @@ class SandboxdClient:
 
     def close(self) -> None:
         self._channel.close()
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Connects now rather than at the first call."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise SandboxdClientError(f"the daemon did not answer within {timeout_s} s") from None
 
     def __enter__(self) -> "SandboxdClient":
         return self

@@ -19,6 +19,10 @@ class InvalidArgument(SandboxdClientError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class Unauthenticated(SandboxdClientError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class PermissionDenied(SandboxdClientError):
     code = grpc.StatusCode.PERMISSION_DENIED
 

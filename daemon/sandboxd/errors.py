@@ -29,6 +29,11 @@ class InvalidArgument(SandboxdError):
     kind = "INVALID_ARGUMENT"
 
 
+class Unauthenticated(SandboxdError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    kind = "UNAUTHENTICATED"
+
+
 class PermissionDenied(SandboxdError):
     code = grpc.StatusCode.PERMISSION_DENIED
     kind = "PERMISSION_DENIED"

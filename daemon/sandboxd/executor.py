@@ -29,6 +29,7 @@ from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_ad
                      resolve_policy)
 from .preflight import HostPlan, preflight
 from .settings import DaemonSettings
+from .transport import Principal
 
 log = logging.getLogger("sandboxd.executor")
 # After a kill, how long the engine gets to end the process tree before we give up.
@@ -408,11 +409,12 @@ class CallExecutor:
                                argv=tuple(call.argv), image=image, stdin_open=bool(call.stdin))
         return Prepared(call, policy, plan, image, digest, backend, spec, sandbox_id)
 
-    def submit(self, raw: Mapping[str, Any], principal: str) -> "CallRun | AttachedRun | ReplayRun":
+    def submit(self, raw: Mapping[str, Any], caller: Principal) -> "CallRun | AttachedRun | ReplayRun":
         """Verifies and starts a call. Refusals raise (after being recorded); an
         accepted call's events up to ToolPolicyChecked are durable on return. A retry
         of an accepted idempotency key gets the first call instead (running or done)."""
         requested_id = raw.get("toolCallId") if isinstance(raw.get("toolCallId"), str) else ""
+        principal = caller.name
         tool_call_id = ""
         try:
             call = parse_call(raw)
@@ -422,7 +424,8 @@ class CallExecutor:
             exc.tool_call_id = tool_call_id
             self._reject(tool_call_id, raw, principal, "validation", exc, requested_id)
             raise
-        key = call.runtime.idempotency_key
+        # Keys are the caller's own: another principal's identical key is another call.
+        key = f"{principal}/{call.runtime.idempotency_key}" if call.runtime.idempotency_key else ""
         digest = request_digest(call) if key else ""
         with self._lock:
             if self._closing:
@@ -445,6 +448,9 @@ class CallExecutor:
         try:
             try:
                 prepared = self._prepare(call, tool_call_id)
+                if not caller.admin and prepared.plan.uid != caller.uid:
+                    raise PermissionDenied("the workspace belongs to another user; a principal may only use "
+                                           "workspaces its own uid owns", field="workspace")
                 self._reserve_workspace(tool_call_id, prepared)
             except SandboxdError as exc:
                 exc.tool_call_id = tool_call_id
@@ -460,6 +466,7 @@ class CallExecutor:
                                 {STDOUT: prepared.policy.max_stdout_bytes, STDERR: prepared.policy.max_stderr_bytes},
                                 self.settings.limits.preview_bytes)
             with self.db.transaction() as conn:
+                conn.execute("INSERT INTO call_owners (tool_call_id, principal) VALUES (?,?)", (tool_call_id, principal))
                 if key:
                     conn.execute("INSERT INTO idempotency_keys (idempotency_key, request_digest, tool_call_id)"
                                  " VALUES (?,?,?)", (key, digest, tool_call_id))
@@ -578,11 +585,22 @@ class CallExecutor:
         payload["principal"] = principal
         payload["daemonId"] = self.daemon_id
         parent = raw.get("parentEventId") if isinstance(raw.get("parentEventId"), str) else ""
-        self.events.record(tool_call_id, parent[:256], [
-            EventDraft(ev.REQUESTED, payload),
-            EventDraft(ev.REJECTED, {"stage": stage, "code": exc.kind, "field": exc.field or "",
-                                     "reason": exc.reason, "requestedToolCallId": requested_id[:256]}),
-        ])
+        with self.db.transaction() as conn:
+            conn.execute("INSERT OR IGNORE INTO call_owners (tool_call_id, principal) VALUES (?,?)",
+                         (tool_call_id, principal))
+            self.events.append(conn, tool_call_id, parent[:256], [
+                EventDraft(ev.REQUESTED, payload),
+                EventDraft(ev.REJECTED, {"stage": stage, "code": exc.kind, "field": exc.field or "",
+                                         "reason": exc.reason, "requestedToolCallId": requested_id[:256]}),
+            ])
+
+    def check_access(self, tool_call_id: str, caller: Principal) -> None:
+        """Another tenant's call is NOT_FOUND, exactly like a call that does not exist."""
+        if caller.admin:
+            return
+        rows = self.db.query("SELECT principal FROM call_owners WHERE tool_call_id = ?", (tool_call_id,))
+        if not rows or rows[0]["principal"] != caller.name:
+            raise NotFound(f"no call {tool_call_id}", field="toolCallId")
 
     # -- explain --------------------------------------------------------------------
     def explain(self, raw_call: Mapping[str, Any]) -> tuple[Prepared, list[str]]:
@@ -595,7 +613,8 @@ class CallExecutor:
         with self._lock:
             return self._runs.get(tool_call_id)
 
-    def cancel(self, tool_call_id: str, reason: str) -> bool:
+    def cancel(self, tool_call_id: str, reason: str, caller: Principal) -> bool:
+        self.check_access(tool_call_id, caller)
         run = self.get_run(tool_call_id)
         if run is None:
             if self.events.has_call(tool_call_id):

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -29,9 +30,10 @@ from .backends.nsjail import NsjailBackend
 from .errors import BackendUnavailable, SandboxdError
 from .events import EventLog
 from .executor import CallExecutor, clean_spool
-from .service import ArtifactServicer, ErrorInterceptor, ExecutionServicer, TraceServicer
+from .service import ArtifactServicer, Authenticator, ErrorInterceptor, ExecutionServicer, TraceServicer
 from .settings import DaemonSettings, load_settings
 from .store import Database
+from .transport import PeerCredentialRelay
 
 log = logging.getLogger("sandboxd")
 SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[n].full_name
@@ -77,10 +79,12 @@ class Daemon:
     executor: CallExecutor
     db: Database
     daemon_id: str
+    relay: PeerCredentialRelay
 
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.grace_period_s if grace_s is None else grace_s
         log.info("shutting down: cancelling running calls")
+        self.relay.close()
         self.executor.shutdown(grace)
         self.server.stop(grace=1).wait()
         for backend in self.executor.backends.values():
@@ -88,10 +92,6 @@ class Daemon:
             if close is not None:
                 close()
         self.db.close()
-        try:
-            self.settings.socket_path.unlink()
-        except FileNotFoundError:
-            pass
         log.info("stopped")
 
 
@@ -153,24 +153,27 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
         options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
                  ("grpc.max_send_message_length", 64 * 1024 * 1024)],
     )
-    pb_grpc.add_ExecutionServiceServicer_to_server(ExecutionServicer(executor), server)
-    pb_grpc.add_ArtifactServiceServicer_to_server(ArtifactServicer(artifacts), server)
-    pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events), server)
+    authenticate = Authenticator(settings)
+    pb_grpc.add_ExecutionServiceServicer_to_server(ExecutionServicer(executor, authenticate), server)
+    pb_grpc.add_ArtifactServiceServicer_to_server(ArtifactServicer(artifacts, executor, authenticate), server)
+    pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events, executor, authenticate), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("",) + SERVICE_NAMES:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
-    sock = settings.socket_path
-    sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    if sock.exists() or sock.is_symlink():
-        sock.unlink()
-    server.add_insecure_port(f"unix:{sock}")
+    # gRPC listens privately; the public socket is the peer-credential relay in front.
+    internal = settings.internal_dir
+    shutil.rmtree(internal, ignore_errors=True)
+    internal.mkdir(mode=0o700, parents=True)
+    internal_socket = internal / "grpc.sock"
+    server.add_insecure_port(f"unix:{internal_socket}")
     server.start()
-    os.chmod(sock, settings.socket_mode)
-    log.info("serving on %s (daemon %s, state %s)", sock, daemon_id, settings.state_dir)
-    return Daemon(settings, server, executor, db, daemon_id)
+    relay = PeerCredentialRelay(settings.socket_path, internal_socket, internal, settings.socket_mode)
+    relay.start()
+    log.info("serving on %s (daemon %s, state %s)", settings.socket_path, daemon_id, settings.state_dir)
+    return Daemon(settings, server, executor, db, daemon_id, relay)
 
 
 def main(argv: list[str] | None = None) -> int:

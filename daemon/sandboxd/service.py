@@ -15,10 +15,12 @@ from sandboxd_client.pb import sandboxd_pb2 as pb
 from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 
 from .artifacts import FileArtifactStore
-from .errors import InvalidArgument, NotFound, SandboxdError
+from .errors import InvalidArgument, NotFound, PermissionDenied, SandboxdError
 from .events import EventLog
 from .executor import CallExecutor
 from .output import STDOUT
+from .settings import DaemonSettings
+from .transport import Principal, peer_uid, resolve_principal
 
 log = logging.getLogger("sandboxd.service")
 TOOL_CALL_ID_KEY = "sandboxd-tool-call-id"
@@ -38,10 +40,14 @@ def call_to_json(call: pb.PreparedToolCall) -> dict[str, Any]:
     return raw
 
 
-def peer_principal(context: grpc.ServicerContext) -> str:
-    # Peer credentials become principals with the tenancy issue; until then the
-    # transport's peer string is what the trace records.
-    return context.peer() or "unknown"
+class Authenticator:
+    """The caller of an RPC, from the uid the peer-credential relay recorded."""
+
+    def __init__(self, settings: DaemonSettings):
+        self._settings = settings
+
+    def __call__(self, context: grpc.ServicerContext) -> Principal:
+        return resolve_principal(peer_uid(context, self._settings.internal_dir), self._settings)
 
 
 def _abort(context: grpc.ServicerContext, exc: SandboxdError) -> None:
@@ -95,11 +101,12 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
 
 class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
-    def __init__(self, executor: CallExecutor):
+    def __init__(self, executor: CallExecutor, authenticate: Authenticator):
         self._executor = executor
+        self._authenticate = authenticate
 
     def Execute(self, request: pb.ExecuteRequest, context) -> Iterator[pb.ExecuteEvent]:
-        run = self._executor.submit(call_to_json(request.call), peer_principal(context))
+        run = self._executor.submit(call_to_json(request.call), self._authenticate(context))
         context.add_callback(lambda: run.cancel("the client went away") if run.result is None else None)
         context.set_trailing_metadata(((TOOL_CALL_ID_KEY, run.tool_call_id),))
         for item in run.stream(is_active=context.is_active):
@@ -121,9 +128,12 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
     def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         if not request.tool_call_id:
             raise InvalidArgument("required", field="toolCallId")
-        return pb.CancelResponse(cancelled=self._executor.cancel(request.tool_call_id, request.reason or "cancelled by the caller"))
+        caller = self._authenticate(context)
+        return pb.CancelResponse(cancelled=self._executor.cancel(
+            request.tool_call_id, request.reason or "cancelled by the caller", caller))
 
     def ExplainPolicy(self, request: pb.ExplainPolicyRequest, context) -> pb.ExplainPolicyResponse:
+        self._authenticate(context)
         raw: dict[str, Any] = {
             "toolId": "sandboxd.explain",
             "argv": list(request.argv) or ["true"],
@@ -153,18 +163,26 @@ def artifact_to_pb(r) -> pb.ArtifactRef:
 
 
 class ArtifactServicer(pb_grpc.ArtifactServiceServicer):
-    def __init__(self, store: FileArtifactStore):
+    def __init__(self, store: FileArtifactStore, executor: CallExecutor, authenticate: Authenticator):
         self._store = store
+        self._executor = executor
+        self._authenticate = authenticate
 
     def ListArtifacts(self, request: pb.ListArtifactsRequest, context) -> pb.ListArtifactsResponse:
         if not request.tool_call_id:
             raise InvalidArgument("required", field="toolCallId")
+        self._executor.check_access(request.tool_call_id, self._authenticate(context))
         return pb.ListArtifactsResponse(artifacts=[artifact_to_pb(r) for r in self._store.list_for_call(request.tool_call_id)])
 
     def DownloadArtifact(self, request: pb.DownloadArtifactRequest, context) -> Iterator[pb.ArtifactChunk]:
         if not request.artifact_id:
             raise InvalidArgument("required", field="artifactId")
+        caller = self._authenticate(context)
         record = self._store.get(request.artifact_id)
+        try:
+            self._executor.check_access(record.tool_call_id, caller)
+        except NotFound:
+            raise NotFound(f"no artifact {request.artifact_id}", field="artifactId") from None
         with self._store.open(record) as f:
             offset = 0
             first = True
@@ -183,18 +201,26 @@ class ArtifactServicer(pb_grpc.ArtifactServiceServicer):
 
 
 class TraceServicer(pb_grpc.TraceServiceServicer):
-    def __init__(self, events: EventLog):
+    def __init__(self, events: EventLog, executor: CallExecutor, authenticate: Authenticator):
         self._events = events
+        self._executor = executor
+        self._authenticate = authenticate
+
+    def _admin(self, context) -> None:
+        if not self._authenticate(context).admin:
+            raise PermissionDenied("the whole log is for admin principals; ask for one call's trace instead")
 
     def GetTrace(self, request: pb.GetTraceRequest, context) -> pb.GetTraceResponse:
         if not request.tool_call_id:
             raise InvalidArgument("required", field="toolCallId")
+        self._executor.check_access(request.tool_call_id, self._authenticate(context))
         found = self._events.for_call(request.tool_call_id)
         if not found:
             raise NotFound(f"no trace for call {request.tool_call_id}", field="toolCallId")
         return pb.GetTraceResponse(events=[event_to_pb(e) for e in found])
 
     def VerifyLog(self, request: pb.VerifyLogRequest, context) -> pb.VerifyLogResponse:
+        self._admin(context)
         report = self._events.verify()
         return pb.VerifyLogResponse(ok=report.ok, events_checked=report.events_checked,
                                     first_bad_seq=report.first_bad_seq or 0, reason=report.reason,
@@ -202,11 +228,13 @@ class TraceServicer(pb_grpc.TraceServiceServicer):
 
     def ExportEvents(self, request: pb.ExportEventsRequest, context) -> Iterator[pb.TraceEvent]:
         if request.tool_call_id:
+            self._executor.check_access(request.tool_call_id, self._authenticate(context))
             found = self._events.for_call(request.tool_call_id)
             if not found:
                 raise NotFound(f"no trace for call {request.tool_call_id}", field="toolCallId")
             yield from (event_to_pb(e) for e in found if e.seq > request.after_seq)
             return
+        self._admin(context)
         after = request.after_seq
         while batch := self._events.range(after, 1000):
             yield from (event_to_pb(e) for e in batch)

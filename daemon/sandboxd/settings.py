@@ -76,6 +76,10 @@ class DaemonSettings(BaseModel):
     inheritable_env: tuple[str, ...] = ("LANG", "LC_ALL", "TZ")
     limits: LimitSettings = Field(default_factory=LimitSettings)
     nsjail: NsjailSettings = Field(default_factory=NsjailSettings)
+    # Peer uid on the Unix socket -> principal name; any other uid is refused.
+    principals: dict[int, str] = Field(default_factory=lambda: {0: "root"})
+    # Principals that may read every tenant's traces and artifacts.
+    admins: tuple[str, ...] = ("root",)
     max_concurrent_calls: int = 32
     grace_period_s: float = 10.0
     log_level: str = "INFO"
@@ -96,6 +100,11 @@ class DaemonSettings(BaseModel):
                 if _is_within(forbidden, real):
                     raise ValueError(f"workspace root {root} contains {forbidden}, which may never be mounted")
         return self
+
+    @property
+    def internal_dir(self) -> Path:
+        """Private directory of the relay's gRPC socket and its peer names."""
+        return self.state_dir / "rpc"
 
     @property
     def db_path(self) -> Path:

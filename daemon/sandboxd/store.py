@@ -36,6 +36,11 @@ CREATE TABLE IF NOT EXISTS artifacts (
 CREATE INDEX IF NOT EXISTS artifacts_by_call ON artifacts (tool_call_id);
 -- An index over ToolCallRequested events that carried an idempotency key; written in
 -- the same transaction as those events.
+-- Who made each call (the principal of its ToolCallRequested event), for tenant checks.
+CREATE TABLE IF NOT EXISTS call_owners (
+    tool_call_id TEXT PRIMARY KEY,
+    principal TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS idempotency_keys (
     idempotency_key TEXT PRIMARY KEY,
     request_digest TEXT NOT NULL,

@@ -39,6 +39,7 @@ class FakeRpcError(grpc.RpcError):
 EXPECTED = {
     grpc.StatusCode.INVALID_ARGUMENT: E.InvalidArgument,
     grpc.StatusCode.PERMISSION_DENIED: E.PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: E.Unauthenticated,
     grpc.StatusCode.NOT_FOUND: E.NotFound,
     grpc.StatusCode.ALREADY_EXISTS: E.AlreadyExists,
     grpc.StatusCode.FAILED_PRECONDITION: E.FailedPrecondition,

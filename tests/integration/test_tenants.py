@@ -1,0 +1,89 @@
+"""Principals from peer credentials, and tenant isolation. A connection's principal is
+fixed when it connects: the test connects with another effective uid, then returns."""
+
+from __future__ import annotations
+
+import io
+import os
+from contextlib import contextmanager
+
+import pytest
+
+from sandboxd_client import SandboxdClient, errors
+
+from .conftest import call
+
+ALICE, BOB, STRANGER = 1000, 1001, 1002
+
+
+@contextmanager
+def client_as(d, uid: int):
+    os.seteuid(uid)
+    try:
+        c = SandboxdClient(str(d.socket))
+        c.wait_ready(10)
+    finally:
+        os.seteuid(0)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def tenants(spare_daemon):
+    d = spare_daemon(principals={0: "root", ALICE: "alice", BOB: "bob"}, admins=["root"], socket_mode=0o666).start()
+    return d
+
+
+def test_tenants_see_only_their_own_calls(tenants):
+    d = tenants
+    alice_ws = d.new_workspace({"notes.txt": "alice's\n"}, uid=ALICE)
+    bob_ws = d.new_workspace({"notes.txt": "bob's\n"}, uid=BOB)
+    with client_as(d, ALICE) as alice, client_as(d, BOB) as bob:
+        mine = alice.run(call(alice_ws, ["cat", "/workspace/notes.txt"]))
+        assert mine.stdout == b"alice's\n"
+        artifact = mine.result.artifacts[0].artifact_id
+        trace = alice.get_trace(mine.tool_call_id)
+        assert '"principal":"alice"' in trace[0].payload_json
+
+        # Bob cannot tell Alice's call from one that does not exist.
+        attempts = {
+            "trace": lambda: bob.get_trace(mine.tool_call_id),
+            "artifacts": lambda: bob.list_artifacts(mine.tool_call_id),
+            "download": lambda: bob.download_artifact(artifact, io.BytesIO()),
+            "cancel": lambda: bob.cancel(mine.tool_call_id),
+            "export": lambda: list(bob.export_events(mine.tool_call_id)),
+        }
+        for name, attempt in attempts.items():
+            with pytest.raises(errors.NotFound):
+                attempt()
+                pytest.fail(f"{name} answered bob")
+        with pytest.raises(errors.PermissionDenied):
+            bob.verify_log()
+        # Nor run in her workspace (it would run as her).
+        with pytest.raises(errors.PermissionDenied) as exc:
+            bob.run(call(alice_ws, ["cat", "/workspace/notes.txt"]))
+        assert "workspace" in exc.value.message
+        assert bob.run(call(bob_ws, ["cat", "/workspace/notes.txt"])).stdout == b"bob's\n"
+
+        # The same idempotency key is each tenant's own.
+        keyed = call(alice_ws, ["echo", "a"])
+        keyed["runtime"]["idempotencyKey"] = "shared-key"
+        first = alice.run(keyed)
+        keyed_bob = call(bob_ws, ["echo", "a"])
+        keyed_bob["runtime"]["idempotencyKey"] = "shared-key"
+        assert bob.run(keyed_bob).tool_call_id != first.tool_call_id
+
+    with client_as(d, 0) as admin:  # the admin role reads every tenant's traces
+        assert admin.get_trace(mine.tool_call_id)[0].tool_call_id == mine.tool_call_id
+        assert admin.verify_log().ok
+
+
+def test_an_unknown_uid_is_unauthenticated(tenants):
+    ws = tenants.new_workspace(uid=STRANGER)
+    with client_as(tenants, STRANGER) as stranger:
+        with pytest.raises(errors.Unauthenticated):
+            stranger.run(call(ws, ["true"]))
+        with pytest.raises(errors.Unauthenticated):
+            stranger.get_trace("tc-anything")
