@@ -108,12 +108,21 @@ class PeerCredentialRelay:
 
 
 def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    # splice(2) through a pipe: the bytes never enter Python, so the relay costs little
+    # CPU even when a call streams hundreds of MB.
+    r, w = os.pipe()
     try:
-        while data := src.recv(_RELAY_BYTES):
-            dst.sendall(data)
+        while True:
+            n = os.splice(src.fileno(), w, _RELAY_BYTES)
+            if n == 0:
+                break
+            while n:
+                n -= os.splice(r, dst.fileno(), n)
     except OSError:
         pass
     finally:
+        os.close(r)
+        os.close(w)
         for s, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
             try:
                 s.shutdown(how)
