@@ -295,3 +295,21 @@ def test_write_after_close_never_reaches_another_file(tmp_path):
         for fd in fds:
             os.close(fd)
     assert [v.read_bytes() for v in victims] == [b""] * len(victims)
+
+
+def test_write_parts_keeps_order_caps_and_hash_across_many_small_parts(tmp_path):
+    import hashlib
+
+    from sandboxd.output import IOV_MAX, STDERR, STDOUT, OutputSpool
+
+    parts = [f"{i}\n".encode() for i in range(IOV_MAX * 3 + 7)]  # more than one writev's worth
+    whole = b"".join(parts)
+    cap = len(whole) - 5
+    spool = OutputSpool(tmp_path / "s", {STDOUT: cap, STDERR: 10}, 16)
+    spool.write_parts(STDOUT, [memoryview(p) for p in parts])
+    spool.close()
+    summary = spool.summary(STDOUT)
+    assert summary.path.read_bytes() == whole[:cap]
+    assert summary.truncated and summary.produced_bytes == len(whole) and summary.stored_bytes == cap
+    assert summary.content_hash == "sha256:" + hashlib.sha256(whole[:cap]).hexdigest()
+    assert summary.preview == whole[:16].decode()

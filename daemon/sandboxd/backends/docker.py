@@ -85,13 +85,13 @@ def parse_frames(buf: bytes | bytearray | memoryview, sink: OutputSpool) -> int:
             break
         stream = STDERR if view[pos] == 2 else STDOUT
         if stream != run_stream and run_parts:
-            sink.write(run_stream, b"".join(run_parts))
+            sink.write_parts(run_stream, run_parts)
             run_parts = []
         run_stream = stream
         run_parts.append(view[pos + 8:pos + 8 + size])
         pos += 8 + size
     if run_parts:
-        sink.write(run_stream, b"".join(run_parts) if len(run_parts) > 1 else run_parts[0])
+        sink.write_parts(run_stream, run_parts)
     return pos
 
 
