@@ -30,7 +30,8 @@ from .backends.nsjail import NsjailBackend
 from .errors import BackendUnavailable, SandboxdError
 from .events import EventLog
 from .executor import CallExecutor, clean_spool
-from .service import ArtifactServicer, Authenticator, ErrorInterceptor, ExecutionServicer, TraceServicer
+from .service import (ArtifactServicer, Authenticator, ErrorInterceptor, ExecutionServicer, TraceServicer,
+                      add_execution_service)
 from .settings import DaemonSettings, load_settings
 from .store import Database
 from .transport import PeerCredentialRelay
@@ -154,7 +155,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
                  ("grpc.max_send_message_length", 64 * 1024 * 1024)],
     )
     authenticate = Authenticator(settings)
-    pb_grpc.add_ExecutionServiceServicer_to_server(ExecutionServicer(executor, authenticate), server)
+    add_execution_service(ExecutionServicer(executor, authenticate), server)
     pb_grpc.add_ArtifactServiceServicer_to_server(ArtifactServicer(artifacts, executor, authenticate), server)
     pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events, executor, authenticate), server)
     health_servicer = health.HealthServicer()

@@ -117,10 +117,8 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
                 out.started.sandbox_id = item.data["sandboxId"]
             elif item.kind == "output":
                 stream, offset, data = item.data
-                # Field by field: each CopyFrom would copy the data once more.
-                out.output.stream = pb.OUTPUT_STREAM_STDOUT if stream == STDOUT else pb.OUTPUT_STREAM_STDERR
-                out.output.offset = offset
-                out.output.data = data
+                yield encode_output_event(run.tool_call_id, stream, offset, data)
+                continue
             else:
                 out.finished.result.CopyFrom(json_format.ParseDict(item.data, pb.ToolResult()))
             yield out
@@ -154,6 +152,56 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
             spec_json=json.dumps(prepared.spec.to_json_dict(), indent=2, sort_keys=True),
             notes=notes,
         )
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(bits | 0x80)
+        else:
+            out.append(bits)
+            return bytes(out)
+
+
+def _length_delimited(tag: int, payload_len: int) -> bytes:
+    return bytes([tag]) + _varint(payload_len)
+
+
+def encode_output_event(tool_call_id: str, stream: int, offset: int, data: bytes) -> bytes:
+    """ExecuteEvent{tool_call_id, output: OutputChunk{stream, offset, data}} in protobuf
+    wire format, built around `data` with one copy: output chunks are most of the bytes
+    a call streams, and building messages would copy each chunk twice more."""
+    stream_value = pb.OUTPUT_STREAM_STDOUT if stream == STDOUT else pb.OUTPUT_STREAM_STDERR
+    chunk_head = b"\x08" + _varint(stream_value) + (b"\x10" + _varint(offset) if offset else b"")
+    data_head = _length_delimited(0x1A, len(data)) if data else b""  # proto3 omits empty fields
+    chunk_len = len(chunk_head) + len(data_head) + len(data)
+    call_id = tool_call_id.encode()
+    head = (_length_delimited(0x0A, len(call_id)) + call_id if call_id else b"")
+    return b"".join((head, _length_delimited(0x2A, chunk_len), chunk_head, data_head, data))
+
+
+def _serialize_event(event: pb.ExecuteEvent | bytes) -> bytes:
+    return event if isinstance(event, bytes) else event.SerializeToString()
+
+
+def add_execution_service(servicer: "ExecutionServicer", server: grpc.Server) -> None:
+    """Like the generated registration, except that Execute's serializer passes
+    pre-encoded output events through."""
+    handlers = {
+        "Execute": grpc.unary_stream_rpc_method_handler(
+            servicer.Execute, request_deserializer=pb.ExecuteRequest.FromString, response_serializer=_serialize_event),
+        "Cancel": grpc.unary_unary_rpc_method_handler(
+            servicer.Cancel, request_deserializer=pb.CancelRequest.FromString,
+            response_serializer=pb.CancelResponse.SerializeToString),
+        "ExplainPolicy": grpc.unary_unary_rpc_method_handler(
+            servicer.ExplainPolicy, request_deserializer=pb.ExplainPolicyRequest.FromString,
+            response_serializer=pb.ExplainPolicyResponse.SerializeToString),
+    }
+    name = pb.DESCRIPTOR.services_by_name["ExecutionService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
 
 
 def artifact_to_pb(r) -> pb.ArtifactRef:

@@ -286,3 +286,17 @@ def test_load_seccomp_profile_refuses_missing_or_broken(tmp_path, content):
         p.write_text(content)
     with pytest.raises(BackendUnavailable):
         load_seccomp_profile(str(p))
+
+
+@pytest.mark.parametrize("stream, offset, size", [(1, 0, 0), (2, 0, 5), (1, 127, 128), (2, 2**40, 300_000), (1, 1, 1)])
+def test_pre_encoded_output_events_parse_as_the_proto_message(stream, offset, size):
+    from sandboxd.service import encode_output_event
+    from sandboxd_client.pb import sandboxd_pb2 as pb
+
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    event = pb.ExecuteEvent.FromString(encode_output_event("tc-é1", stream, offset, data))
+    assert event.tool_call_id == "tc-é1" and event.WhichOneof("kind") == "output"
+    assert event.output.stream == (pb.OUTPUT_STREAM_STDOUT if stream == 1 else pb.OUTPUT_STREAM_STDERR)
+    assert event.output.offset == offset and event.output.data == data
+    want = pb.ExecuteEvent(tool_call_id="tc-é1", output=pb.OutputChunk(stream=event.output.stream, offset=offset, data=data))
+    assert encode_output_event("tc-é1", stream, offset, data) == want.SerializeToString()
