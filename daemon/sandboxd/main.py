@@ -15,7 +15,6 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
