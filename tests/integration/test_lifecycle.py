@@ -172,3 +172,17 @@ def test_a_backend_that_fails_its_checks_is_refused_never_bypassed(spare_daemon,
         assert "runtime.adapter" in exc.value.message and "no-such-nsjail" in exc.value.message
         assert c.run(call(ws, ["echo", "docker still works"])).stdout == b"docker still works\n"
     assert "backend nsjail unavailable" in d.log()
+
+
+def test_argv_and_stdin_above_the_daemons_limits_are_refused(spare_daemon, docker_engine):
+    d = spare_daemon(limits={"max_argv_bytes": 64, "max_stdin_bytes": 8}).start()
+    ws = d.new_workspace()
+    with d.client() as c:
+        with pytest.raises(errors.InvalidArgument) as exc:
+            c.run(call(ws, ["echo", "x" * 100]))
+        assert exc.value.message.startswith("argv:")
+        with pytest.raises(errors.InvalidArgument) as exc:
+            c.run(call(ws, ["cat"], stdin=b"123456789"))
+        assert exc.value.message.startswith("stdin:")
+        assert c.run(call(ws, ["cat"], stdin=b"12345678")).stdout == b"12345678"
+    assert not leftover_sandboxes(docker_engine, d)
