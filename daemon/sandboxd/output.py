@@ -15,7 +15,6 @@ from pathlib import Path
 STDOUT, STDERR = 1, 2
 STREAM_NAMES = {STDOUT: "stdout", STDERR: "stderr"}
 MAX_CHUNK_BYTES = 1024 * 1024
-HASH_CHUNK_BYTES = 4 * 1024 * 1024
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
@@ -38,17 +37,11 @@ class OutputSpool:
         self._paths = {s: directory / f"{STREAM_NAMES[s]}.out" for s in (STDOUT, STDERR)}
         self._fds = {s: os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for s, p in self._paths.items()}
         self._hashes = {s: hashlib.sha256() for s in (STDOUT, STDERR)}
-        # sha256 runs on its own thread, reading the spool back, so the thread that
-        # drains the sandbox's pipes never waits for it.
-        self._hashed = {STDOUT: 0, STDERR: 0}
-        hash_fds = {st: os.open(p, os.O_RDONLY) for st, p in self._paths.items()}
-        self._hasher = threading.Thread(target=self._hash_loop, args=(hash_fds,), daemon=True, name="spool-hash")
         self._produced = {STDOUT: 0, STDERR: 0}
         self._stored = {STDOUT: 0, STDERR: 0}
         self._previews = {STDOUT: bytearray(), STDERR: bytearray()}
         self._closed = False
         self._cond = threading.Condition()
-        self._hasher.start()
 
     # -- writer side (the backend's reader thread) ------------------------------
     def write(self, stream: int, data: bytes | memoryview) -> None:
@@ -82,38 +75,15 @@ class OutputSpool:
                     rest = memoryview(b"".join(group))[written:]
                     while rest:
                         rest = rest[os.write(self._fds[stream], rest):]
+            digest = self._hashes[stream]
             preview = self._previews[stream]
             for part in keep:
-                if len(preview) >= self._preview_bytes:
-                    break
-                preview += part[: self._preview_bytes - len(preview)]
+                digest.update(part)
+                if len(preview) < self._preview_bytes:
+                    preview += part[: self._preview_bytes - len(preview)]
             self._produced[stream] += n
             self._stored[stream] += kept
             self._cond.notify_all()
-
-    def _hash_loop(self, readers: dict[int, int]) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not self._closed and all(self._stored[st] == self._hashed[st] for st in readers):
-                        self._cond.wait()
-                    todo = {st: self._stored[st] - self._hashed[st] for st in readers}
-                    closed = self._closed
-                if closed and not any(todo.values()):
-                    return
-                for st, n in todo.items():
-                    while n > 0:
-                        data = os.pread(readers[st], min(n, HASH_CHUNK_BYTES), self._hashed[st])
-                        if not data:
-                            break
-                        self._hashes[st].update(data)
-                        n -= len(data)
-                        with self._cond:
-                            self._hashed[st] += len(data)
-                            self._cond.notify_all()
-        finally:
-            for fd in readers.values():
-                os.close(fd)
 
     def close(self) -> None:
         with self._cond:
@@ -159,8 +129,6 @@ class OutputSpool:
 
     def summary(self, stream: int) -> StreamSummary:
         with self._cond:
-            while self._hashed[stream] < self._stored[stream] and self._hasher.is_alive():
-                self._cond.wait(0.5)
             return StreamSummary(
                 path=self._paths[stream],
                 produced_bytes=self._produced[stream],
@@ -172,7 +140,6 @@ class OutputSpool:
 
     def discard(self) -> None:
         self.close()
-        self._hasher.join()
         for p in self._paths.values():
             p.unlink(missing_ok=True)
         try:
