@@ -154,7 +154,7 @@ class CallRun:
                 handle = backend.create(p.spec)
                 self._record([EventDraft(ev.SANDBOX_PREPARED, {
                     "sandboxId": p.sandbox_id, "engineId": handle.engine_id, "backend": backend.name,
-                    "specDigest": "sha256:" + hashlib.sha256(canonical_json(_spec_for_record(p.spec))).hexdigest(),
+                    "specDigest": "sha256:" + hashlib.sha256(canonical_json(p.spec.to_json_dict())).hexdigest(),
                 })])
                 with self._cond:
                     self._handle = handle
@@ -268,12 +268,7 @@ class CallRun:
             }, finished_id),
             # The whole result is recorded, so the log alone can answer for the call.
             EventDraft(ev.RESULT_VALIDATED, {"result": result}, validated_id),
-        ] + [
-            EventDraft(ev.ARTIFACT_PERSISTED, {
-                "artifactId": r.artifact_id, "kind": r.kind, "contentHash": r.content_hash, "sizeBytes": r.size_bytes,
-            }, r.event_id)
-            for r in records
-        ]
+        ] + [_persisted(r) for r in records]
         with ex.db.transaction() as conn:
             for r in records:
                 ex.artifacts.insert(conn, r)
@@ -296,8 +291,10 @@ def _error_result(tool_call_id: str, code: str, message: str) -> dict[str, Any]:
             "error": {"code": code, "message": message, "retryable": False, "safeToShowUser": True}}
 
 
-def _spec_for_record(spec: Any) -> dict[str, Any]:
-    return spec.to_json_dict()
+def _persisted(r: ArtifactRecord) -> EventDraft:
+    return EventDraft(ev.ARTIFACT_PERSISTED, {
+        "artifactId": r.artifact_id, "kind": r.kind, "contentHash": r.content_hash, "sizeBytes": r.size_bytes,
+    }, r.event_id)
 
 
 def _request_summary(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -543,9 +540,7 @@ class CallExecutor:
                 self.events.append(conn, tool_call_id, trace[-1].event_id, [
                     EventDraft(ev.FINISHED, {"interrupted": True, "exitCode": -1}, finished_id),
                     EventDraft(ev.RESULT_VALIDATED, {"result": result}, validated_id),
-                ] + [EventDraft(ev.ARTIFACT_PERSISTED, {"artifactId": r.artifact_id, "kind": r.kind,
-                                                          "contentHash": r.content_hash, "sizeBytes": r.size_bytes},
-                                r.event_id) for r in records])
+                ] + [_persisted(r) for r in records])
         return len(rows)
 
     def _salvage_output(self, tool_call_id: str, sandbox_id: str) -> list[ArtifactRecord]:
