@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: run test unit integration venv docker images proto proto-check bench clean
+.PHONY: run test unit integration venv docker images native proto proto-check bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -14,6 +14,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# The egress shim runs inside every image, so it is static and libc-only.
+build/egress-shim: native/egress-shim.c
+	@mkdir -p build
+	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
+	gcc -static -O2 -Wall -Wextra -o $@ $< 2>&1 | { grep -v 'statically linked' || true; }
+
+native: build/egress-shim
 
 docker:
 	scripts/ensure-docker.sh
@@ -28,19 +36,19 @@ proto: venv
 proto-check: venv
 	PYTHON=$(PY) scripts/gen-proto.sh --check
 
-run: venv images
+run: venv images native
 	$(VENV)/bin/sandboxd $(if $(CONFIG),--config $(CONFIG))
 
-unit: venv
+unit: venv native
 	$(VENV)/bin/pytest -q tests/unit $(PYTEST_ARGS)
 
-integration: venv images
+integration: venv images native
 	$(VENV)/bin/pytest -q tests/integration $(PYTEST_ARGS)
 
-test: venv images proto-check
+test: venv images native proto-check
 	$(VENV)/bin/pytest -q tests $(PYTEST_ARGS)
 
-bench: venv images
+bench: venv images native
 	$(PY) bench/cold_start.py
 	$(PY) bench/stream_throughput.py
 

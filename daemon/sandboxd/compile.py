@@ -68,12 +68,68 @@ class DockerSpec:
         return asdict(self)
 
 
+# Where an allowlist sandbox finds the egress proxy's socket and the shim that relays
+# its loopback port to it. Under /dev, a tmpfs on both backends, so the read-only
+# image root needs no mount point of its own.
+EGRESS_SOCKET_PATH = "/dev/sandboxd/egress.sock"
+EGRESS_SHIM_PATH = "/dev/sandboxd/egress-shim"
+
+
+@dataclass(frozen=True)
+class EgressAttachment:
+    """Host facts of an allowlist sandbox's way out: its proxy endpoint and the shim."""
+
+    socket_host_path: str
+    shim_host_path: str
+    port: int
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """Every spelling tools look for. Loopback stays direct: it is the sandbox's own."""
+        url = self.proxy_url
+        out: dict[str, str] = {}
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+            out[name] = out[name.lower()] = url
+        out["NO_PROXY"] = out["no_proxy"] = "localhost,127.0.0.1,::1"
+        return out
+
+    def wrap(self, argv: tuple[str, ...]) -> tuple[str, ...]:
+        return (EGRESS_SHIM_PATH, EGRESS_SOCKET_PATH, str(self.port), "--", *argv)
+
+
+def network_plan(policy: EffectivePolicy, egress: EgressAttachment | None) -> dict[str, Any]:
+    """What ExplainPolicy shows of the network: the proxy the sandbox is given and the
+    names it may reach through it."""
+    plan: dict[str, Any] = {"egress": policy.egress, "denyPrivateNetworks": policy.deny_private_networks}
+    if policy.egress == "none":
+        plan["network"] = "loopback only"
+    elif policy.egress == "open":
+        plan["network"] = "the engine's default network"
+    if egress is not None:
+        plan.update({"network": "loopback only; the proxy is the one way out", "proxy": egress.proxy_url,
+                     "proxySocket": EGRESS_SOCKET_PATH, "allowDomains": list(policy.allow_domains)})
+    return plan
+
+
+def require_egress(policy: EffectivePolicy, egress: EgressAttachment | None) -> None:
+    """An allowlist without its proxy would be a sandbox cut off, or worse, an open one."""
+    if (policy.egress == "allowlist") != (egress is not None):
+        raise ValueError(f"egress {policy.egress!r} with{'out' if egress is None else ''} an egress attachment")
+
+
 def cgroup_parent_for(sandbox_id: str) -> str:
     return f"/sandboxd/{sandbox_id}"
 
 
-def _mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str) -> tuple[MountSpec, ...]:
+def _mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str,
+            egress: EgressAttachment | None) -> tuple[MountSpec, ...]:
     mounts: list[MountSpec] = []
+    if egress is not None:
+        mounts.append(MountSpec("bind", EGRESS_SOCKET_PATH, source=egress.socket_host_path, read_only=True))
+        mounts.append(MountSpec("bind", EGRESS_SHIM_PATH, source=egress.shim_host_path, read_only=True))
     bound = {b.sandbox_path for b in plan.binds}
     if WORKSPACE not in bound:
         # Only parts of the workspace are visible: /workspace itself is an empty,
@@ -104,22 +160,25 @@ def compile_docker(
     stdin_open: bool,
     mask_file: str,
     seccomp_profile: str,
+    egress: EgressAttachment | None = None,
 ) -> DockerSpec:
-    network_mode = {"none": "none", "open": "bridge"}[policy.egress]
+    require_egress(policy, egress)
+    # allowlist: no network at all; the proxy is reached through a bound Unix socket.
+    network_mode = {"none": "none", "allowlist": "none", "open": "bridge"}[policy.egress]
     return DockerSpec(
         name=f"sandboxd-{identity.sandbox_id}",
         image=image,
-        argv=tuple(argv),
+        argv=egress.wrap(tuple(argv)) if egress else tuple(argv),
         user=f"{plan.uid}:{plan.gid}",
         working_dir=policy.cwd,
-        env=dict(policy.env),
+        env={**policy.env, **(egress.env() if egress else {})},
         labels={
             f"{LABEL_PREFIX}daemon_id": identity.daemon_id,
             f"{LABEL_PREFIX}sandbox_id": identity.sandbox_id,
             f"{LABEL_PREFIX}tool_call_id": identity.tool_call_id,
             f"{LABEL_PREFIX}workspace": plan.workspace,
         },
-        mounts=_mounts(policy, plan, mask_file),
+        mounts=_mounts(policy, plan, mask_file, egress),
         network_mode=network_mode,
         memory_bytes=policy.memory_bytes,
         pids_limit=policy.max_pids,

@@ -26,6 +26,8 @@ FINISHED = "ToolCallFinished"
 RESULT_VALIDATED = "ToolResultValidated"
 ARTIFACT_PERSISTED = "ArtifactPersisted"
 REJECTED = "ToolCallRejected"
+# One connection attempt through the egress proxy, allowed or denied.
+NETWORK_ACCESS = "NetworkAccessObserved"
 # A retry with an already accepted idempotency key, answered from the first call.
 REPLAYED = "ToolCallReplayed"
 

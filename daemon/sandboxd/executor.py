@@ -20,7 +20,7 @@ from typing import Any
 from . import events as ev
 from .artifacts import ArtifactRecord, FileArtifactStore
 from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle
-from .compile import SandboxIdentity
+from .compile import EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
                      PermissionDenied, ResourceExhausted, SandboxdError)
 from .events import EventDraft, EventLog
@@ -28,6 +28,7 @@ from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
 from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_admission, parse_call, request_digest,
                      resolve_policy)
 from .preflight import HostPlan, preflight
+from .proxy import ConnectionRecord, EgressEndpoint, EgressProxy, summarize_external_calls
 from .settings import DaemonSettings
 from .transport import Principal
 
@@ -53,6 +54,7 @@ class Prepared:
     backend: Backend
     spec: Any
     sandbox_id: str
+    egress: EgressAttachment | None = None
 
 
 class CallRun:
@@ -147,9 +149,17 @@ class CallRun:
         usage = ResourceUsage(0, 0)
         failure: SandboxdError | None = None
         handle: SandboxHandle | None = None
+        endpoint: EgressEndpoint | None = None
+        connections: list[ConnectionRecord] = []
         try:
             with self._cond:
                 cancelled_early = bool(self._cancel_reason)
+            if not cancelled_early and p.egress is not None:
+                proxy = self._executor.proxy
+                assert proxy is not None
+                endpoint = proxy.open_endpoint(
+                    p.sandbox_id, proxy.rules(p.policy.allow_domains, p.policy.deny_private_networks),
+                    uid=p.plan.uid, gid=p.plan.gid, record_allowed=p.policy.record_network_access)
             if not cancelled_early:
                 handle = backend.create(p.spec)
                 self._record([EventDraft(ev.SANDBOX_PREPARED, {
@@ -189,12 +199,18 @@ class CallRun:
                     log.exception("destroying sandbox %s failed", p.sandbox_id)
                 if handle.reader is not None:
                     handle.reader.join(KILL_GRACE_S)  # the last bytes land before the spool closes
+            if endpoint is not None:
+                try:
+                    connections = self._executor.proxy.close_endpoint(endpoint)
+                except Exception:
+                    log.exception("closing the egress endpoint of %s failed", p.sandbox_id)
             self.spool.close()
         latency_ms = int((time.monotonic() - t0) * 1000)
         with self._cond:
             cancel_reason = self._cancel_reason
         try:
-            self._finish(status, usage, latency_ms, timed_out, cancel_reason, failure)
+            self._finish(status, usage, latency_ms, timed_out, cancel_reason, failure, connections,
+                         endpoint.dropped_records if endpoint else 0)
         except Exception:
             log.exception("recording the result of %s failed", self.tool_call_id)
             with self._cond:
@@ -204,7 +220,8 @@ class CallRun:
             self._executor._forget(self)
 
     def _finish(self, status: ExitStatus | None, usage: ResourceUsage, latency_ms: int, timed_out: bool,
-                cancel_reason: str, failure: SandboxdError | None) -> None:
+                cancel_reason: str, failure: SandboxdError | None, connections: list[ConnectionRecord],
+                dropped_connections: int) -> None:
         ex = self._executor
         out, err = self.spool.summary(STDOUT), self.spool.summary(STDERR)
         now = ev.utc_now()
@@ -251,14 +268,19 @@ class CallRun:
             "stdoutPreview": out.preview,
             "stderrPreview": err.preview,
             "artifacts": [_artifact_json(r) for r in records],
-            "effectsObserved": {"reads": [], "writes": [], "deletes": [], "externalCalls": []},
+            "effectsObserved": {"reads": [], "writes": [], "deletes": [],
+                                "externalCalls": summarize_external_calls(connections)},
             "usage": {"latencyMs": latency_ms, "cpuMs": usage.cpu_ms, "peakMemoryBytes": usage.peak_memory_bytes,
                       "outputBytes": out.produced_bytes + err.produced_bytes},
             "provenance": {"eventId": validated_id, "artifactRefs": [r.artifact_id for r in records]},
         }
         if error:
             result["error"] = error
-        drafts = [
+        drafts = [EventDraft(ev.NETWORK_ACCESS, c.to_event()) for c in connections]
+        if dropped_connections:
+            drafts.append(EventDraft(ev.NETWORK_ACCESS, {"dropped": dropped_connections, "reason": (
+                f"more than {len(connections)} connections: the rest were counted, not recorded")}))
+        drafts += [
             EventDraft(ev.FINISHED, {
                 "exitCode": exit_code, "signal": result["signal"], "timedOut": timed_out, "oomKilled": oom,
                 "cancelled": bool(cancel_reason), "failure": failure.message if failure else "",
@@ -366,8 +388,11 @@ class ReplayRun:
 
 class CallExecutor:
     def __init__(self, settings: DaemonSettings, db, events: EventLog, artifacts: FileArtifactStore,
-                 backends: Mapping[str, Backend], daemon_id: str, unavailable: Mapping[str, str] | None = None):
+                 backends: Mapping[str, Backend], daemon_id: str, unavailable: Mapping[str, str] | None = None,
+                 proxy: EgressProxy | None = None, no_proxy_reason: str = "disabled"):
         self.settings = settings
+        self.proxy = proxy
+        self._no_proxy_reason = no_proxy_reason
         self.db = db
         self.events = events
         self.artifacts = artifacts
@@ -402,9 +427,16 @@ class CallExecutor:
         plan = preflight(policy, call.workspace, self.settings)
         digest = backend.image_digest(image)
         sandbox_id = "sbx-" + ev.new_id("x")[2:]
+        egress = None
+        if policy.egress == "allowlist":
+            if self.proxy is None:
+                raise BackendUnavailable(f"egress 'allowlist' needs the egress proxy, which is unavailable: "
+                                         f"{self._no_proxy_reason}", field="policy.network.egress")
+            egress = EgressAttachment(str(self.proxy.socket_path(sandbox_id)), str(self.proxy.shim_path),
+                                      self.settings.egress.proxy_port)
         spec = backend.compile(policy, plan, SandboxIdentity(self.daemon_id, sandbox_id, tool_call_id),
-                               argv=tuple(call.argv), image=image, stdin_open=bool(call.stdin))
-        return Prepared(call, policy, plan, image, digest, backend, spec, sandbox_id)
+                               argv=tuple(call.argv), image=image, stdin_open=bool(call.stdin), egress=egress)
+        return Prepared(call, policy, plan, image, digest, backend, spec, sandbox_id, egress)
 
     def submit(self, raw: Mapping[str, Any], caller: Principal) -> "CallRun | AttachedRun | ReplayRun":
         """Verifies and starts a call. Refusals raise (after being recorded); an

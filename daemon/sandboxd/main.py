@@ -29,6 +29,7 @@ from .backends.nsjail import NsjailBackend
 from .errors import BackendUnavailable, SandboxdError
 from .events import EventLog
 from .executor import CallExecutor, clean_spool
+from .proxy import EgressProxy
 from .service import (ArtifactServicer, Authenticator, ErrorInterceptor, ExecutionServicer, TraceServicer,
                       add_execution_service)
 from .settings import DaemonSettings, load_settings
@@ -80,6 +81,7 @@ class Daemon:
     db: Database
     daemon_id: str
     relay: PeerCredentialRelay
+    proxy: EgressProxy | None = None
 
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.grace_period_s if grace_s is None else grace_s
@@ -87,6 +89,8 @@ class Daemon:
         self.relay.close()
         self.executor.shutdown(grace)
         self.server.stop(grace=1).wait()
+        if self.proxy is not None:
+            self.proxy.stop()
         for backend in self.executor.backends.values():
             close = getattr(backend, "close", None)
             if close is not None:
@@ -130,6 +134,19 @@ def _start_backends(settings: DaemonSettings, daemon_id: str) -> tuple[dict, dic
     return backends, unavailable
 
 
+def _start_egress(settings: DaemonSettings) -> tuple[EgressProxy | None, str]:
+    """The egress proxy, or why there is none: allowlist calls are then refused."""
+    if not settings.egress.enabled:
+        return None, "disabled in the daemon's settings"
+    proxy = EgressProxy.from_settings(settings.egress)
+    try:
+        proxy.start()
+    except SandboxdError as exc:
+        log.error("egress proxy unavailable: %s", exc.message)
+        return None, exc.message
+    return proxy, ""
+
+
 def build_daemon(settings: DaemonSettings) -> Daemon:
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(settings.state_dir, 0o700)
@@ -141,7 +158,9 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     db = Database(settings.db_path)
     events = EventLog(db)
     artifacts = FileArtifactStore(settings.blob_dir, db)
-    executor = CallExecutor(settings, db, events, artifacts, backends, daemon_id, unavailable)
+    proxy, no_proxy_reason = _start_egress(settings)
+    executor = CallExecutor(settings, db, events, artifacts, backends, daemon_id, unavailable,
+                            proxy=proxy, no_proxy_reason=no_proxy_reason)
     interrupted = executor.recover_interrupted()
     if interrupted:
         log.warning("recorded %d calls that an earlier run of this daemon never finished", interrupted)
@@ -173,7 +192,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     relay = PeerCredentialRelay(settings.socket_path, internal_socket, internal, settings.socket_mode)
     relay.start()
     log.info("serving on %s (daemon %s, state %s)", settings.socket_path, daemon_id, settings.state_dir)
-    return Daemon(settings, server, executor, db, daemon_id, relay)
+    return Daemon(settings, server, executor, db, daemon_id, relay, proxy)
 
 
 def main(argv: list[str] | None = None) -> int:

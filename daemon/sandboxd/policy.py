@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from sandboxd_client.canonical import canonical_json
 
+from .egress import normalize_pattern
 from .errors import InvalidArgument, PermissionDenied, Unimplemented
 from .settings import LimitSettings
 
@@ -282,20 +283,22 @@ def resolve_policy(
         raise InvalidArgument(f"{cwd} is a blocked path", field=cwd_field)
 
     net = policy.network
-    if net.egress == "allowlist":
-        raise Unimplemented(
-            "egress 'allowlist' needs the filtering proxy, which this daemon does not have yet; "
-            "it is refused rather than run as 'open'",
-            field="policy.network.egress",
-        )
     if net.egress == "open" and net.deny_private_networks:
         raise Unimplemented(
             "egress 'open' cannot yet keep private, loopback and metadata addresses out; "
-            "set denyPrivateNetworks: false to accept that, or use egress 'none'",
+            "set denyPrivateNetworks: false to accept that, or use egress 'allowlist' or 'none'",
             field="policy.network.denyPrivateNetworks",
         )
     if net.allow_domains and net.egress != "allowlist":
         raise InvalidArgument(f"allowDomains needs egress 'allowlist', not '{net.egress}'", field="policy.network.allowDomains")
+    allow_domains: list[str] = []
+    for i, pattern in enumerate(net.allow_domains):
+        try:
+            normalized = normalize_pattern(pattern)
+        except ValueError as exc:
+            raise InvalidArgument(f"{pattern!r}: {exc}", field=f"policy.network.allowDomains[{i}]") from None
+        if normalized not in allow_domains:
+            allow_domains.append(normalized)
 
     env = _resolve_env(call, temp_dir, inheritable_env)
     proc = policy.process
@@ -307,7 +310,7 @@ def resolve_policy(
         blocked_paths=blocked,
         temp_dir=temp_dir,
         egress=net.egress,
-        allow_domains=tuple(net.allow_domains),
+        allow_domains=tuple(allow_domains),
         deny_private_networks=net.deny_private_networks,
         env=env,
         timeout_ms=_limit(proc.timeout_ms, limits.default_timeout_ms, limits.max_timeout_ms, f"{pp}.timeoutMs", "ms"),

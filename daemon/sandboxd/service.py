@@ -15,6 +15,7 @@ from sandboxd_client.pb import sandboxd_pb2 as pb
 from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 
 from .artifacts import FileArtifactStore
+from .compile import network_plan
 from .errors import InvalidArgument, NotFound, PermissionDenied, SandboxdError
 from .events import EventLog
 from .executor import CallExecutor
@@ -151,6 +152,7 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
             effective_policy_json=json.dumps(prepared.policy.to_json_dict(), indent=2, sort_keys=True),
             spec_json=json.dumps(prepared.spec.to_json_dict(), indent=2, sort_keys=True),
             notes=notes,
+            network_plan_json=json.dumps(network_plan(prepared.policy, prepared.egress), indent=2, sort_keys=True),
         )
 
 

@@ -4,6 +4,7 @@ given with --config overrides any of them."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 
@@ -55,6 +56,40 @@ class NsjailSettings(BaseModel):
     warm_slots: int = 2
 
 
+class EgressSettings(BaseModel):
+    """The egress proxy behind every `allowlist` sandbox (proxy.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    # Holds one Unix socket per allowlist sandbox; traversable by sandbox users (nsjail
+    # binds as them), so it lies outside the private state dir.
+    socket_dir: Path = Path("/var/lib/sandboxd-egress")
+    # The static relay run inside the sandbox (native/egress-shim.c, `make native`).
+    shim_binary: Path = REPO_ROOT / "build" / "egress-shim"
+    # The loopback port the sandbox's HTTP(S)_PROXY points at.
+    proxy_port: int = Field(default=3128, ge=1, le=65535)
+    # name -> addresses the proxy uses instead of DNS (an internal mirror; test hosts).
+    hosts: dict[str, tuple[str, ...]] = Field(default_factory=dict)
+    # Resolve names missing from `hosts` with the host's resolver; off: they fail.
+    system_dns: bool = True
+    # Networks reachable even with denyPrivateNetworks (an internal package mirror).
+    exempt_networks: tuple[str, ...] = ()
+    connect_timeout_s: float = 10.0
+    max_connections_per_sandbox: int = 256
+    # NetworkAccessObserved events kept per call; past it they are counted, not kept.
+    max_records_per_call: int = 2000
+
+    @model_validator(mode="after")
+    def _valid_addresses(self) -> "EgressSettings":
+        for name, addrs in self.hosts.items():
+            for a in addrs:
+                ipaddress.ip_address(a)
+        for net in self.exempt_networks:
+            ipaddress.ip_network(net, strict=False)
+        return self
+
+
 class DaemonSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -76,6 +111,7 @@ class DaemonSettings(BaseModel):
     inheritable_env: tuple[str, ...] = ("LANG", "LC_ALL", "TZ")
     limits: LimitSettings = Field(default_factory=LimitSettings)
     nsjail: NsjailSettings = Field(default_factory=NsjailSettings)
+    egress: EgressSettings = Field(default_factory=EgressSettings)
     # Peer uid on the Unix socket -> principal name; any other uid is refused.
     principals: dict[int, str] = Field(default_factory=lambda: {0: "root"})
     # Principals that may read every tenant's traces and artifacts.

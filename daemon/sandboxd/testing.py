@@ -111,7 +111,10 @@ def make_daemon(base: Path, env: dict[str, str] | None = None, **settings) -> Da
         "state_dir": str(d.state_dir),
         "workspace_roots": [str(root)],
         "log_level": "INFO",
+        # Tests never reach real DNS: every name the proxy may resolve is in `hosts`.
+        "egress": {"socket_dir": str(base / "egress"), "system_dns": False},
     }
+    config["egress"].update(settings.pop("egress", {}))
     config.update(settings)
     d.config.write_text(yaml.safe_dump(config))
     return d

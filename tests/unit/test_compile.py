@@ -14,10 +14,14 @@ from sandboxd.compile import (
     MASK_DIR_TMPFS_BYTES,
     MAX_OPEN_FILES,
     WORKSPACE_BASE_TMPFS_BYTES,
+    EGRESS_SHIM_PATH,
+    EGRESS_SOCKET_PATH,
     DockerSpec,
+    EgressAttachment,
     MountSpec,
     SandboxIdentity,
     compile_docker,
+    network_plan,
 )
 from sandboxd.policy import is_within
 from sandboxd.preflight import Bind, HostPlan, Mask
@@ -31,10 +35,10 @@ MB = 2**20
 
 
 def _compile(policy, plan, *, stdin_open=False, argv=("python3", "-c", "print(1)"),
-             image="sandboxd/default:latest", ident=None) -> DockerSpec:
+             image="sandboxd/default:latest", ident=None, egress=None) -> DockerSpec:
     return compile_docker(policy, plan, ident or SandboxIdentity("daemon-1", "sbx-0001", "tc-0001"),
                           argv=argv, image=image, stdin_open=stdin_open,
-                          mask_file=MASK_FILE, seccomp_profile="sandboxd-docker.json")
+                          mask_file=MASK_FILE, seccomp_profile="sandboxd-docker.json", egress=egress)
 
 
 # ------------------------------------------------------------------ cases
@@ -91,8 +95,18 @@ def case_writable_workspace_custom_temp():
                           "ident": SandboxIdentity("daemon-2", "sbx-abcdef", "tc-writable")}
 
 
+def case_egress_allowlist():
+    """allowlist: no network, the proxy's socket and the shim bound in, argv wrapped."""
+    policy = resolve({"network": {"egress": "allowlist", "allowDomains": ["pypi.test", "*.files.test"]},
+                      "environment": {"injectedEnv": {"HTTP_PROXY": "http://elsewhere:1"}}})
+    plan = HostPlan(workspace=WS, uid=1000, gid=1000, binds=(Bind("/workspace", WS, True),), masks=())
+    att = EgressAttachment("/var/lib/sandboxd-egress/sbx-0001.sock", "/var/lib/sandboxd-egress/egress-shim", 3128)
+    return policy, plan, {"egress": att, "argv": ("pip", "download", "requests")}
+
+
 CASES = {
     "default": case_default,
+    "egress_allowlist": case_egress_allowlist,
     "partial_workspace": case_partial_workspace,
     "writable_workspace_custom_temp": case_writable_workspace_custom_temp,
 }
@@ -141,7 +155,14 @@ def test_user_is_the_plan_uid_gid(compiled):
 
 def test_env_equals_policy_env_exactly(compiled):
     policy, _, spec = compiled
-    assert spec.env == policy.env
+    proxy_names = {"HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"}
+    proxy_names |= {n.lower() for n in proxy_names}
+    if policy.egress == "allowlist":
+        assert proxy_names <= set(spec.env)
+        assert {k: v for k, v in spec.env.items() if k not in proxy_names} == \
+            {k: v for k, v in policy.env.items() if k not in proxy_names}
+    else:
+        assert spec.env == policy.env
     assert spec.env is not policy.env
 
 
@@ -295,9 +316,34 @@ def test_to_json_dict_is_json_serializable():
     assert json.loads(json.dumps(d))["mounts"][0]["type"] == "tmpfs"
 
 
-def test_egress_allowlist_cannot_compile():
-    # resolve_policy refuses it; compile must not quietly turn it into a network mode.
+def test_egress_allowlist_cannot_compile_without_its_proxy():
+    # Without the attachment an allowlist would be a cut-off sandbox or, worse, an open one.
     from dataclasses import replace
     policy, plan, _ = case_default()
-    with pytest.raises(KeyError):
-        _compile(replace(policy, egress="allowlist"), plan)
+    with pytest.raises(ValueError):
+        _compile(replace(policy, egress="allowlist", allow_domains=("pypi.test",)), plan)
+    policy, plan, kwargs = case_egress_allowlist()
+    with pytest.raises(ValueError):
+        _compile(replace(policy, egress="none", allow_domains=()), plan, egress=kwargs["egress"])
+
+
+def test_egress_allowlist_has_no_network_but_the_proxy():
+    policy, plan, kwargs = case_egress_allowlist()
+    spec = _compile(policy, plan, **kwargs)
+    assert spec.network_mode == "none"
+    binds = {m.target: m for m in spec.mounts if m.type == "bind"}
+    assert binds[EGRESS_SOCKET_PATH].source == kwargs["egress"].socket_host_path
+    assert binds[EGRESS_SOCKET_PATH].read_only and binds[EGRESS_SHIM_PATH].read_only
+    assert spec.argv == (EGRESS_SHIM_PATH, EGRESS_SOCKET_PATH, "3128", "--", "pip", "download", "requests")
+    # The daemon's proxy wins over a policy that names another: it is the only way out anyway.
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        assert spec.env[name] == "http://127.0.0.1:3128"
+
+
+def test_network_plan_shows_the_proxy_and_patterns():
+    policy, plan, kwargs = case_egress_allowlist()
+    shown = network_plan(policy, kwargs["egress"])
+    assert shown["proxy"] == "http://127.0.0.1:3128"
+    assert shown["allowDomains"] == ["pypi.test", "*.files.test"]
+    assert shown["denyPrivateNetworks"] is True
+    assert network_plan(*case_default()[:1], None)["network"] == "loopback only"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.compile import MAX_OPEN_FILES, SandboxIdentity, compile_docker
+from sandboxd.compile import (EGRESS_SHIM_PATH, EGRESS_SOCKET_PATH, MAX_OPEN_FILES, EgressAttachment, SandboxIdentity,
+                              compile_docker)
 from sandboxd.compile_nsjail import (CPU_PERIOD_US, INIT_PATH, NSJAIL_CGROUP_ROOT, TIME_LIMIT_SLACK_S, NsjailMount,
                                      NsjailSpec, cgroup_for, compile_nsjail, quote)
 from sandboxd.errors import FailedPrecondition, Unimplemented
@@ -31,10 +32,11 @@ WS = "/srv/sandboxd/workspaces/alice/project"
 MB = 2**20
 
 
-def _compile(policy, plan, *, stdin_open=False, argv=("python3", "-c", "print(1)"), ident=None) -> NsjailSpec:
+def _compile(policy, plan, *, stdin_open=False, argv=("python3", "-c", "print(1)"), ident=None,
+             egress=None) -> NsjailSpec:
     return compile_nsjail(policy, plan, ident or SandboxIdentity("daemon-1", "sbx-0001", "tc-0001"),
                           argv=argv, rootfs=ROOTFS, stdin_open=stdin_open, mask_file=MASK_FILE,
-                          seccomp_policy_path=SECCOMP, nsjail_binary=NSJAIL, init_binary=INIT)
+                          seccomp_policy_path=SECCOMP, nsjail_binary=NSJAIL, init_binary=INIT, egress=egress)
 
 
 def _docker(policy, plan):
@@ -311,12 +313,34 @@ def test_write_root_in_temp_dir_is_the_tmpfs():
 # ------------------------------------------------------------------ network and determinism
 
 
-@pytest.mark.parametrize("egress", ["open", "allowlist"])
-def test_egress_other_than_none_is_refused(egress):
+def test_egress_open_is_refused():
     policy, plan, _ = case_default()
     with pytest.raises(Unimplemented) as err:
-        _compile(replace(policy, egress=egress), plan)
+        _compile(replace(policy, egress="open", deny_private_networks=False), plan)
     assert err.value.field == "policy.network.egress"
+
+
+def test_egress_allowlist_needs_its_attachment():
+    policy, plan, _ = case_default()
+    with pytest.raises(ValueError):
+        _compile(replace(policy, egress="allowlist", allow_domains=("pypi.test",)), plan)
+
+
+def test_egress_allowlist_binds_the_proxy_socket_and_wraps_the_command():
+    policy, plan, _ = case_default()
+    policy = replace(policy, egress="allowlist", allow_domains=("pypi.test",))
+    att = EgressAttachment("/var/lib/sandboxd-egress/sbx-0001.sock", "/var/lib/sandboxd-egress/egress-shim", 3128)
+    spec = _compile(policy, plan, egress=att)
+    assert spec.network == "none"  # still a fresh namespace with loopback only
+    by_dst = {m.dst: m for m in spec.mounts}
+    sock = by_dst[EGRESS_SOCKET_PATH]
+    assert sock.src == att.socket_host_path and sock.is_bind and not sock.rw and sock.noexec
+    shim = by_dst[EGRESS_SHIM_PATH]
+    assert shim.src == att.shim_host_path and not shim.rw and not shim.noexec
+    assert spec.argv[:4] == (EGRESS_SHIM_PATH, EGRESS_SOCKET_PATH, "3128", "--")
+    assert spec.command("/cfg", 3)[-len(spec.argv) - 2:][:2] == [INIT_PATH, "--"]
+    assert spec.env["HTTPS_PROXY"] == spec.env["http_proxy"] == "http://127.0.0.1:3128"
+    assert "127.0.0.1" in spec.env["NO_PROXY"]
 
 
 def test_network_is_none(compiled):

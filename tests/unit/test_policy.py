@@ -279,10 +279,32 @@ def test_persist_outputs_is_unimplemented():
 # ------------------------------------------------------------------ network
 
 
-def test_egress_allowlist_is_unimplemented():
-    exc = refused(Unimplemented, resolve, {"network": {"egress": "allowlist", "allowDomains": ["example.com"]}})
-    assert exc.field == "policy.network.egress"
-    assert exc.code == grpc.StatusCode.UNIMPLEMENTED
+def test_egress_allowlist_normalizes_and_dedupes_patterns():
+    p = resolve({"network": {"egress": "allowlist",
+                             "allowDomains": ["PyPI.org.", "*.Example.COM", "pypi.org", "10.0.0.5", "[::1]"]}})
+    assert p.egress == "allowlist"
+    assert p.allow_domains == ("pypi.org", "*.example.com", "10.0.0.5", "::1")
+    assert p.deny_private_networks is True
+
+
+@pytest.mark.parametrize("pattern, reason", [
+    ("*", "wildcard"),
+    ("*.com", "top-level"),
+    ("*.co.uk", "public suffix"),
+    ("*.github.io", "public suffix"),
+    ("https://pypi.org", "scheme"),
+    ("pypi.org:443", "port"),
+    ("pypi.org/simple", "path"),
+    ("py*.org", "wildcard"),
+    ("*.*.example.com", "wildcard"),
+    ("exa mple.com", "valid host"),
+    ("-bad.example.com", "valid host"),
+    ("", "empty"),
+])
+def test_bad_allow_domain_patterns_are_refused_with_the_index(pattern, reason):
+    exc = refused(InvalidArgument, resolve, {"network": {"egress": "allowlist", "allowDomains": ["ok.test", pattern]}})
+    assert exc.field == "policy.network.allowDomains[1]"
+    assert reason in exc.message
 
 
 @pytest.mark.parametrize("egress", ["none", "open"])

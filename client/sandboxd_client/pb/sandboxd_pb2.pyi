@@ -362,18 +362,20 @@ class ExplainPolicyRequest(_message.Message):
     def __init__(self, policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., workspace: _Optional[str] = ..., runtime: _Optional[_Union[RuntimeSettings, _Mapping]] = ..., argv: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ...) -> None: ...
 
 class ExplainPolicyResponse(_message.Message):
-    __slots__ = ("backend", "image", "effective_policy_json", "spec_json", "notes")
+    __slots__ = ("backend", "image", "effective_policy_json", "spec_json", "notes", "network_plan_json")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_POLICY_JSON_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     NOTES_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     backend: str
     image: str
     effective_policy_json: str
     spec_json: str
     notes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, backend: _Optional[str] = ..., image: _Optional[str] = ..., effective_policy_json: _Optional[str] = ..., spec_json: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
+    network_plan_json: str
+    def __init__(self, backend: _Optional[str] = ..., image: _Optional[str] = ..., effective_policy_json: _Optional[str] = ..., spec_json: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., network_plan_json: _Optional[str] = ...) -> None: ...
 
 class ListArtifactsRequest(_message.Message):
     __slots__ = ("tool_call_id",)

@@ -189,9 +189,9 @@ class DockerBackend:
             raise BackendUnavailable(f"dockerd does not answer: {exc}") from None
 
     def compile(self, policy, plan, identity: SandboxIdentity, *, argv: tuple[str, ...], image: str,
-                stdin_open: bool) -> DockerSpec:
+                stdin_open: bool, egress=None) -> DockerSpec:
         return compile_docker(policy, plan, identity, argv=argv, image=image, stdin_open=stdin_open,
-                              mask_file=self._mask_file, seccomp_profile=self._seccomp_name)
+                              mask_file=self._mask_file, seccomp_profile=self._seccomp_name, egress=egress)
 
     @_engine_errors_are_unavailable
     def image_digest(self, image: str) -> str:

@@ -437,11 +437,11 @@ class NsjailBackend:
         return self._resolve(image)[0]
 
     def compile(self, policy, plan, identity: SandboxIdentity, *, argv: tuple[str, ...], image: str,
-                stdin_open: bool) -> NsjailSpec:
+                stdin_open: bool, egress=None) -> NsjailSpec:
         _, rootfs = self._resolve(image)
         return compile_nsjail(policy, plan, identity, argv=argv, rootfs=rootfs, stdin_open=stdin_open,
                               mask_file=self._mask_file, seccomp_policy_path=self._seccomp_policy,
-                              nsjail_binary=self._binary or "nsjail", init_binary=self._init_binary)
+                              nsjail_binary=self._binary or "nsjail", init_binary=self._init_binary, egress=egress)
 
     def create(self, spec: NsjailSpec) -> SandboxHandle:
         sandbox_id = spec.labels[f"{LABEL_PREFIX}sandbox_id"]

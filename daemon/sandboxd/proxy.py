@@ -1,0 +1,510 @@
+"""The egress proxy: the only way out of an `allowlist` sandbox.
+
+A sandbox with egress `allowlist` has no network at all, only its own loopback. The
+daemon opens one Unix socket per sandbox (an EgressEndpoint), binds it into the sandbox,
+and the egress shim there relays 127.0.0.1:PORT to it; HTTP_PROXY and friends point at
+that port. Every connection on an endpoint therefore belongs to exactly one call: no
+attribution by source address, and no route for anything that ignores the proxy.
+
+The proxy speaks HTTP/1.1 proxy requests (absolute-form, one request per connection)
+and CONNECT. It checks the name against allowDomains before resolving it (a name that
+is not allowed is never looked up), resolves it itself, checks every resolved address
+(so DNS rebinding to a private address fails), connects to exactly an address it
+checked, and refuses a TLS SNI or Host header that disagrees with the target. Each
+connection leaves one ConnectionRecord, the call's NetworkAccessObserved event.
+
+It runs on one asyncio loop in its own thread; the call threads talk to it through
+open_endpoint / close_endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import shutil
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from . import events as ev
+from .egress import (Decision, EgressRules, IPAddress, decide_address, decide_host, host_addresses, normalize_host,
+                     parse_ip)
+from .errors import BackendUnavailable
+
+log = logging.getLogger("sandboxd.proxy")
+
+MAX_HEAD_BYTES = 64 * 1024
+HEAD_TIMEOUT_S = 30.0
+# How long a CONNECT tunnel waits for the client's first bytes (a TLS ClientHello)
+# before relaying anyway: some protocols let the server speak first.
+FIRST_BYTES_TIMEOUT_S = 1.0
+RELAY_CHUNK = 256 * 1024
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authorization", "proxy-authenticate",
+                        "te", "trailer", "upgrade"})
+
+
+@dataclass
+class ConnectionRecord:
+    """One attempt to reach something through the proxy."""
+
+    protocol: str  # "http" | "connect"
+    method: str = ""
+    host: str = ""
+    port: int = 0
+    address: str = ""
+    decision: str = "denied"  # "allowed" | "denied"
+    rule: str = ""
+    reason: str = ""
+    error: str = ""
+    status: int = 0  # what the proxy answered the client (200 for an established tunnel)
+    bytes_up: int = 0  # sandbox -> destination
+    bytes_down: int = 0  # destination -> sandbox
+    started_at: str = field(default_factory=ev.utc_now)
+    ended_at: str = ""
+
+    def to_event(self) -> dict[str, Any]:
+        return {
+            "protocol": self.protocol, "method": self.method, "host": self.host, "port": self.port,
+            "address": self.address, "decision": self.decision, "rule": self.rule, "reason": self.reason,
+            "error": self.error, "status": self.status, "bytesUp": self.bytes_up, "bytesDown": self.bytes_down,
+            "startedAt": self.started_at, "endedAt": self.ended_at,
+        }
+
+
+@dataclass
+class EgressEndpoint:
+    sandbox_id: str
+    socket_path: Path
+    rules: EgressRules
+    record_allowed: bool
+    records: list[ConnectionRecord] = field(default_factory=list)
+    dropped_records: int = 0
+    server: asyncio.base_events.Server | None = None
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+
+class ProxyRefusal(Exception):
+    def __init__(self, status: int, rule: str, reason: str, decision: str = "denied"):
+        super().__init__(reason)
+        self.status, self.rule, self.reason, self.decision = status, rule, reason, decision
+
+
+# ---------------------------------------------------------------- pure parsing
+
+
+def parse_head(head: bytes) -> tuple[str, str, str, list[tuple[str, str]]]:
+    """(method, target, version, headers) of a request head ending in CRLFCRLF."""
+    try:
+        text = head.decode("iso-8859-1")
+    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes any byte
+        raise ProxyRefusal(400, "bad-request", "undecodable request head") from None
+    lines = text.split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise ProxyRefusal(400, "bad-request", "not an HTTP/1.x request line")
+    headers: list[tuple[str, str]] = []
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise ProxyRefusal(400, "bad-request", f"malformed header line {line[:40]!r}")
+        headers.append((name, value.strip()))
+    return parts[0], parts[1], parts[2], headers
+
+
+def split_host_port(authority: str, default_port: int | None) -> tuple[str, int]:
+    """host and port of `host:port` / `[v6]:port`; the host normalized."""
+    if authority.startswith("["):
+        end = authority.find("]")
+        if end < 0:
+            raise ProxyRefusal(400, "bad-request", f"bad authority {authority!r}")
+        host, rest = authority[1:end], authority[end + 1:]
+        if rest and not rest.startswith(":"):
+            raise ProxyRefusal(400, "bad-request", f"bad authority {authority!r}")
+        port_text = rest[1:]
+    elif authority.count(":") == 1:
+        host, port_text = authority.split(":")
+    elif ":" in authority:  # a bare IPv6 literal
+        host, port_text = authority, ""
+    else:
+        host, port_text = authority, ""
+    if not port_text:
+        if default_port is None:
+            raise ProxyRefusal(400, "bad-request", f"{authority!r} names no port")
+        port = default_port
+    else:
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ProxyRefusal(400, "bad-request", f"bad port in {authority!r}")
+        port = int(port_text)
+    return normalize_host(host), port
+
+
+def tls_client_hello_sni(data: bytes) -> tuple[bool, str | None]:
+    """(is_tls, server_name) of the bytes a client sent first. is_tls is False for
+    anything that is not a TLS handshake record; server_name is None when the
+    ClientHello carries no SNI or is cut short."""
+    if len(data) < 5 or data[0] != 0x16 or data[1] != 0x03:
+        return False, None
+    body = data[5:5 + int.from_bytes(data[3:5], "big")]
+    try:
+        if body[0] != 0x01:  # ClientHello
+            return True, None
+        i = 4 + 2 + 32  # handshake header, version, random
+        i += 1 + body[i]  # session id
+        i += 2 + int.from_bytes(body[i:i + 2], "big")  # cipher suites
+        i += 1 + body[i]  # compression methods
+        end = i + 2 + int.from_bytes(body[i:i + 2], "big")
+        i += 2
+        while i + 4 <= min(end, len(body)):
+            ext_type = int.from_bytes(body[i:i + 2], "big")
+            ext_len = int.from_bytes(body[i + 2:i + 4], "big")
+            ext = body[i + 4:i + 4 + ext_len]
+            if ext_type == 0 and len(ext) >= 5:  # server_name: list length, type, name length, name
+                name_len = int.from_bytes(ext[3:5], "big")
+                if ext[2] == 0:
+                    return True, ext[5:5 + name_len].decode("ascii", "replace")
+            i += 4 + ext_len
+    except IndexError:
+        pass
+    return True, None
+
+
+def http_host_header(data: bytes) -> str | None:
+    """The Host header of an HTTP request's first bytes, or None if they are not one."""
+    head, sep, _ = data.partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    try:
+        _, _, _, headers = parse_head(head)
+    except ProxyRefusal:
+        return None
+    for name, value in headers:
+        if name.lower() == "host":
+            return value
+    return None
+
+
+def origin_form_request(method: str, url: str, version: str, headers: list[tuple[str, str]],
+                        host: str, port: int) -> bytes:
+    """The request as the destination sees it: origin-form target, no proxy or
+    hop-by-hop headers, and one request per connection."""
+    parts = urlsplit(url)
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    connection_named = set()
+    for name, value in headers:
+        if name.lower() == "connection":
+            connection_named |= {v.strip().lower() for v in value.split(",")}
+    out = [f"{method} {path} {version}"]
+    have_host = False
+    for name, value in headers:
+        low = name.lower()
+        if low in HOP_BY_HOP or low in connection_named:
+            continue
+        if low == "host":
+            have_host = True
+        out.append(f"{name}: {value}")
+    if not have_host:
+        out.append(f"Host: {host}" + ("" if port == 80 else f":{port}"))
+    out.append("Connection: close")
+    return ("\r\n".join(out) + "\r\n\r\n").encode("iso-8859-1")
+
+
+def response_status(first: bytes) -> int:
+    """The status code of an HTTP response's first bytes, 0 if they are not one."""
+    parts = first[:64].split(b" ", 2)
+    if len(parts) >= 2 and parts[0].startswith(b"HTTP/1.") and parts[1].isdigit() and len(parts[1]) == 3:
+        return int(parts[1])
+    return 0
+
+
+def refusal_response(status: int, rule: str, reason: str) -> bytes:
+    phrase = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway", 503: "Service Unavailable",
+              504: "Gateway Timeout"}.get(status, "Error")
+    body = f"sandboxd egress proxy: {reason} (rule: {rule})\n".encode()
+    return (f"HTTP/1.1 {status} {phrase}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"X-Sandboxd-Egress-Rule: {rule}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            ).encode() + body
+
+
+# ---------------------------------------------------------------- the server
+
+
+class EgressProxy:
+    def __init__(self, *, socket_dir: Path, shim_source: Path, host_overrides: dict[str, tuple[str, ...]],
+                 system_dns: bool, exempt_networks: tuple[str, ...] = (), connect_timeout_s: float = 10.0,
+                 max_connections: int = 256, max_records: int = 2000):
+        self.socket_dir = socket_dir
+        self._shim_source = shim_source
+        self.shim_path = socket_dir / "egress-shim"
+        self.exempt = tuple(ipaddress.ip_network(n, strict=False) for n in exempt_networks)
+        self._overrides = {normalize_host(k): tuple(v) for k, v in host_overrides.items()}
+        self._system_dns = system_dns
+        self._connect_timeout_s = connect_timeout_s
+        self._max_connections = max_connections
+        self._max_records = max_records
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="egress-proxy", daemon=True)
+        self._started = False
+
+    @classmethod
+    def from_settings(cls, egress) -> "EgressProxy":
+        return cls(socket_dir=egress.socket_dir, shim_source=egress.shim_binary, host_overrides=dict(egress.hosts),
+                   system_dns=egress.system_dns, exempt_networks=egress.exempt_networks,
+                   connect_timeout_s=egress.connect_timeout_s, max_connections=egress.max_connections_per_sandbox,
+                   max_records=egress.max_records_per_call)
+
+    # -- lifecycle (any thread) ----------------------------------------------------
+    def start(self) -> None:
+        """Raises BackendUnavailable when the shim is missing: no allowlist without it."""
+        if not os.access(self._shim_source, os.X_OK):
+            raise BackendUnavailable(f"the egress shim {self._shim_source} is missing (build it with `make native`)")
+        self.socket_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+        # Traversable, not listable: nsjail binds the socket and the shim as the sandbox user.
+        os.chmod(self.socket_dir, 0o711)
+        for stale in self.socket_dir.glob("*.sock"):
+            stale.unlink(missing_ok=True)
+        tmp = self.socket_dir / ".egress-shim.tmp"
+        shutil.copyfile(self._shim_source, tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, self.shim_path)
+        self._thread.start()
+        self._started = True
+
+    def stop(self) -> None:
+        if self._started:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    def socket_path(self, sandbox_id: str) -> Path:
+        return self.socket_dir / f"{sandbox_id}.sock"
+
+    def rules(self, allow_domains: tuple[str, ...], deny_private: bool) -> EgressRules:
+        # The host's addresses now: bridges and interfaces come and go.
+        return EgressRules(allow_domains, deny_private, host_addresses(), self.exempt)
+
+    def open_endpoint(self, sandbox_id: str, rules: EgressRules, *, uid: int, gid: int,
+                      record_allowed: bool = True) -> EgressEndpoint:
+        ep = EgressEndpoint(sandbox_id, self.socket_path(sandbox_id), rules, record_allowed)
+        fut = asyncio.run_coroutine_threadsafe(self._open(ep, uid, gid), self._loop)
+        fut.result(10)
+        return ep
+
+    def close_endpoint(self, ep: EgressEndpoint, timeout_s: float = 10.0) -> list[ConnectionRecord]:
+        """Stops the endpoint and ends its open connections; its records, in start order."""
+        fut = asyncio.run_coroutine_threadsafe(self._close(ep), self._loop)
+        fut.result(timeout_s)
+        return sorted(ep.records, key=lambda r: r.started_at)
+
+    # -- on the loop ----------------------------------------------------------------
+    async def _open(self, ep: EgressEndpoint, uid: int, gid: int) -> None:
+        ep.socket_path.unlink(missing_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(ep.socket_path))
+            # Only the sandbox's user (and root) may connect.
+            os.chown(ep.socket_path, uid, gid)
+            os.chmod(ep.socket_path, 0o600)
+            sock.listen(128)
+        except BaseException:
+            sock.close()
+            ep.socket_path.unlink(missing_ok=True)
+            raise
+        ep.server = await asyncio.start_unix_server(lambda r, w: self._spawn(ep, r, w), sock=sock,
+                                                    limit=MAX_HEAD_BYTES)
+
+    def _spawn(self, ep: EgressEndpoint, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Our own task, held by the endpoint, so that closing it can cancel every connection.
+        task = self._loop.create_task(self._handle(ep, reader, writer))
+        ep.tasks.add(task)
+        task.add_done_callback(ep.tasks.discard)
+
+    async def _close(self, ep: EgressEndpoint) -> None:
+        if ep.server is not None:
+            ep.server.close()
+        for task in list(ep.tasks):
+            task.cancel()
+        if ep.tasks:
+            await asyncio.wait(list(ep.tasks), timeout=5)
+        ep.socket_path.unlink(missing_ok=True)
+
+    def _keep(self, ep: EgressEndpoint, rec: ConnectionRecord) -> None:
+        rec.ended_at = ev.utc_now()
+        if rec.decision == "allowed" and not ep.record_allowed:
+            return
+        if len(ep.records) >= self._max_records:
+            ep.dropped_records += 1
+            return
+        ep.records.append(rec)
+
+    async def _handle(self, ep: EgressEndpoint, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        rec = ConnectionRecord(protocol="http")
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError) as exc:
+                if isinstance(exc, asyncio.IncompleteReadError) and not exc.partial:
+                    return  # connected and went away without a word: nothing attempted
+                raise ProxyRefusal(400, "bad-request", "no complete request head") from None
+            if len(ep.tasks) > self._max_connections:
+                raise ProxyRefusal(503, "too-many-connections",
+                                   f"more than {self._max_connections} connections open at once")
+            method, target, version, headers = parse_head(head[:-4])
+            rec.method = method
+            if method == "CONNECT":
+                rec.protocol = "connect"
+                rec.host, rec.port = split_host_port(target, None)
+            elif target.lower().startswith("http://"):
+                parts = urlsplit(target)
+                rec.host, rec.port = split_host_port(parts.netloc.rpartition("@")[2], 80)
+                for name, value in headers:
+                    if name.lower() == "host" and split_host_port(value, 80) != (rec.host, rec.port):
+                        raise ProxyRefusal(403, "host-mismatch",
+                                           f"Host header {value!r} disagrees with the request target {rec.host}")
+            elif target.lower().startswith("https://"):
+                raise ProxyRefusal(400, "bad-request", "https:// URLs go through CONNECT")
+            else:
+                raise ProxyRefusal(400, "bad-request", "this is a proxy: requests need an absolute http:// URL or CONNECT")
+            upstream_reader, upstream = await self._connect(rec, ep.rules)
+            rec.decision = "allowed"
+            if rec.protocol == "connect":
+                rec.status = 200
+                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                await writer.drain()
+                await self._check_first_bytes(rec, reader, upstream)
+            else:
+                request = origin_form_request(method, target, version, headers, rec.host, rec.port)
+                upstream.write(request)
+                rec.bytes_up += len(request)
+            await self._relay(rec, reader, writer, upstream_reader, upstream)
+        except ProxyRefusal as refusal:
+            rec.decision, rec.rule, rec.reason = refusal.decision, refusal.rule, refusal.reason
+            rec.status = refusal.status or rec.status
+            if refusal.decision == "allowed":
+                rec.error = refusal.reason
+            if refusal.status:
+                try:
+                    writer.write(refusal_response(refusal.status, refusal.rule, refusal.reason))
+                    await writer.drain()
+                except (ConnectionError, RuntimeError):
+                    pass
+        except asyncio.CancelledError:
+            rec.error = rec.error or "the sandbox ended"
+        except (ConnectionError, OSError) as exc:
+            rec.error = rec.error or f"{type(exc).__name__}: {exc}"
+        finally:
+            for w in (writer, upstream):
+                if w is not None:
+                    w.close()
+            self._keep(ep, rec)
+
+    async def _connect(self, rec: ConnectionRecord, rules: EgressRules
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        decision: Decision = decide_host(rec.host, rules)
+        if not decision.allowed:
+            raise ProxyRefusal(403, decision.rule, decision.reason)
+        rec.rule = decision.rule
+        addresses = await self._resolve(rec)
+        permitted: list[IPAddress] = []
+        first_refusal: Decision | None = None
+        for ip in addresses:
+            verdict = decide_address(ip, rules)
+            if verdict.allowed:
+                permitted.append(ip)
+            elif first_refusal is None:
+                first_refusal = verdict
+                rec.address = str(ip)
+        if not permitted:
+            assert first_refusal is not None
+            raise ProxyRefusal(403, first_refusal.rule, f"{rec.host} resolves to {first_refusal.reason}")
+        last_error = ""
+        for ip in permitted:
+            rec.address = str(ip)
+            try:
+                # Exactly the checked address: no second lookup that DNS could answer differently.
+                return await asyncio.wait_for(asyncio.open_connection(str(ip), rec.port, limit=RELAY_CHUNK),
+                                              self._connect_timeout_s)
+            except (OSError, TimeoutError) as exc:
+                last_error = f"{ip} port {rec.port}: {exc or type(exc).__name__}"
+        raise ProxyRefusal(502, rec.rule, f"cannot connect to {rec.host}: {last_error}", decision="allowed")
+
+    async def _resolve(self, rec: ConnectionRecord) -> list[IPAddress]:
+        literal = parse_ip(rec.host)
+        if literal is not None:
+            return [literal]
+        if rec.host in self._overrides:
+            return [ipaddress.ip_address(a) for a in self._overrides[rec.host]]
+        if not self._system_dns:
+            raise ProxyRefusal(502, rec.rule, f"{rec.host} is not in the proxy's host table", decision="allowed")
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(rec.host, rec.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise ProxyRefusal(502, rec.rule, f"cannot resolve {rec.host}: {exc}", decision="allowed") from None
+        out: list[IPAddress] = []
+        for info in infos:
+            ip = ipaddress.ip_address(info[4][0].split("%")[0])
+            if ip not in out:
+                out.append(ip)
+        return out
+
+    async def _check_first_bytes(self, rec: ConnectionRecord, reader: asyncio.StreamReader,
+                                 upstream: asyncio.StreamWriter) -> None:
+        """The tunnel's first bytes may name a host (TLS SNI, an HTTP Host header); one
+        that disagrees with the CONNECT target ends the tunnel before a byte is passed."""
+        try:
+            first = await asyncio.wait_for(reader.read(RELAY_CHUNK), FIRST_BYTES_TIMEOUT_S)
+        except TimeoutError:
+            return
+        if not first:
+            return
+        is_tls, sni = tls_client_hello_sni(first)
+        named = sni if is_tls else http_host_header(first)
+        if named is not None:
+            named_host = normalize_host(named) if is_tls else split_host_port(named, rec.port)[0]
+            if named_host != rec.host:
+                what = "TLS SNI" if is_tls else "Host header"
+                raise ProxyRefusal(0, "sni-mismatch" if is_tls else "host-mismatch",
+                                   f"{what} {named!r} disagrees with the CONNECT target {rec.host}")
+        upstream.write(first)
+        rec.bytes_up += len(first)
+
+    async def _relay(self, rec: ConnectionRecord, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     upstream_reader: asyncio.StreamReader, upstream: asyncio.StreamWriter) -> None:
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, up: bool) -> None:
+            try:
+                while True:
+                    data = await src.read(RELAY_CHUNK)
+                    if not data:
+                        break
+                    if not up and rec.protocol == "http" and not rec.bytes_down:
+                        rec.status = response_status(data)
+                    dst.write(data)
+                    if up:
+                        rec.bytes_up += len(data)
+                    else:
+                        rec.bytes_down += len(data)
+                    await dst.drain()
+                if dst.can_write_eof():
+                    dst.write_eof()
+            except (ConnectionError, OSError):
+                dst.close()
+
+        await asyncio.gather(pump(reader, upstream, True), pump(upstream_reader, writer, False))
+
+
+def summarize_external_calls(records: list[ConnectionRecord]) -> list[str]:
+    """ToolResult.effectsObserved.externalCalls: each destination the call reached, once."""
+    seen: list[str] = []
+    for r in records:
+        if r.decision == "allowed" and not r.error:
+            dest = f"{r.host}:{r.port}" if ":" not in r.host else f"[{r.host}]:{r.port}"
+            if dest not in seen:
+                seen.append(dest)
+    return seen
