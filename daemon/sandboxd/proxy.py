@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from . import dns
 from . import events as ev
 from .egress import (Decision, EgressRules, IPAddress, decide_address, decide_host, host_addresses, normalize_host,
                      parse_ip)
@@ -238,7 +239,7 @@ def refusal_response(status: int, rule: str, reason: str) -> bytes:
 
 class EgressProxy:
     def __init__(self, *, socket_dir: Path, shim_source: Path, host_overrides: dict[str, tuple[str, ...]],
-                 system_dns: bool, exempt_networks: tuple[str, ...] = (), connect_timeout_s: float = 10.0,
+                 system_dns: bool, dns_servers: tuple[str, ...] = (), exempt_networks: tuple[str, ...] = (), connect_timeout_s: float = 10.0,
                  max_connections: int = 256, max_records: int = 2000):
         self.socket_dir = socket_dir
         self._shim_source = shim_source
@@ -246,6 +247,7 @@ class EgressProxy:
         self.exempt = tuple(ipaddress.ip_network(n, strict=False) for n in exempt_networks)
         self._overrides = {normalize_host(k): tuple(v) for k, v in host_overrides.items()}
         self._system_dns = system_dns
+        self._dns_servers = tuple(dns_servers)
         self._connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
         self._max_records = max_records
@@ -256,7 +258,7 @@ class EgressProxy:
     @classmethod
     def from_settings(cls, egress) -> "EgressProxy":
         return cls(socket_dir=egress.socket_dir, shim_source=egress.shim_binary, host_overrides=dict(egress.hosts),
-                   system_dns=egress.system_dns, exempt_networks=egress.exempt_networks,
+                   system_dns=egress.system_dns, dns_servers=egress.dns_servers, exempt_networks=egress.exempt_networks,
                    connect_timeout_s=egress.connect_timeout_s, max_connections=egress.max_connections_per_sandbox,
                    max_records=egress.max_records_per_call)
 
@@ -441,6 +443,14 @@ class EgressProxy:
             return [literal]
         if rec.host in self._overrides:
             return [ipaddress.ip_address(a) for a in self._overrides[rec.host]]
+        if self._dns_servers:
+            try:
+                found = await dns.resolve(rec.host, self._dns_servers)
+            except dns.DNSError as exc:
+                raise ProxyRefusal(502, rec.rule, str(exc), decision="allowed") from None
+            if not found:
+                raise ProxyRefusal(502, rec.rule, f"{rec.host} has no address", decision="allowed")
+            return found
         if not self._system_dns:
             raise ProxyRefusal(502, rec.rule, f"{rec.host} is not in the proxy's host table", decision="allowed")
         try:

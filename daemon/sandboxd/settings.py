@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import yaml
+from .dns import parse_server
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +72,9 @@ class EgressSettings(BaseModel):
     proxy_port: int = Field(default=3128, ge=1, le=65535)
     # name -> addresses the proxy uses instead of DNS (an internal mirror; test hosts).
     hosts: dict[str, tuple[str, ...]] = Field(default_factory=dict)
-    # Resolve names missing from `hosts` with the host's resolver; off: they fail.
+    # DNS servers ("addr" or "addr:port") the proxy asks about names missing from
+    # `hosts`; empty: the host's own resolver, if system_dns.
+    dns_servers: tuple[str, ...] = ()
     system_dns: bool = True
     # Networks reachable even with denyPrivateNetworks (an internal package mirror).
     exempt_networks: tuple[str, ...] = ()
@@ -87,6 +90,8 @@ class EgressSettings(BaseModel):
                 ipaddress.ip_address(a)
         for net in self.exempt_networks:
             ipaddress.ip_network(net, strict=False)
+        for server in self.dns_servers:
+            parse_server(server)
         return self
 
 

@@ -232,10 +232,11 @@ def test_egress_open_that_must_deny_private_networks_is_refused(client, workspac
     assert "policy.network.denyPrivateNetworks" in exc.value.message
 
 
-def test_egress_allowlist_is_refused_not_run_open(client, workspace, docker_engine, daemon):
-    with pytest.raises(errors.Unimplemented) as exc:
-        client.run(call(workspace, ["true"], {"network": {"egress": "allowlist", "allowDomains": ["pypi.test"]}}))
-    assert "policy.network.egress" in exc.value.message
+def test_bad_allow_domain_pattern_is_refused_before_anything_starts(client, workspace, docker_engine, daemon):
+    with pytest.raises(errors.InvalidArgument) as exc:
+        client.run(call(workspace, ["true"], {"network": {"egress": "allowlist",
+                                                            "allowDomains": ["pypi.test", "*.com"]}}))
+    assert "policy.network.allowDomains[1]" in exc.value.message and "top-level" in exc.value.message
     assert not leftover_sandboxes(docker_engine, daemon)
 
 

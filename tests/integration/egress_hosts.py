@@ -1,0 +1,308 @@
+"""The "remote" hosts of the egress tests: servers in a network namespace the test run
+creates, on a veth pair of its own. Nothing here ever talks to an address it did not
+make. Run as a script (inside the namespace) it is the servers:
+
+  main    .2:80  HTTP, .2:443 HTTPS, .2:53/udp DNS   allowed.test
+  other   .3:80  HTTP, .3:443 HTTPS                    other.test (must never be reached
+                                                       through a tunnel to allowed.test)
+
+GET /bytes/N answers N bytes of body. Every connection and every DNS question is
+logged as one JSON line (with the exact bytes read and written on the TCP socket),
+so a test can compare what the servers saw with what the proxy recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import ssl
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+# ---------------------------------------------------------------- the servers (in the netns)
+
+
+class Log:
+    def __init__(self, path: str):
+        self._f = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, **entry) -> None:
+        with self._lock:
+            self._f.write(json.dumps(entry) + "\n")
+
+
+def _read_head(conn) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+class Counting:
+    """A socket wrapper counting the TCP bytes each way (below TLS when there is TLS)."""
+
+    def __init__(self, sock):
+        self.sock, self.read, self.written = sock, 0, 0
+
+    def recv(self, n):
+        data = self.sock.recv(n)
+        self.read += len(data)
+        return data
+
+    def sendall(self, data):
+        self.sock.sendall(data)
+        self.written += len(data)
+
+
+def serve_http(name: str, addr: str, port: int, log: Log, tls: ssl.SSLContext | None) -> None:
+    listener = socket.create_server((addr, port), backlog=256)
+
+    def handle(raw: socket.socket) -> None:
+        entry = {"server": name, "port": port, "tls": tls is not None, "host": "", "path": "", "sni": ""}
+        counter = Counting(raw)
+        try:
+            conn = raw
+            if tls is not None:
+                incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+                obj = tls.wrap_bio(incoming, outgoing, server_side=True)
+                conn = _BioSocket(counter, obj, incoming, outgoing)
+                conn.handshake()
+                entry["sni"] = conn.sni
+            else:
+                conn = counter
+            head = _read_head(conn)
+            if not head:
+                return
+            lines = head.split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+            path = lines[0].split(" ")[1] if len(lines[0].split(" ")) > 1 else "/"
+            entry["path"] = path
+            for line in lines[1:]:
+                k, _, v = line.partition(":")
+                if k.lower() == "host":
+                    entry["host"] = v.strip()
+            sized = path.startswith("/bytes/")
+            size = int(path.split("/bytes/")[1]) if sized else len(name) + 1
+            body_head = f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\nConnection: close\r\n\r\n".encode()
+            conn.sendall(body_head)
+            chunk = b"x" * 65536 if sized else name.encode() + b"\n"
+            left = size
+            while left:
+                piece = chunk[:left]
+                conn.sendall(piece)
+                left -= len(piece)
+            if tls is not None:
+                conn.close_notify()
+        except (OSError, ssl.SSLError) as exc:
+            entry["error"] = repr(exc)
+        finally:
+            entry["bytes_read"], entry["bytes_written"] = counter.read, counter.written
+            raw.close()
+            log.write(**entry)
+
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+
+class _BioSocket:
+    """TLS over a counted plain socket, so the counts are the bytes on the wire."""
+
+    def __init__(self, counter: Counting, obj: ssl.SSLObject, incoming, outgoing):
+        self.c, self.obj, self.inc, self.out = counter, obj, incoming, outgoing
+        self.sni = ""
+
+    def _flush(self):
+        data = self.out.read()
+        if data:
+            self.c.sendall(data)
+
+    def _fill(self) -> bool:
+        data = self.c.recv(65536)
+        if not data:
+            self.inc.write_eof()
+            return False
+        self.inc.write(data)
+        return True
+
+    def handshake(self):
+        while True:
+            try:
+                self.obj.do_handshake()
+                self._flush()
+                self.sni = getattr(self.obj, "sni_seen", "")
+                return
+            except ssl.SSLWantReadError:
+                self._flush()
+                if not self._fill():
+                    raise OSError("eof during handshake")
+
+    def recv(self, n):
+        while True:
+            try:
+                return self.obj.read(n)
+            except ssl.SSLWantReadError:
+                if not self._fill():
+                    return b""
+            except ssl.SSLZeroReturnError:
+                return b""
+
+    def sendall(self, data):
+        self.obj.write(data)
+        self._flush()
+
+    def close_notify(self):
+        try:
+            self.obj.unwrap()
+        except (ssl.SSLWantReadError, ssl.SSLError):
+            pass
+        self._flush()
+
+
+def serve_dns(addr: str, table: dict[str, str], log: Log) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((addr, 53))
+    while True:
+        data, peer = sock.recvfrom(2048)
+        if len(data) < 12:
+            continue
+        txid = data[:2]
+        i, labels = 12, []
+        while i < len(data) and data[i]:
+            labels.append(data[i + 1:i + 1 + data[i]].decode("ascii", "replace"))
+            i += 1 + data[i]
+        question = data[12:i + 5]
+        qtype = struct.unpack("!H", data[i + 1:i + 3])[0]
+        name = ".".join(labels).lower()
+        log.write(dns=name, qtype=qtype)
+        answer = b""
+        ancount, rcode = 0, 3
+        if name in table:
+            rcode = 0
+            if qtype == 1:
+                answer = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 5, 4) + socket.inet_aton(table[name])
+                ancount = 1
+        header = txid + struct.pack("!HHHHH", 0x8180 | rcode, 1, ancount, 0, 0)
+        sock.sendto(header + question + answer, peer)
+
+
+def run_servers(prefix: str, cert: str, key: str, log_path: str, table_json: str) -> None:
+    log = Log(log_path)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    tls.sni_callback = lambda obj, name, _ctx: setattr(obj, "sni_seen", name or "")
+    threads = [
+        threading.Thread(target=serve_http, args=("allowed", f"{prefix}.2", 80, log, None)),
+        threading.Thread(target=serve_http, args=("allowed", f"{prefix}.2", 443, log, tls)),
+        threading.Thread(target=serve_http, args=("other", f"{prefix}.3", 80, log, None)),
+        threading.Thread(target=serve_http, args=("other", f"{prefix}.3", 443, log, tls)),
+        threading.Thread(target=serve_dns, args=(f"{prefix}.2", json.loads(table_json), log)),
+    ]
+    for t in threads:
+        t.daemon = True
+        t.start()
+    print("ready", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+# ---------------------------------------------------------------- the namespace (test side)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+class RemoteHosts:
+    """A network namespace with the servers above, reachable from the host only."""
+
+    def __init__(self, workdir: Path):
+        n = os.getpid() % 200 + 20
+        self.ns = f"sbxt-{os.getpid()}"
+        self.host_if, self.ns_if = f"sxh{os.getpid()}"[:15], f"sxs{os.getpid()}"[:15]
+        self.prefix = f"10.213.{n}"
+        self.workdir = workdir
+        self.log_path = workdir / "servers.jsonl"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def allowed_ip(self) -> str:
+        return f"{self.prefix}.2"
+
+    @property
+    def other_ip(self) -> str:
+        return f"{self.prefix}.3"
+
+    @property
+    def allowed_ip6(self) -> str:
+        return f"fd5b:213:{self.prefix.rsplit('.', 1)[1]}::2"
+
+    @property
+    def host_side_ip(self) -> str:
+        return f"{self.prefix}.1"
+
+    def dns_table(self) -> dict[str, str]:
+        return {
+            "allowed.test": self.allowed_ip, "www.allowed.test": self.allowed_ip, "other.test": self.other_ip,
+            # Addresses the proxy must refuse after resolution; both are this run's own.
+            "rebind.test": "127.0.0.1", "self.test": self.host_side_ip, "private.test": f"{self.prefix}.4",
+        }
+
+    def start(self) -> "RemoteHosts":
+        self.stop()
+        _ip("netns", "add", self.ns)
+        _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+        _ip("link", "set", self.ns_if, "netns", self.ns)
+        _ip("addr", "add", f"{self.host_side_ip}/24", "dev", self.host_if)
+        _ip("link", "set", self.host_if, "up")
+        for addr in (self.allowed_ip, self.other_ip):
+            _ip("-n", self.ns, "addr", "add", f"{addr}/24", "dev", self.ns_if)
+        _ip("-n", self.ns, "link", "set", self.ns_if, "up")
+        _ip("-n", self.ns, "link", "set", "lo", "up")
+        # IPv6 too where the host has it, so that a direct IPv6 attempt has a real target.
+        six = subprocess.run(["ip", "-n", self.ns, "-6", "addr", "add", f"{self.allowed_ip6}/64", "dev", self.ns_if,
+                              "nodad"], capture_output=True)
+        self.has_ipv6 = six.returncode == 0
+        cert, key = self.workdir / "cert.pem", self.workdir / "key.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=allowed.test", "-addext", "subjectAltName=DNS:allowed.test,DNS:other.test",
+                        "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+        self.cert = cert
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns, sys.executable, __file__, self.prefix, str(cert), str(key),
+             str(self.log_path), json.dumps(self.dns_table())],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"test servers did not start: {line} {self.proc.stderr.read()}")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+
+    def entries(self) -> list[dict]:
+        try:
+            return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    def daemon_egress_settings(self) -> dict:
+        return {"dns_servers": [f"{self.allowed_ip}:53"], "system_dns": False,
+                "exempt_networks": [f"{self.allowed_ip}/32", f"{self.other_ip}/32"]}
+
+
+if __name__ == "__main__":
+    run_servers(*sys.argv[1:6])
