@@ -110,13 +110,14 @@ def network_plan(policy: EffectivePolicy, egress: EgressAttachment | None) -> di
         plan["network"] = "the engine's default network"
     if egress is not None:
         plan.update({"network": "loopback only; the proxy is the one way out", "proxy": egress.proxy_url,
-                     "proxySocket": EGRESS_SOCKET_PATH, "allowDomains": list(policy.allow_domains)})
+                     "proxySocket": EGRESS_SOCKET_PATH,
+                     "allowDomains": list(policy.allow_domains) if policy.egress == "allowlist" else ["(any)"]})
     return plan
 
 
 def require_egress(policy: EffectivePolicy, egress: EgressAttachment | None) -> None:
-    """An allowlist without its proxy would be a sandbox cut off, or worse, an open one."""
-    if (policy.egress == "allowlist") != (egress is not None):
+    """A proxied policy without its proxy would be a sandbox cut off, or worse, an open one."""
+    if policy.proxied != (egress is not None):
         raise ValueError(f"egress {policy.egress!r} with{'out' if egress is None else ''} an egress attachment")
 
 
@@ -163,8 +164,8 @@ def compile_docker(
     egress: EgressAttachment | None = None,
 ) -> DockerSpec:
     require_egress(policy, egress)
-    # allowlist: no network at all; the proxy is reached through a bound Unix socket.
-    network_mode = {"none": "none", "allowlist": "none", "open": "bridge"}[policy.egress]
+    # Proxied: no network at all; the proxy is reached through a bound Unix socket.
+    network_mode = "none" if policy.proxied else {"none": "none", "open": "bridge"}[policy.egress]
     return DockerSpec(
         name=f"sandboxd-{identity.sandbox_id}",
         image=image,

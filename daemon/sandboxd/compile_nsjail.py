@@ -206,11 +206,11 @@ def compile_nsjail(
     init_binary: str = DEFAULT_INIT_BINARY,
     egress: EgressAttachment | None = None,
 ) -> NsjailSpec:
-    if policy.egress == "open":
-        # 'open' on nsjail would mean the host's own network namespace, which is not
-        # what Docker's bridge gives (no NAT, host loopback reachable): refused.
-        raise Unimplemented("egress 'open' is not available on the nsjail backend; 'none' (loopback only) "
-                            "and 'allowlist' (loopback and the egress proxy) are", field="policy.network.egress")
+    if policy.egress == "open" and not policy.proxied:
+        # Unfiltered 'open' on nsjail would mean the host's own network namespace, which
+        # is not what Docker's bridge gives (no NAT, host loopback reachable): refused.
+        raise Unimplemented("egress 'open' without denyPrivateNetworks is not available on the nsjail backend; "
+                            "'none', 'allowlist' and 'open' through the egress proxy are", field="policy.network.egress")
     require_egress(policy, egress)
     egress_mounts = [] if egress is None else [
         NsjailMount(dst=EGRESS_SOCKET_PATH, src=egress.socket_host_path, is_bind=True, rw=False, is_dir=False,

@@ -30,6 +30,7 @@ _ALWAYS_FORBIDDEN: tuple[tuple[IPNetwork, str], ...] = (
     (ipaddress.ip_network("169.254.0.0/16"), "link-local"),
     (ipaddress.ip_network("fe80::/10"), "link-local"),
     (ipaddress.ip_network("fd00:ec2::/32"), "metadata"),
+    (ipaddress.ip_network("100.100.100.200/32"), "metadata"),
     (ipaddress.ip_network("64:ff9b::/96"), "nat64"),
     (ipaddress.ip_network("64:ff9b:1::/48"), "nat64"),
 )
@@ -50,6 +51,7 @@ def parse_ip(host: str) -> IPAddress | None:
 
 def normalize_host(host: str) -> str:
     """Lower case, no trailing dot; IP literals in their canonical spelling."""
+    host = host.strip()
     ip = parse_ip(host)
     if ip is not None:
         return str(ip)
@@ -60,6 +62,9 @@ def is_hostname(name: str) -> bool:
     if not name or len(name) > 253:
         return False
     labels = name.split(".")
+    # An all-numeric last label is IPv4 shorthand to a resolver (127.1, 2130706433).
+    if labels[-1].isdigit() or labels[-1].startswith("0x"):
+        return False
     return all(_LABEL_RE.fullmatch(label) for label in labels)
 
 
@@ -130,7 +135,7 @@ def forbidden_reason(ip: IPAddress, *, deny_private: bool, own_addresses: frozen
         if ip.version == net.version and ip in net:
             return reason
     if ip in own_addresses:
-        return "daemon host address"
+        return "daemon host"
     if deny_private and not ip.is_global:
         return "private"
     return None
@@ -144,6 +149,8 @@ class EgressRules:
     deny_private: bool
     own_addresses: frozenset[IPAddress] = frozenset()
     exempt: tuple[IPNetwork, ...] = ()
+    # egress 'open' through the proxy: any name or IP literal; only addresses are checked.
+    any_host: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,8 @@ def decide_host(host: str, rules: EgressRules) -> Decision:
         return Decision(False, "no-host", "the request names no host")
     if parse_ip(host) is None and not is_hostname(host):
         return Decision(False, "bad-host", f"{host!r} is not a valid host name")
+    if rules.any_host:
+        return Decision(True, "open")
     rule = match_host(host, rules.patterns)
     if rule is None:
         kind = "IP address" if parse_ip(host) is not None else "host"

@@ -158,7 +158,8 @@ class CallRun:
                 proxy = self._executor.proxy
                 assert proxy is not None
                 endpoint = proxy.open_endpoint(
-                    p.sandbox_id, proxy.rules(p.policy.allow_domains, p.policy.deny_private_networks),
+                    p.sandbox_id, proxy.rules(p.policy.allow_domains, p.policy.deny_private_networks,
+                                              any_host=p.policy.egress == "open"),
                     uid=p.plan.uid, gid=p.plan.gid, record_allowed=p.policy.record_network_access)
             if not cancelled_early:
                 handle = backend.create(p.spec)
@@ -428,9 +429,9 @@ class CallExecutor:
         digest = backend.image_digest(image)
         sandbox_id = "sbx-" + ev.new_id("x")[2:]
         egress = None
-        if policy.egress == "allowlist":
+        if policy.proxied:
             if self.proxy is None:
-                raise BackendUnavailable(f"egress 'allowlist' needs the egress proxy, which is unavailable: "
+                raise BackendUnavailable(f"egress {policy.egress!r} needs the egress proxy, which is unavailable: "
                                          f"{self._no_proxy_reason}", field="policy.network.egress")
             egress = EgressAttachment(str(self.proxy.socket_path(sandbox_id)), str(self.proxy.shim_path),
                                       self.settings.egress.proxy_port)

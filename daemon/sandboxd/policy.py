@@ -168,6 +168,13 @@ class EffectivePolicy:
     record_file_access: bool = True
     record_network_access: bool = True
 
+    @property
+    def proxied(self) -> bool:
+        """Whether the sandbox's one way out is the daemon's egress proxy: always for an
+        allowlist, and for 'open' that must keep private addresses out, because only a
+        proxy can check the address a name resolves to (and record every connection)."""
+        return self.egress == "allowlist" or (self.egress == "open" and self.deny_private_networks)
+
     def to_json_dict(self) -> dict[str, Any]:
         return {to_camel(k): (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
 
@@ -283,12 +290,6 @@ def resolve_policy(
         raise InvalidArgument(f"{cwd} is a blocked path", field=cwd_field)
 
     net = policy.network
-    if net.egress == "open" and net.deny_private_networks:
-        raise Unimplemented(
-            "egress 'open' cannot yet keep private, loopback and metadata addresses out; "
-            "set denyPrivateNetworks: false to accept that, or use egress 'allowlist' or 'none'",
-            field="policy.network.denyPrivateNetworks",
-        )
     if net.allow_domains and net.egress != "allowlist":
         raise InvalidArgument(f"allowDomains needs egress 'allowlist', not '{net.egress}'", field="policy.network.allowDomains")
     allow_domains: list[str] = []

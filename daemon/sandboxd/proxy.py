@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import re
 import os
 import shutil
 import socket
@@ -104,6 +105,9 @@ def parse_head(head: bytes) -> tuple[str, str, str, list[tuple[str, str]]]:
     except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes any byte
         raise ProxyRefusal(400, "bad-request", "undecodable request head") from None
     lines = text.split("\r\n")
+    if any("\n" in line or "\r" in line or "\0" in line for line in lines):
+        # A bare line break would let the origin see a header this proxy never checked.
+        raise ProxyRefusal(400, "bad-request", "a bare CR, LF or NUL inside the request head")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise ProxyRefusal(400, "bad-request", "not an HTTP/1.x request line")
@@ -139,40 +143,85 @@ def split_host_port(authority: str, default_port: int | None) -> tuple[str, int]
             raise ProxyRefusal(400, "bad-request", f"{authority!r} names no port")
         port = default_port
     else:
-        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
             raise ProxyRefusal(400, "bad-request", f"bad port in {authority!r}")
         port = int(port_text)
     return normalize_host(host), port
 
 
+class IncompleteHello(ValueError):
+    """The bytes start a TLS ClientHello that is not all there (or not well formed)."""
+
+
+# A ClientHello must fit one TLS record (16 KiB of plaintext plus its header).
+MAX_HELLO_RECORD = 5 + 16384
+
+
+def looks_like_tls(data: bytes) -> bool:
+    return bool(data) and data[0] == 0x16 and (len(data) < 2 or data[1] == 0x03)
+
+
 def tls_client_hello_sni(data: bytes) -> tuple[bool, str | None]:
     """(is_tls, server_name) of the bytes a client sent first. is_tls is False for
-    anything that is not a TLS handshake record; server_name is None when the
-    ClientHello carries no SNI or is cut short."""
-    if len(data) < 5 or data[0] != 0x16 or data[1] != 0x03:
+    anything that is not a TLS handshake record; server_name is None when a complete
+    ClientHello carries no SNI. A hello that is cut short, split over several records
+    or malformed raises IncompleteHello: never a partial name."""
+    if not looks_like_tls(data) or len(data) < 2:
         return False, None
-    body = data[5:5 + int.from_bytes(data[3:5], "big")]
-    try:
-        if body[0] != 0x01:  # ClientHello
+    if len(data) < 5:
+        raise IncompleteHello("short record header")
+    record_len = int.from_bytes(data[3:5], "big")
+    if len(data) < 5 + record_len:
+        raise IncompleteHello("the record is not all there yet")
+    body = data[5:5 + record_len]
+
+    def need(end: int) -> None:
+        if end > len(body):
+            raise IncompleteHello("the ClientHello does not fit its record")
+
+    need(4)
+    if body[0] != 0x01:  # not a ClientHello: no name to check, the server will refuse it
+        return True, None
+    need(4 + int.from_bytes(body[1:4], "big"))
+    i = 4 + 2 + 32  # handshake header, version, random
+    need(i + 1)
+    i += 1 + body[i]  # session id
+    need(i + 2)
+    i += 2 + int.from_bytes(body[i:i + 2], "big")  # cipher suites
+    need(i + 1)
+    i += 1 + body[i]  # compression methods
+    if i == 4 + int.from_bytes(body[1:4], "big"):
+        return True, None  # no extensions at all
+    need(i + 2)
+    end = i + 2 + int.from_bytes(body[i:i + 2], "big")
+    need(end)
+    i += 2
+    while i < end:
+        need(i + 4)
+        ext_type = int.from_bytes(body[i:i + 2], "big")
+        ext_len = int.from_bytes(body[i + 2:i + 4], "big")
+        need(i + 4 + ext_len)
+        ext = body[i + 4:i + 4 + ext_len]
+        if ext_type == 0:  # server_name: list length, then (type, length, name) entries
+            j = 2
+            while j + 3 <= len(ext):
+                name_type, name_len = ext[j], int.from_bytes(ext[j + 1:j + 3], "big")
+                if j + 3 + name_len > len(ext):
+                    raise IncompleteHello("the server name does not fit its extension")
+                if name_type == 0:
+                    return True, ext[j + 3:j + 3 + name_len].decode("ascii", "replace")
+                j += 3 + name_len
             return True, None
-        i = 4 + 2 + 32  # handshake header, version, random
-        i += 1 + body[i]  # session id
-        i += 2 + int.from_bytes(body[i:i + 2], "big")  # cipher suites
-        i += 1 + body[i]  # compression methods
-        end = i + 2 + int.from_bytes(body[i:i + 2], "big")
-        i += 2
-        while i + 4 <= min(end, len(body)):
-            ext_type = int.from_bytes(body[i:i + 2], "big")
-            ext_len = int.from_bytes(body[i + 2:i + 4], "big")
-            ext = body[i + 4:i + 4 + ext_len]
-            if ext_type == 0 and len(ext) >= 5:  # server_name: list length, type, name length, name
-                name_len = int.from_bytes(ext[3:5], "big")
-                if ext[2] == 0:
-                    return True, ext[5:5 + name_len].decode("ascii", "replace")
-            i += 4 + ext_len
-    except IndexError:
-        pass
+        i += 4 + ext_len
     return True, None
+
+
+_HTTP_START = re.compile(rb"[A-Za-z]{1,20}(?: |$)")
+
+
+def looks_like_http(data: bytes) -> bool:
+    """The start of an HTTP request line (a method token, then a space or nothing yet)."""
+    return bool(_HTTP_START.match(data[:21]))
 
 
 def http_host_header(data: bytes) -> str | None:
@@ -212,14 +261,15 @@ def origin_form_request(method: str, url: str, version: str, headers: list[tuple
             have_host = True
         out.append(f"{name}: {value}")
     if not have_host:
-        out.append(f"Host: {host}" + ("" if port == 80 else f":{port}"))
+        shown = f"[{host}]" if ":" in host else host
+        out.append(f"Host: {shown}" + ("" if port == 80 else f":{port}"))
     out.append("Connection: close")
     return ("\r\n".join(out) + "\r\n\r\n").encode("iso-8859-1")
 
 
 def response_status(first: bytes) -> int:
     """The status code of an HTTP response's first bytes, 0 if they are not one."""
-    parts = first[:64].split(b" ", 2)
+    parts = first[:64].split(b"\r\n", 1)[0].split(b" ", 2)
     if len(parts) >= 2 and parts[0].startswith(b"HTTP/1.") and parts[1].isdigit() and len(parts[1]) == 3:
         return int(parts[1])
     return 0
@@ -287,9 +337,9 @@ class EgressProxy:
     def socket_path(self, sandbox_id: str) -> Path:
         return self.socket_dir / f"{sandbox_id}.sock"
 
-    def rules(self, allow_domains: tuple[str, ...], deny_private: bool) -> EgressRules:
+    def rules(self, allow_domains: tuple[str, ...], deny_private: bool, *, any_host: bool = False) -> EgressRules:
         # The host's addresses now: bridges and interfaces come and go.
-        return EgressRules(allow_domains, deny_private, host_addresses(), self.exempt)
+        return EgressRules(allow_domains, deny_private, host_addresses(), self.exempt, any_host)
 
     def open_endpoint(self, sandbox_id: str, rules: EgressRules, *, uid: int, gid: int,
                       record_allowed: bool = True) -> EgressEndpoint:
@@ -467,21 +517,53 @@ class EgressProxy:
     async def _check_first_bytes(self, rec: ConnectionRecord, reader: asyncio.StreamReader,
                                  upstream: asyncio.StreamWriter) -> None:
         """The tunnel's first bytes may name a host (TLS SNI, an HTTP Host header); one
-        that disagrees with the CONNECT target ends the tunnel before a byte is passed."""
+        that disagrees with the CONNECT target ends the tunnel before a byte is passed.
+        A hello or head that never completes is refused: the check fails closed."""
         try:
             first = await asyncio.wait_for(reader.read(RELAY_CHUNK), FIRST_BYTES_TIMEOUT_S)
         except TimeoutError:
-            return
+            return  # the server speaks first (SSH, SMTP): nothing names a host
         if not first:
             return
-        is_tls, sni = tls_client_hello_sni(first)
-        named = sni if is_tls else http_host_header(first)
-        if named is not None:
-            named_host = normalize_host(named) if is_tls else split_host_port(named, rec.port)[0]
-            if named_host != rec.host:
-                what = "TLS SNI" if is_tls else "Host header"
-                raise ProxyRefusal(0, "sni-mismatch" if is_tls else "host-mismatch",
-                                   f"{what} {named!r} disagrees with the CONNECT target {rec.host}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HEAD_TIMEOUT_S
+
+        async def more(why: str, limit: int) -> bytes:
+            if len(first) >= limit:
+                raise ProxyRefusal(0, "unreadable-first-bytes", why)
+            try:
+                data = await asyncio.wait_for(reader.read(RELAY_CHUNK), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                data = b""
+            if not data:
+                raise ProxyRefusal(0, "unreadable-first-bytes", why)
+            return data
+
+        named: str | None = None
+        what = ""
+        if looks_like_tls(first):
+            while True:
+                try:
+                    is_tls, named = tls_client_hello_sni(first)
+                    break
+                except IncompleteHello as exc:
+                    record_done = len(first) >= 5 and len(first) >= 5 + int.from_bytes(first[3:5], "big")
+                    if record_done:
+                        raise ProxyRefusal(0, "unreadable-first-bytes", f"TLS ClientHello: {exc}") from None
+                    first += await more(f"TLS ClientHello: {exc}", MAX_HELLO_RECORD)
+            what = "TLS SNI"
+            named_host = normalize_host(named) if named is not None else None
+        elif looks_like_http(first):
+            while b"\r\n\r\n" not in first:
+                first += await more("an HTTP request head that never ends", MAX_HEAD_BYTES)
+            named = http_host_header(first)
+            what = "Host header"
+            named_host = split_host_port(named, rec.port)[0] if named is not None else None
+        else:
+            named_host = None
+        if named_host is not None and named_host != rec.host:
+            raise ProxyRefusal(0, "sni-mismatch" if what == "TLS SNI" else "host-mismatch",
+                               f"{what} {named!r} disagrees with the CONNECT target {rec.host}")
         upstream.write(first)
         rec.bytes_up += len(first)
 

@@ -222,7 +222,7 @@ def test_sni_or_host_that_disagrees_with_connect_never_reaches_the_other_host(ec
     ws = with_cert(egress_daemon, hosts)
     before = len(hosts.entries())
     out = run(ec, ws, """
-        import socket, ssl
+        import socket, ssl, time
         def tunnel(target):
             s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
             s.sendall(f"CONNECT {target} HTTP/1.1\\r\\nHost: {target}\\r\\n\\r\\n".encode())
@@ -238,8 +238,19 @@ def test_sni_or_host_that_disagrees_with_connect_never_reaches_the_other_host(ec
             print("sni", status, t.recv(100))
         except (OSError, ssl.SSLError) as e:
             print("sni", status, "failed", type(e).__name__)
+        # The same hello, split over two writes: the check waits for all of it.
+        s, status = tunnel("allowed.test:443")
+        inc, outg = ssl.MemoryBIO(), ssl.MemoryBIO()
+        obj = ctx.wrap_bio(inc, outg, server_hostname="other.test")
+        try:
+            obj.do_handshake()
+        except ssl.SSLWantReadError:
+            pass
+        hello = outg.read()
+        s.sendall(hello[:40]); time.sleep(0.3); s.sendall(hello[40:])
+        print("split", status, s.recv(100))
         s, status = tunnel("allowed.test:80")
-        s.sendall(b"GET / HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n")
+        s.sendall(b"GET / HTTP/1.1\\r\\nHo"); time.sleep(0.3); s.sendall(b"st: other.test\\r\\n\\r\\n")
         print("host", status, s.recv(100))
         s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
         s.sendall(b"GET http://allowed.test/ HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n")
@@ -247,14 +258,15 @@ def test_sni_or_host_that_disagrees_with_connect_never_reaches_the_other_host(ec
     """)
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("sni HTTP/1.1 200") and "failed" in lines[0]
-    assert lines[1] == "host HTTP/1.1 200 Connection established b''"
-    assert lines[2] == "absolute HTTP/1.1 403 Forbidden"
+    assert lines[1] == "split HTTP/1.1 200 Connection established b''"
+    assert lines[2] == "host HTTP/1.1 200 Connection established b''"
+    assert lines[3] == "absolute HTTP/1.1 403 Forbidden"
     seen = hosts.entries()[before:]
     assert not [e for e in seen if e.get("server") == "other"], seen
     # The allowed server got the tunnels' TCP connections but not one byte of them.
     assert all(e["bytes_read"] == 0 for e in seen if "server" in e)
     rules = [r["rule"] for r in network_events(ec, out.tool_call_id)]
-    assert rules == ["sni-mismatch", "host-mismatch", "host-mismatch"]
+    assert rules == ["sni-mismatch", "sni-mismatch", "host-mismatch", "host-mismatch"]
 
 
 def test_sandbox_cannot_reach_daemon_socket_docker_api_or_another_sandbox(ec, ws, egress_daemon, hosts):
@@ -340,6 +352,21 @@ def test_record_network_access_off_still_records_denials(ec, ws, hosts):
     out = run(ec, ws, fetch_script("http://allowed.test/", "http://denied.test/"), policy)
     assert [g["status"] for g in json.loads(out.stdout)] == [200, 403]
     assert [r["host"] for r in network_events(ec, out.tool_call_id)] == ["denied.test"]
+
+
+def test_open_with_deny_private_networks_reaches_any_name_but_no_private_address(ec, egress_daemon, hosts):
+    ws = with_cert(egress_daemon, hosts)
+    out = run(ec, ws, fetch_script("http://other.test/", "https://allowed.test/", "http://rebind.test/",
+                                   "http://private.test/", f"http://{hosts.other_ip}/"),
+              {"network": {"egress": "open"}})
+    assert [g["status"] for g in json.loads(out.stdout)] == [200, 200, 403, 403, 200]
+    records = network_events(ec, out.tool_call_id)
+    assert [(r["host"], r["decision"], r["rule"]) for r in records] == [
+        ("other.test", "allowed", "open"), ("allowed.test", "allowed", "open"),
+        ("rebind.test", "denied", "never-reachable"), ("private.test", "denied", "deny-private-networks"),
+        (hosts.other_ip, "allowed", "open")]
+    assert list(out.result.effects_observed.external_calls) == ["other.test:80", "allowed.test:443",
+                                                                f"{hosts.other_ip}:80"]
 
 
 def test_allowlist_without_the_proxy_is_refused_never_run_open(spare_daemon, docker_engine):

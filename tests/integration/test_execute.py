@@ -224,12 +224,15 @@ def test_egress_open_has_a_network_interface(client, workspace):
     assert "eth0" in _interfaces(client.run(call(workspace, ["cat", "/proc/net/dev"], open_policy)))
 
 
-def test_egress_open_that_must_deny_private_networks_is_refused(client, workspace):
-    # Until the egress proxy and firewall exist, 'open' cannot keep the host, the LAN and
-    # the metadata service out, so it is refused rather than run with less protection.
-    with pytest.raises(errors.Unimplemented) as exc:
-        client.run(call(workspace, ["true"], {"network": {"egress": "open"}}))
-    assert "policy.network.denyPrivateNetworks" in exc.value.message
+def test_egress_open_that_must_deny_private_networks_has_no_network_but_the_proxy(client, workspace):
+    # 'open' with denyPrivateNetworks (the default) goes through the egress proxy, which
+    # checks resolved addresses; the sandbox itself has no route anywhere.
+    out = client.run(call(workspace, ["python3", "-c", "import os, socket; print(os.environ['HTTPS_PROXY']); "
+                                      "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                                      "s.connect(('127.0.0.1', 9)); print(s.getsockname()[0])"],
+                          {"network": {"egress": "open"}}))
+    assert out.result.status == "success", out.stderr
+    assert out.stdout.decode().split() == ["http://127.0.0.1:3128", "127.0.0.1"]
 
 
 def test_bad_allow_domain_pattern_is_refused_before_anything_starts(client, workspace, docker_engine, daemon):

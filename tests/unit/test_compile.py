@@ -340,6 +340,21 @@ def test_egress_allowlist_has_no_network_but_the_proxy():
         assert spec.env[name] == "http://127.0.0.1:3128"
 
 
+def test_egress_open_that_denies_private_networks_is_proxied():
+    from dataclasses import replace
+    policy, plan, kwargs = case_egress_allowlist()
+    open_policy = replace(policy, egress="open", allow_domains=())
+    spec = _compile(open_policy, plan, **kwargs)
+    assert spec.network_mode == "none" and spec.argv[0] == EGRESS_SHIM_PATH
+    assert network_plan(open_policy, kwargs["egress"])["allowDomains"] == ["(any)"]
+    with pytest.raises(ValueError):
+        _compile(open_policy, plan)
+    bridge = replace(open_policy, deny_private_networks=False)
+    assert _compile(bridge, plan).network_mode == "bridge"
+    with pytest.raises(ValueError):
+        _compile(bridge, plan, egress=kwargs["egress"])
+
+
 def test_network_plan_shows_the_proxy_and_patterns():
     policy, plan, kwargs = case_egress_allowlist()
     shown = network_plan(policy, kwargs["egress"])

@@ -324,13 +324,14 @@ def test_egress_open_without_private_network_filter_is_accepted():
     assert p.egress == "open" and p.deny_private_networks is False
 
 
-def test_egress_open_with_deny_private_networks_is_not_silently_degraded():
-    # denyPrivateNetworks is unset here, which the contract says means true: private,
-    # loopback and link-local destinations must be refused. Nothing in the daemon
-    # enforces that (compile_docker maps "open" to a plain bridge network), so the
-    # daemon must refuse, as it does for "allowlist", rather than run it as unfiltered.
-    exc = refused(Unimplemented, resolve, {"network": {"egress": "open"}})
-    assert exc.field in ("policy.network.denyPrivateNetworks", "policy.network.egress")
+def test_egress_open_with_deny_private_networks_goes_through_the_proxy():
+    # denyPrivateNetworks unset means true: only a proxy can check where a name resolves
+    # to, so 'open' that must keep private addresses out is proxied, never a bare bridge.
+    p = resolve({"network": {"egress": "open"}})
+    assert p.egress == "open" and p.deny_private_networks is True and p.proxied
+    assert not resolve({"network": {"egress": "open", "denyPrivateNetworks": False}}).proxied
+    assert resolve({"network": {"egress": "allowlist", "allowDomains": ["a.test"]}}).proxied
+    assert not resolve({"network": {"egress": "none"}}).proxied
 
 
 # ------------------------------------------------------------------ limits
