@@ -166,7 +166,7 @@ def tls_client_hello_sni(data: bytes) -> tuple[bool, str | None]:
     anything that is not a TLS handshake record; server_name is None when a complete
     ClientHello carries no SNI. A hello that is cut short, split over several records
     or malformed raises IncompleteHello: never a partial name."""
-    if not looks_like_tls(data) or len(data) < 2:
+    if not looks_like_tls(data):
         return False, None
     if len(data) < 5:
         raise IncompleteHello("short record header")
@@ -556,7 +556,12 @@ class EgressProxy:
         elif looks_like_http(first):
             while b"\r\n\r\n" not in first:
                 first += await more("an HTTP request head that never ends", MAX_HEAD_BYTES)
-            named = http_host_header(first)
+            try:
+                _, _, _, headers = parse_head(first.partition(b"\r\n\r\n")[0])
+            except ProxyRefusal as exc:
+                # What this proxy cannot read, an origin might read differently: refused.
+                raise ProxyRefusal(0, "unreadable-first-bytes", f"HTTP request head: {exc.reason}") from None
+            named = next((v for k, v in headers if k.lower() == "host"), None)
             what = "Host header"
             named_host = split_host_port(named, rec.port)[0] if named is not None else None
         else:
@@ -569,26 +574,94 @@ class EgressProxy:
 
     async def _relay(self, rec: ConnectionRecord, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      upstream_reader: asyncio.StreamReader, upstream: asyncio.StreamWriter) -> None:
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, up: bool) -> None:
-            try:
-                while True:
-                    data = await src.read(RELAY_CHUNK)
-                    if not data:
-                        break
-                    if not up and rec.protocol == "http" and not rec.bytes_down:
-                        rec.status = response_status(data)
-                    dst.write(data)
-                    if up:
-                        rec.bytes_up += len(data)
-                    else:
-                        rec.bytes_down += len(data)
-                    await dst.drain()
-                if dst.can_write_eof():
-                    dst.write_eof()
-            except (ConnectionError, OSError):
-                dst.close()
+        """Past the checks, bytes only: the transports are handed to two small protocols
+        that write what one side receives straight into the other (no stream buffers),
+        with back-pressure from each side's write buffer to the other's reading."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        client_t, up_t = writer.transport, upstream.transport
+        to_up = _Pipe(rec, up=True, done=done)
+        to_client = _Pipe(rec, up=False, done=done)
+        to_up.pair(sink=up_t, source=client_t, peer=to_client)
+        to_client.pair(sink=client_t, source=up_t, peer=to_up)
+        # What the stream readers already buffered goes first.
+        for stream_reader, pipe in ((reader, to_up), (upstream_reader, to_client)):
+            buffered = bytes(stream_reader._buffer)  # noqa: SLF001 - handing the transport over
+            stream_reader._buffer.clear()  # noqa: SLF001
+            eof = stream_reader.at_eof() or stream_reader._eof  # noqa: SLF001
+            if buffered:
+                pipe.data_received(buffered)
+            if eof:
+                pipe.eof_received()
+        client_t.set_protocol(_Sink(to_up))
+        up_t.set_protocol(_Sink(to_client))
+        for t in (client_t, up_t):
+            if not t.is_closing():
+                t.resume_reading()
+        await done
 
-        await asyncio.gather(pump(reader, upstream, True), pump(upstream_reader, writer, False))
+
+class _Pipe:
+    """One direction of a tunnel: what `source` delivers is written to `sink`."""
+
+    def __init__(self, rec: ConnectionRecord, *, up: bool, done: asyncio.Future):
+        self.rec, self.up, self.done = rec, up, done
+        self.finished = False
+
+    def pair(self, *, sink: asyncio.Transport, source: asyncio.Transport, peer: "_Pipe") -> None:
+        self.sink, self.source, self.peer = sink, source, peer
+
+    def data_received(self, data: bytes) -> None:
+        if self.up:
+            self.rec.bytes_up += len(data)
+        else:
+            if self.rec.protocol == "http" and not self.rec.bytes_down:
+                self.rec.status = response_status(data)
+            self.rec.bytes_down += len(data)
+        if not self.sink.is_closing():
+            self.sink.write(data)
+
+    def eof_received(self) -> None:
+        self.finished = True
+        if not self.sink.is_closing() and self.sink.can_write_eof():
+            self.sink.write_eof()
+        if self.peer.finished:
+            self._end()
+
+    def lost(self) -> None:
+        """The source is gone: nothing more will flow either way."""
+        self.finished = self.peer.finished = True
+        self._end()
+
+    def _end(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+class _Sink(asyncio.Protocol):
+    """The protocol of the transport that feeds `pipe`; its own write buffer filling
+    up pauses the other side's reading."""
+
+    def __init__(self, pipe: _Pipe):
+        self.pipe = pipe
+
+    def data_received(self, data: bytes) -> None:
+        self.pipe.data_received(data)
+
+    def eof_received(self) -> bool:
+        self.pipe.eof_received()
+        return True  # keep our writing side open: the other direction may still flow
+
+    def connection_lost(self, exc) -> None:
+        self.pipe.lost()
+
+    def pause_writing(self) -> None:
+        # Our transport (the sink of the peer pipe) is full: stop reading its source.
+        self.pipe.peer.source.pause_reading()
+
+    def resume_writing(self) -> None:
+        if not self.pipe.peer.source.is_closing():
+            self.pipe.peer.source.resume_reading()
 
 
 def summarize_external_calls(records: list[ConnectionRecord]) -> list[str]:
