@@ -6,8 +6,9 @@ and the egress shim there relays 127.0.0.1:PORT to it; HTTP_PROXY and friends po
 that port. Every connection on an endpoint therefore belongs to exactly one call: no
 attribution by source address, and no route for anything that ignores the proxy.
 
-The proxy speaks HTTP/1.1 proxy requests (absolute-form, one request per connection)
-and CONNECT. It checks the name against allowDomains before resolving it (a name that
+The proxy speaks HTTP/1.1 proxy requests (absolute-form, one request per connection),
+CONNECT, and SOCKS5 CONNECT (no authentication; told apart by its first byte) on the
+same port. It checks the name against allowDomains before resolving it (a name that
 is not allowed is never looked up), resolves it itself, checks every resolved address
 (so DNS rebinding to a private address fails), connects to exactly an address it
 checked, and refuses a TLS SNI or Host header that disagrees with the target. Each
@@ -53,7 +54,7 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-a
 class ConnectionRecord:
     """One attempt to reach something through the proxy."""
 
-    protocol: str  # "http" | "connect"
+    protocol: str  # "http" | "connect" | "socks5"
     method: str = ""
     host: str = ""
     port: int = 0
@@ -267,6 +268,15 @@ def origin_form_request(method: str, url: str, version: str, headers: list[tuple
     return ("\r\n".join(out) + "\r\n\r\n").encode("iso-8859-1")
 
 
+# RFC 1928 reply codes for what the HTTP side answers with a status.
+SOCKS5_REPLY_FOR_STATUS = {400: 0x07, 403: 0x02, 502: 0x05, 503: 0x01, 504: 0x04}
+
+
+def socks5_reply(code: int) -> bytes:
+    """A SOCKS5 reply; the bound address is not ours to tell (all zeros)."""
+    return bytes([5, code, 0, 1, 0, 0, 0, 0, 0, 0])
+
+
 def response_status(first: bytes) -> int:
     """The status code of an HTTP response's first bytes, 0 if they are not one."""
     parts = first[:64].split(b"\r\n", 1)[0].split(b" ", 2)
@@ -400,14 +410,25 @@ class EgressProxy:
         upstream: asyncio.StreamWriter | None = None
         try:
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError) as exc:
-                if isinstance(exc, asyncio.IncompleteReadError) and not exc.partial:
-                    return  # connected and went away without a word: nothing attempted
+                first = await asyncio.wait_for(reader.readexactly(1), HEAD_TIMEOUT_S)
+            except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+                return  # connected and went away without a word: nothing attempted
+            if first == b"\x05":
+                rec.protocol, rec.method = "socks5", "CONNECT"
+                await asyncio.wait_for(self._socks5_request(rec, reader, writer), HEAD_TIMEOUT_S)
+                self._check_capacity(ep)
+                upstream_reader, upstream = await self._connect(rec, ep.rules)
+                rec.decision, rec.status = "allowed", 200
+                writer.write(socks5_reply(0))
+                await writer.drain()
+                await self._check_first_bytes(rec, reader, upstream)
+                await self._relay(rec, reader, writer, upstream_reader, upstream)
+                return
+            try:
+                head = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
                 raise ProxyRefusal(400, "bad-request", "no complete request head") from None
-            if len(ep.tasks) > self._max_connections:
-                raise ProxyRefusal(503, "too-many-connections",
-                                   f"more than {self._max_connections} connections open at once")
+            self._check_capacity(ep)
             method, target, version, headers = parse_head(head[:-4])
             rec.method = method
             if method == "CONNECT":
@@ -443,7 +464,10 @@ class EgressProxy:
                 rec.error = refusal.reason
             if refusal.status:
                 try:
-                    writer.write(refusal_response(refusal.status, refusal.rule, refusal.reason))
+                    if rec.protocol == "socks5":
+                        writer.write(socks5_reply(SOCKS5_REPLY_FOR_STATUS.get(refusal.status, 1)))
+                    else:
+                        writer.write(refusal_response(refusal.status, refusal.rule, refusal.reason))
                     await writer.drain()
                 except (ConnectionError, RuntimeError):
                     pass
@@ -456,6 +480,38 @@ class EgressProxy:
                 if w is not None:
                     w.close()
             self._keep(ep, rec)
+
+    def _check_capacity(self, ep: EgressEndpoint) -> None:
+        if len(ep.tasks) > self._max_connections:
+            raise ProxyRefusal(503, "too-many-connections", f"more than {self._max_connections} connections open at once")
+
+    async def _socks5_request(self, rec: ConnectionRecord, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        """The rest of a SOCKS5 greeting (RFC 1928) and its request: CONNECT only, no
+        authentication. Sets the target on `rec`; the version byte is already read."""
+        try:
+            methods = await reader.readexactly((await reader.readexactly(1))[0])
+            if 0 not in methods:
+                writer.write(b"\x05\xff")
+                raise ProxyRefusal(0, "bad-request", "the SOCKS5 client offers no 'no authentication' method")
+            writer.write(b"\x05\x00")
+            ver, cmd, _, atyp = await reader.readexactly(4)
+            if atyp == 1:
+                host = str(ipaddress.IPv4Address(await reader.readexactly(4)))
+            elif atyp == 4:
+                host = str(ipaddress.IPv6Address(await reader.readexactly(16)))
+            elif atyp == 3:
+                host = (await reader.readexactly((await reader.readexactly(1))[0])).decode("ascii", "replace")
+            else:
+                raise ProxyRefusal(400, "bad-request", f"SOCKS5 address type {atyp} is not supported")
+            port = int.from_bytes(await reader.readexactly(2), "big")
+        except asyncio.IncompleteReadError:
+            raise ProxyRefusal(0, "bad-request", "an incomplete SOCKS5 request") from None
+        rec.host, rec.port = normalize_host(host), port
+        if ver != 5 or cmd != 1:
+            raise ProxyRefusal(400, "bad-request", f"SOCKS5 command {cmd} is not supported (CONNECT only)")
+        if not 0 < port < 65536:
+            raise ProxyRefusal(400, "bad-request", f"bad port {port}")
 
     async def _connect(self, rec: ConnectionRecord, rules: EgressRules
                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

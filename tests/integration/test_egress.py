@@ -145,6 +145,32 @@ def test_denied_name_gets_403_naming_the_rule_and_is_never_resolved(ec, ws, host
     assert not [e for e in hosts.entries() if e.get("dns") == "denied.test"]
 
 
+def test_socks5_connect_gets_the_same_decisions(ec, egress_daemon, hosts):
+    ws = with_cert(egress_daemon, hosts)
+    out = run(ec, ws, f"""
+        import socket, subprocess
+        def curl(url):
+            r = subprocess.run(["curl", "-sS", "--cacert", "/workspace/cert.pem", "-x", "socks5h://127.0.0.1:3128",
+                                url], capture_output=True, text=True)
+            return r.returncode, r.stdout.strip()
+        print(curl("http://allowed.test/"), curl("https://allowed.test/"), curl("http://denied.test/")[0])
+        s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+        s.sendall(bytes([5, 1, 0]))
+        print(s.recv(2).hex())
+        s.sendall(bytes([5, 1, 0, 1]) + socket.inet_aton("{hosts.allowed_ip}") + (80).to_bytes(2, "big"))
+        print(s.recv(10)[1])
+    """)
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "(0, 'allowed') (0, 'allowed') 97"  # curl 97: the proxy refused the connection
+    assert lines[1:] == ["0500", "2"]  # no authentication; reply 2: not allowed by the ruleset
+    records = network_events(ec, out.tool_call_id)
+    assert [(r["protocol"], r["host"], r["port"], r["decision"], r["rule"]) for r in records] == [
+        ("socks5", "allowed.test", 80, "allowed", "allowed.test"),
+        ("socks5", "allowed.test", 443, "allowed", "allowed.test"),
+        ("socks5", "denied.test", 80, "denied", "not-allowlisted"),
+        ("socks5", hosts.allowed_ip, 80, "denied", "not-allowlisted")]
+
+
 def test_raw_ip_literals_and_ipv6_are_refused_unless_listed(ec, ws, hosts):
     out = run(ec, ws, fetch_script(f"http://{hosts.allowed_ip}/", "http://[::1]:80/",
                                    f"http://[::ffff:{hosts.allowed_ip}]/"))
