@@ -51,6 +51,7 @@ test: venv images native proto-check
 bench: venv images native
 	$(PY) bench/cold_start.py
 	$(PY) bench/stream_throughput.py
+	$(PY) bench/egress_proxy.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

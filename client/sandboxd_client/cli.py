@@ -169,11 +169,28 @@ def cmd_trace(args: argparse.Namespace) -> int:
         else:
             payload = json.loads(e.payload_json)
             print(f"{e.seq:>8}  {e.time}  {e.type:<22} {e.event_id}  {'ok' if ok else 'HASH MISMATCH'}")
+            if e.type == "NetworkAccessObserved" and not args.verbose:
+                print("          " + network_line(payload))
             if args.verbose:
                 print("          " + json.dumps(payload, sort_keys=True))
     if bad:
         return _fail(f"{bad} event(s) do not match their hash", 1)
     return 0
+
+
+def network_line(p: dict) -> str:
+    """One NetworkAccessObserved payload, for people."""
+    if "dropped" in p:
+        return f"{p['dropped']} more connection(s), counted but not recorded"
+    where = f"{p.get('host', '')}:{p.get('port', '')}"
+    if p.get("address") and p.get("address") != p.get("host"):
+        where += f" ({p['address']})"
+    line = f"{p.get('decision', '?')} {p.get('protocol', '')} {where}  rule {p.get('rule', '')}"
+    if p.get("decision") == "allowed":
+        line += f"  up {p.get('bytesUp', 0)} B, down {p.get('bytesDown', 0)} B"
+    if p.get("reason") or p.get("error"):
+        line += f"  - {p.get('reason') or p.get('error')}"
+    return line
 
 
 def _trace_verify(args: argparse.Namespace) -> int:
@@ -234,9 +251,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"backend": resp.backend, "image": resp.image,
                           "effectivePolicy": json.loads(resp.effective_policy_json),
-                          "spec": json.loads(resp.spec_json), "notes": list(resp.notes)}, sort_keys=True))
+                          "spec": json.loads(resp.spec_json), "notes": list(resp.notes),
+                          "network": json.loads(resp.network_plan_json or "{}")}, sort_keys=True))
     else:
         print(f"backend: {resp.backend}\nimage:   {resp.image}\n\neffective policy:\n{resp.effective_policy_json}\n")
+        print(f"network:\n{resp.network_plan_json}\n")
         print(f"{resp.backend} spec:\n{resp.spec_json}")
         for n in resp.notes:
             print(f"note: {n}")

@@ -372,6 +372,24 @@ def test_byte_counts_match_what_the_server_sent(ec, ws, hosts):
     assert records[0]["startedAt"] <= records[0]["endedAt"]
 
 
+def test_sandboxctl_shows_network_attempts_and_the_network_plan(egress_daemon, ws, hosts):
+    from .test_cli import ctl
+
+    policy = ws.parent / "egress-policy.json"
+    policy.write_text(json.dumps(allowlist(["allowed.test"])))
+    p = ctl(egress_daemon, "exec", "--json", "--policy", str(policy), "--workspace", str(ws), "--",
+            "sh", "-c", "curl -s http://allowed.test/ >/dev/null; curl -s http://denied.test/")
+    assert p.returncode == 0, p.stderr
+    assert b"not in allowDomains" in p.stdout
+    result = json.loads(p.stdout.splitlines()[-1])
+    assert result["effectsObserved"]["externalCalls"] == ["allowed.test:80"]
+    trace = ctl(egress_daemon, "trace", result["toolCallId"]).stdout.decode()
+    assert f"allowed http allowed.test:80 ({hosts.allowed_ip})  rule allowed.test  up " in trace
+    assert "denied http denied.test:80  rule not-allowlisted  - host denied.test is not in allowDomains" in trace
+    explained = ctl(egress_daemon, "explain", "--json", "--policy", str(policy), "--workspace", str(ws))
+    assert json.loads(explained.stdout)["network"]["allowDomains"] == ["allowed.test"]
+
+
 def test_record_network_access_off_still_records_denials(ec, ws, hosts):
     policy = allowlist()
     policy["audit"] = {"recordNetworkAccess": False}
