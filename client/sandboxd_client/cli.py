@@ -178,6 +178,40 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    filters = {k: v for k, v in {
+        "command_contains": args.command, "path": args.path, "path_operation": args.op, "domain": args.domain,
+        "principal": args.principal, "workspace": args.workspace, "status": args.status, "since": args.since,
+        "until": args.until, "page_size": args.limit, "page_token": args.page_token}.items() if v}
+    with SandboxdClient(args.socket) as client:
+        try:
+            page = client.query_calls(**filters)
+        except SandboxdClientError as exc:
+            return _fail(f"{exc.code.name}: {exc.message}", 1)
+    if args.json:
+        for c in page.calls:
+            print(json.dumps(to_json(c), sort_keys=True))
+        if page.next_page_token:
+            print(json.dumps({"nextPageToken": page.next_page_token}))
+        return 0
+    rows = [("REQUESTED", "CALL", "PRINCIPAL", "STATUS", "EXIT", "DOMAINS", "COMMAND")]
+    for c in page.calls:
+        rows.append((c.requested_at[:19].replace("T", " "), c.tool_call_id, c.principal,
+                     c.status + (f" ({c.error_code})" if c.error_code else ""),
+                     str(c.exit_code) if c.HasField("exit_code") else "-", ",".join(c.domains) or "-",
+                     _shorten(c.command or "(not recorded)", 60)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[-1])
+    if page.next_page_token:
+        print(f"more: --page-token {page.next_page_token}")
+    return 0
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 def network_line(p: dict) -> str:
     """One NetworkAccessObserved payload, for people."""
     if "dropped" in p:
@@ -307,6 +341,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--call", help="export: only this call's events")
     p.add_argument("--after-seq", type=int, default=0, help="export: only events after this log position")
     p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("audit", help="forensic queries over recorded calls, newest first")
+    p.add_argument("--command", help="substring of the command line")
+    p.add_argument("--path", help="a sandbox path touched (relative: under /workspace), or anything below it")
+    p.add_argument("--op", help="with --path: read|write|create|delete|rename|chmod")
+    p.add_argument("--domain", help="a host contacted: exact or *.suffix")
+    p.add_argument("--principal")
+    p.add_argument("--workspace")
+    p.add_argument("--status", help="running|success|error|partial|cancelled|rejected")
+    p.add_argument("--since", help="RFC 3339, inclusive")
+    p.add_argument("--until", help="RFC 3339, exclusive")
+    p.add_argument("--limit", type=int, default=0, help="page size (default 50, at most 500)")
+    p.add_argument("--page-token", help="from the previous page")
+    p.add_argument("--json", action="store_true", help="one JSON object per call")
+    p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("explain", help="show what a policy would materialize to, without running anything")
     common(p)

@@ -65,6 +65,7 @@ class SandboxdClient:
         self._exec = pb_grpc.ExecutionServiceStub(self._channel)
         self._artifacts = pb_grpc.ArtifactServiceStub(self._channel)
         self._traces = pb_grpc.TraceServiceStub(self._channel)
+        self._audit = pb_grpc.AuditServiceStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -160,6 +161,25 @@ class SandboxdClient:
             yield from self._traces.ExportEvents(pb.ExportEventsRequest(tool_call_id=tool_call_id, after_seq=after_seq))
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
+
+    def query_calls(self, **filters: Any) -> pb.QueryCallsResponse:
+        """One page of recorded calls, newest first. Filters are QueryCallsRequest's
+        fields: command_contains, path, path_operation, domain, principal, workspace,
+        status, since, until, page_size, page_token."""
+        try:
+            return self._audit.QueryCalls(pb.QueryCallsRequest(**filters))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def iter_calls(self, **filters: Any) -> Iterator[pb.CallSummary]:
+        """Every matching call, newest first, page by page."""
+        token = filters.pop("page_token", "")
+        while True:
+            page = self.query_calls(page_token=token, **filters)
+            yield from page.calls
+            token = page.next_page_token
+            if not token:
+                return
 
 
 class ExecuteStream:

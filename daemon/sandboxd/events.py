@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -28,6 +28,8 @@ ARTIFACT_PERSISTED = "ArtifactPersisted"
 REJECTED = "ToolCallRejected"
 # One connection attempt through the egress proxy, allowed or denied.
 NETWORK_ACCESS = "NetworkAccessObserved"
+# One access to a file under the sandbox's mounted roots.
+FILE_ACCESS = "FileAccessObserved"
 # A retry with an already accepted idempotency key, answered from the first call.
 REPLAYED = "ToolCallReplayed"
 
@@ -65,8 +67,11 @@ class EventDraft:
 
 
 class EventLog:
-    def __init__(self, db: Database):
+    def __init__(self, db: Database, on_append: Callable[[Any, list["Event"]], None] | None = None):
+        """`on_append(conn, events)` runs inside each appending transaction: the
+        forensic index (audit.py) is kept that way, never behind a committed event."""
         self._db = db
+        self._on_append = on_append
 
     def append(self, conn, tool_call_id: str, parent_event_id: str, drafts: Sequence[EventDraft]) -> list[Event]:
         """Appends drafts as a causal chain (each the parent of the next) inside the
@@ -89,6 +94,8 @@ class EventLog:
             ev = Event(seq, event_id, tool_call_id, d.type, time, parent, payload_json, prev, h)
             out.append(ev)
             prev, parent = h, event_id
+        if self._on_append is not None and out:
+            self._on_append(conn, out)
         return out
 
     def record(self, tool_call_id: str, parent_event_id: str, drafts: Sequence[EventDraft]) -> list[Event]:

@@ -510,6 +510,7 @@ class CallExecutor:
                     "workspace": prepared.plan.workspace,
                     "binds": [[b.sandbox_path, "ro" if b.read_only else "rw"] for b in prepared.plan.binds],
                     "masks": [m.sandbox_path for m in prepared.plan.masks], "notes": list(prepared.plan.notes),
+                    **({"command": self._command_record(prepared, principal)} if prepared.policy.record_command else {}),
                 }),
                 ])
             run = CallRun(self, tool_call_id, prepared, spool, recorded[-1].event_id)
@@ -606,6 +607,17 @@ class CallExecutor:
         payload["principal"] = principal
         payload["daemonId"] = self.daemon_id
         return payload
+
+    @staticmethod
+    def _command_record(prepared: Prepared, principal: str) -> dict[str, Any]:
+        """audit.recordCommand: what ran, where, as whom. Environment names only: values
+        may be secrets, and the policy digest already pins them."""
+        return {
+            "argv": list(prepared.call.argv), "cwd": prepared.policy.cwd, "envNames": sorted(prepared.policy.env),
+            "image": prepared.image, "imageDigest": prepared.image_digest, "backend": prepared.backend.name,
+            "policyDigest": prepared.policy.digest(), "principal": principal, "workspace": prepared.plan.workspace,
+            "sandboxUser": f"{prepared.plan.uid}:{prepared.plan.gid}",
+        }
 
     def _reject(self, tool_call_id: str, raw: Mapping[str, Any], principal: str, stage: str,
                 exc: SandboxdError, requested_id: str = "") -> None:

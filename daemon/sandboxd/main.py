@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from sandboxd_client.pb import sandboxd_pb2 as pb
 from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 
+from . import audit
 from .artifacts import FileArtifactStore
 from .backends.docker import DockerBackend
 from .backends.nsjail import NsjailBackend
@@ -30,7 +31,7 @@ from .errors import BackendUnavailable, SandboxdError
 from .events import EventLog
 from .executor import CallExecutor, clean_spool
 from .proxy import EgressProxy
-from .service import (ArtifactServicer, Authenticator, ErrorInterceptor, ExecutionServicer, TraceServicer,
+from .service import (ArtifactServicer, AuditServicer, Authenticator, ErrorInterceptor, ExecutionServicer, TraceServicer,
                       add_execution_service)
 from .settings import DaemonSettings, load_settings
 from .store import Database
@@ -38,7 +39,7 @@ from .transport import PeerCredentialRelay
 
 log = logging.getLogger("sandboxd")
 SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[n].full_name
-                      for n in ("ExecutionService", "ArtifactService", "TraceService"))
+                      for n in ("ExecutionService", "ArtifactService", "TraceService", "AuditService"))
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -156,7 +157,11 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
         raise BackendUnavailable(f"the default backend {settings.default_backend!r} is unavailable: "
                                  f"{unavailable.get(settings.default_backend, 'not configured')}")
     db = Database(settings.db_path)
-    events = EventLog(db)
+    audit.ensure_schema(db)
+    events = EventLog(db, on_append=audit.index_events)
+    caught_up = audit.catch_up(db)
+    if caught_up:
+        log.info("indexed %d events the forensic index had not seen", caught_up)
     artifacts = FileArtifactStore(settings.blob_dir, db)
     proxy, no_proxy_reason = _start_egress(settings)
     executor = CallExecutor(settings, db, events, artifacts, backends, daemon_id, unavailable,
@@ -176,6 +181,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     add_execution_service(ExecutionServicer(executor, authenticate), server)
     pb_grpc.add_ArtifactServiceServicer_to_server(ArtifactServicer(artifacts, executor, authenticate), server)
     pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events, executor, authenticate), server)
+    pb_grpc.add_AuditServiceServicer_to_server(AuditServicer(db, authenticate), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("",) + SERVICE_NAMES:

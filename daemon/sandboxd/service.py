@@ -14,6 +14,7 @@ from google.protobuf import json_format
 from sandboxd_client.pb import sandboxd_pb2 as pb
 from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 
+from . import audit
 from .artifacts import FileArtifactStore
 from .compile import network_plan
 from .errors import InvalidArgument, NotFound, PermissionDenied, SandboxdError
@@ -295,3 +296,39 @@ def event_to_pb(e) -> pb.TraceEvent:
     return pb.TraceEvent(seq=e.seq, event_id=e.event_id, tool_call_id=e.tool_call_id, type=e.type, time=e.time,
                          parent_event_id=e.parent_event_id, payload_json=e.payload_json,
                          prev_hash=e.prev_hash, hash=e.hash)
+
+
+class AuditServicer(pb_grpc.AuditServiceServicer):
+    """Forensic queries (audit.py). A principal that is not an admin sees its own calls only."""
+
+    def __init__(self, db, authenticate: Authenticator):
+        self._db = db
+        self._authenticate = authenticate
+
+    def QueryCalls(self, request: pb.QueryCallsRequest, context) -> pb.QueryCallsResponse:
+        caller = self._authenticate(context)
+        principal = request.principal
+        if not caller.admin:
+            if principal and principal != caller.name:
+                return pb.QueryCallsResponse()  # other tenants' calls do not exist for this caller
+            principal = caller.name
+        q = audit.CallQuery(
+            command_contains=request.command_contains, path=request.path, path_operation=request.path_operation,
+            domain=request.domain, principal=principal, workspace=request.workspace, status=request.status,
+            since=request.since, until=request.until, page_size=request.page_size, page_token=request.page_token)
+        try:
+            rows, token = audit.query_calls(self._db, q)
+        except audit.BadFilter as exc:
+            raise InvalidArgument(exc.reason, field=exc.field) from None
+        return pb.QueryCallsResponse(calls=[_call_summary(r) for r in rows], next_page_token=token)
+
+
+def _call_summary(r: dict[str, Any]) -> pb.CallSummary:
+    summary = pb.CallSummary(
+        tool_call_id=r["tool_call_id"], principal=r["principal"], workspace=r["workspace"], command=r["command"],
+        tool_id=r["tool_id"], backend=r["backend"], image=r["image"], status=r["status"],
+        error_code=r["error_code"], requested_at=r["requested_at"], finished_at=r["finished_at"],
+        domains=r["domains"])
+    if r["exit_code"] is not None:
+        summary.exit_code = r["exit_code"]
+    return summary

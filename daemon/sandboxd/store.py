@@ -71,6 +71,11 @@ class Database:
                 raise
             self._conn.execute("COMMIT")
 
+    def ensure_schema(self, sql: str) -> None:
+        """Runs CREATE ... IF NOT EXISTS statements (a module's own tables)."""
+        with self._lock:
+            self._conn.executescript(sql)
+
     def query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
             cur = self._conn.execute(sql, args)

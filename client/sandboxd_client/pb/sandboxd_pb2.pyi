@@ -464,3 +464,67 @@ class ExportEventsRequest(_message.Message):
     after_seq: int
     tool_call_id: str
     def __init__(self, after_seq: _Optional[int] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class QueryCallsRequest(_message.Message):
+    __slots__ = ("command_contains", "path", "path_operation", "domain", "principal", "workspace", "status", "since", "until", "page_size", "page_token")
+    COMMAND_CONTAINS_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PATH_OPERATION_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    command_contains: str
+    path: str
+    path_operation: str
+    domain: str
+    principal: str
+    workspace: str
+    status: str
+    since: str
+    until: str
+    page_size: int
+    page_token: str
+    def __init__(self, command_contains: _Optional[str] = ..., path: _Optional[str] = ..., path_operation: _Optional[str] = ..., domain: _Optional[str] = ..., principal: _Optional[str] = ..., workspace: _Optional[str] = ..., status: _Optional[str] = ..., since: _Optional[str] = ..., until: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class CallSummary(_message.Message):
+    __slots__ = ("tool_call_id", "principal", "workspace", "command", "tool_id", "backend", "image", "status", "exit_code", "error_code", "requested_at", "finished_at", "domains")
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    DOMAINS_FIELD_NUMBER: _ClassVar[int]
+    tool_call_id: str
+    principal: str
+    workspace: str
+    command: str
+    tool_id: str
+    backend: str
+    image: str
+    status: str
+    exit_code: int
+    error_code: str
+    requested_at: str
+    finished_at: str
+    domains: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tool_call_id: _Optional[str] = ..., principal: _Optional[str] = ..., workspace: _Optional[str] = ..., command: _Optional[str] = ..., tool_id: _Optional[str] = ..., backend: _Optional[str] = ..., image: _Optional[str] = ..., status: _Optional[str] = ..., exit_code: _Optional[int] = ..., error_code: _Optional[str] = ..., requested_at: _Optional[str] = ..., finished_at: _Optional[str] = ..., domains: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class QueryCallsResponse(_message.Message):
+    __slots__ = ("calls", "next_page_token")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[CallSummary]
+    next_page_token: str
+    def __init__(self, calls: _Optional[_Iterable[_Union[CallSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

@@ -456,3 +456,75 @@ class TraceService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AuditServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.QueryCalls = channel.unary_unary(
+                '/sandboxd.v1.AuditService/QueryCalls',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryCallsRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryCallsResponse.FromString,
+                _registered_method=True)
+
+
+class AuditServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def QueryCalls(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AuditServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'QueryCalls': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryCalls,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryCallsRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryCallsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'sandboxd.v1.AuditService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('sandboxd.v1.AuditService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AuditService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def QueryCalls(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.AuditService/QueryCalls',
+            sandboxd_dot_v1_dot_sandboxd__pb2.QueryCallsRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.QueryCallsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,242 @@
+"""The forensic index: which calls ran what, as whom, where, touched which paths and
+contacted which hosts. It is a projection of the event log (the log stays the single
+source of truth): every appended event is indexed in the same transaction, and an index
+that is behind the log (a new daemon version, a restored backup) catches up from it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shlex
+import sqlite3
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import events as ev
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS audit_calls (
+    seq INTEGER PRIMARY KEY,              -- of the call's ToolCallRequested: newest first
+    tool_call_id TEXT NOT NULL UNIQUE,
+    principal TEXT NOT NULL,
+    workspace TEXT NOT NULL,
+    command TEXT NOT NULL,                -- argv, shell-quoted; "" when not recorded
+    tool_id TEXT NOT NULL,
+    backend TEXT NOT NULL DEFAULT '',
+    image TEXT NOT NULL DEFAULT '',
+    status TEXT NOT NULL,                 -- running | success | error | partial | cancelled | rejected
+    exit_code INTEGER,
+    error_code TEXT NOT NULL DEFAULT '',
+    requested_at TEXT NOT NULL,
+    finished_at TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS audit_calls_by_principal ON audit_calls (principal, seq);
+CREATE INDEX IF NOT EXISTS audit_calls_by_workspace ON audit_calls (workspace, seq);
+CREATE INDEX IF NOT EXISTS audit_calls_by_status ON audit_calls (status, seq);
+CREATE INDEX IF NOT EXISTS audit_calls_by_time ON audit_calls (requested_at);
+CREATE TABLE IF NOT EXISTS audit_network (
+    tool_call_id TEXT NOT NULL,
+    host TEXT NOT NULL,
+    port INTEGER NOT NULL,
+    decision TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_network_by_host ON audit_network (host, tool_call_id);
+CREATE INDEX IF NOT EXISTS audit_network_by_call ON audit_network (tool_call_id);
+CREATE TABLE IF NOT EXISTS audit_paths (
+    tool_call_id TEXT NOT NULL,
+    path TEXT NOT NULL,                   -- as the sandbox saw it, e.g. /workspace/src/auth.py
+    op TEXT NOT NULL                      -- read | write | create | delete | rename | chmod
+);
+CREATE INDEX IF NOT EXISTS audit_paths_by_path ON audit_paths (path, op, tool_call_id);
+CREATE TABLE IF NOT EXISTS audit_meta (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    indexed_seq INTEGER NOT NULL
+);
+"""
+
+# FileAccessObserved payloads carry these operations.
+PATH_OPERATIONS = ("read", "write", "create", "delete", "rename", "chmod")
+STATUSES = ("running", "success", "error", "partial", "cancelled", "rejected")
+MAX_PAGE = 500
+
+
+def command_text(argv: Sequence[str]) -> str:
+    return shlex.join(argv)
+
+
+def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
+    """Projects one event into the index (idempotent for a given event)."""
+    p = e.payload
+    if e.type == ev.REQUESTED:
+        argv = p.get("argv")
+        conn.execute(
+            "INSERT OR IGNORE INTO audit_calls (seq, tool_call_id, principal, workspace, command, tool_id, status,"
+            " requested_at) VALUES (?,?,?,?,?,?,?,?)",
+            (e.seq, e.tool_call_id, str(p.get("principal", "")), str(p.get("workspace", "")),
+             command_text(argv) if isinstance(argv, list) and all(isinstance(a, str) for a in argv) else "",
+             str(p.get("toolId", "")), "running", e.time))
+    elif e.type == ev.POLICY_CHECKED:
+        conn.execute("UPDATE audit_calls SET backend = ?, image = ? WHERE tool_call_id = ?",
+                     (str(p.get("backend", "")), str(p.get("image", "")), e.tool_call_id))
+    elif e.type == ev.REJECTED:
+        # Only a call refused before it was accepted: a refused retry that reused an
+        # accepted call's id must not rewrite that call's row.
+        conn.execute("UPDATE audit_calls SET status = 'rejected', error_code = ?, finished_at = ?"
+                     " WHERE tool_call_id = ? AND status = 'running' AND backend = ''",
+                     (str(p.get("code", "")), e.time, e.tool_call_id))
+    elif e.type == ev.RESULT_VALIDATED:
+        result = p.get("result") or {}
+        conn.execute(
+            "UPDATE audit_calls SET status = ?, exit_code = ?, error_code = ?, finished_at = ? WHERE tool_call_id = ?",
+            (str(result.get("status", "error")), result.get("exitCode"), str((result.get("error") or {}).get("code", "")),
+             e.time, e.tool_call_id))
+    elif e.type == ev.NETWORK_ACCESS and "host" in p:
+        conn.execute("INSERT INTO audit_network (tool_call_id, host, port, decision) VALUES (?,?,?,?)",
+                     (e.tool_call_id, str(p["host"]), int(p.get("port", 0)), str(p.get("decision", ""))))
+    elif e.type == ev.FILE_ACCESS and "path" in p:
+        conn.execute("INSERT INTO audit_paths (tool_call_id, path, op) VALUES (?,?,?)",
+                     (e.tool_call_id, str(p["path"]), str(p.get("operation", ""))))
+        if p.get("renamedTo"):
+            conn.execute("INSERT INTO audit_paths (tool_call_id, path, op) VALUES (?,?,?)",
+                         (e.tool_call_id, str(p["renamedTo"]), "rename"))
+
+
+def index_events(conn: sqlite3.Connection, events: Iterable[ev.Event]) -> None:
+    last = 0
+    for e in events:
+        index_event(conn, e)
+        last = e.seq
+    if last:
+        conn.execute("INSERT INTO audit_meta (id, indexed_seq) VALUES (1, ?) "
+                     "ON CONFLICT (id) DO UPDATE SET indexed_seq = MAX(indexed_seq, excluded.indexed_seq)", (last,))
+
+
+def ensure_schema(db) -> None:
+    db.ensure_schema(SCHEMA)
+
+
+def catch_up(db, batch: int = 5000) -> int:
+    """Indexes every event the index has not seen; returns how many."""
+    done = 0
+    while True:
+        row = db.query("SELECT indexed_seq FROM audit_meta WHERE id = 1")
+        after = row[0]["indexed_seq"] if row else 0
+        rows = db.query("SELECT * FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (after, batch))
+        if not rows:
+            return done
+        with db.transaction() as conn:
+            index_events(conn, [ev.Event(**r) for r in rows])
+        done += len(rows)
+
+
+class BadFilter(ValueError):
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
+@dataclass(frozen=True)
+class CallQuery:
+    command_contains: str = ""
+    path: str = ""
+    path_operation: str = ""
+    domain: str = ""
+    principal: str = ""
+    workspace: str = ""
+    status: str = ""
+    since: str = ""
+    until: str = ""
+    page_size: int = 50
+    page_token: str = ""
+
+
+def _like_escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def encode_token(seq: int) -> str:
+    return base64.urlsafe_b64encode(json.dumps({"before": seq}).encode()).decode()
+
+
+def decode_token(token: str) -> int:
+    try:
+        before = json.loads(base64.urlsafe_b64decode(token.encode()))["before"]
+    except (ValueError, KeyError, TypeError):
+        raise BadFilter("pageToken", "not a page token from this daemon") from None
+    if not isinstance(before, int):
+        raise BadFilter("pageToken", "not a page token from this daemon")
+    return before
+
+
+def build_query(q: CallQuery) -> tuple[str, list[Any]]:
+    """SQL (and its arguments) for one page of matching calls, newest first. Raises
+    BadFilter naming the bad filter."""
+    where, args = [], []
+    if q.page_token:
+        where.append("c.seq < ?")
+        args.append(decode_token(q.page_token))
+    for column, value in (("principal", q.principal), ("workspace", q.workspace), ("status", q.status)):
+        if value:
+            where.append(f"c.{column} = ?")
+            args.append(value)
+    if q.status and q.status not in STATUSES:
+        raise BadFilter("status", f"one of {', '.join(STATUSES)}")
+    if q.since:
+        where.append("c.requested_at >= ?")
+        args.append(q.since)
+    if q.until:
+        where.append("c.requested_at < ?")
+        args.append(q.until)
+    if q.command_contains:
+        where.append("c.command LIKE ? ESCAPE '\\'")
+        args.append(f"%{_like_escape(q.command_contains)}%")
+    if q.domain:
+        domain = q.domain.strip().rstrip(".").lower()
+        if domain.startswith("*."):
+            where.append("c.tool_call_id IN (SELECT tool_call_id FROM audit_network WHERE host LIKE ? ESCAPE '\\')")
+            args.append(f"%.{_like_escape(domain[2:])}")
+        else:
+            where.append("c.tool_call_id IN (SELECT tool_call_id FROM audit_network WHERE host = ?)")
+            args.append(domain)
+    if q.path_operation and q.path_operation not in PATH_OPERATIONS:
+        raise BadFilter("pathOperation", f"one of {', '.join(PATH_OPERATIONS)}")
+    if q.path_operation and not q.path:
+        raise BadFilter("pathOperation", "needs a path")
+    if q.path:
+        path = q.path if q.path.startswith("/") else "/workspace/" + q.path
+        path = path.rstrip("/") or "/"
+        # The path itself or anything below it (a range, so the index serves it).
+        sub = "SELECT tool_call_id FROM audit_paths WHERE (path = ? OR (path >= ? AND path < ?))"
+        args += [path, path + "/", path + "0"]  # "0" sorts right after "/"
+        if q.path_operation:
+            sub += " AND op = ?"
+            args.append(q.path_operation)
+        where.append(f"c.tool_call_id IN ({sub})")
+    size = q.page_size or 50
+    if not 0 < size <= MAX_PAGE:
+        raise BadFilter("pageSize", f"1 to {MAX_PAGE}")
+    sql = "SELECT c.* FROM audit_calls c"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY c.seq DESC LIMIT ?"
+    args.append(size + 1)
+    return sql, args
+
+
+def query_calls(db, q: CallQuery) -> tuple[list[dict[str, Any]], str]:
+    """One page of calls and the token of the next page ("" at the end)."""
+    sql, args = build_query(q)
+    rows = db.query(sql, tuple(args))
+    size = q.page_size or 50
+    page, more = rows[:size], len(rows) > size
+    if page:
+        ids = tuple(r["tool_call_id"] for r in page)
+        marks = ",".join("?" * len(ids))
+        hosts: dict[str, list[str]] = {}
+        for r in db.query(f"SELECT DISTINCT tool_call_id, host FROM audit_network WHERE tool_call_id IN ({marks})"
+                          f" AND decision = 'allowed' ORDER BY host", ids):
+            hosts.setdefault(r["tool_call_id"], []).append(r["host"])
+        for r in page:
+            r["domains"] = hosts.get(r["tool_call_id"], [])
+    return page, encode_token(page[-1]["seq"]) if more else ""
