@@ -52,6 +52,7 @@ bench: venv images native
 	$(PY) bench/cold_start.py
 	$(PY) bench/stream_throughput.py
 	$(PY) bench/egress_proxy.py
+	$(PY) bench/audit_query.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

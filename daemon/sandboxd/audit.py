@@ -35,20 +35,27 @@ CREATE INDEX IF NOT EXISTS audit_calls_by_principal ON audit_calls (principal, s
 CREATE INDEX IF NOT EXISTS audit_calls_by_workspace ON audit_calls (workspace, seq);
 CREATE INDEX IF NOT EXISTS audit_calls_by_status ON audit_calls (status, seq);
 CREATE INDEX IF NOT EXISTS audit_calls_by_time ON audit_calls (requested_at);
+-- call_seq is the call's audit_calls.seq: walking (host, call_seq) backwards yields the
+-- newest calls first and stops at the page size, however common the host.
 CREATE TABLE IF NOT EXISTS audit_network (
+    call_seq INTEGER NOT NULL,
     tool_call_id TEXT NOT NULL,
     host TEXT NOT NULL,
+    rhost TEXT NOT NULL,                  -- host reversed: a suffix becomes a prefix range
     port INTEGER NOT NULL,
     decision TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS audit_network_by_host ON audit_network (host, tool_call_id);
-CREATE INDEX IF NOT EXISTS audit_network_by_call ON audit_network (tool_call_id);
+CREATE INDEX IF NOT EXISTS audit_network_by_host ON audit_network (host, call_seq);
+CREATE INDEX IF NOT EXISTS audit_network_by_rhost ON audit_network (rhost, call_seq);
+CREATE INDEX IF NOT EXISTS audit_network_by_call ON audit_network (call_seq);
 CREATE TABLE IF NOT EXISTS audit_paths (
+    call_seq INTEGER NOT NULL,
     tool_call_id TEXT NOT NULL,
     path TEXT NOT NULL,                   -- as the sandbox saw it, e.g. /workspace/src/auth.py
     op TEXT NOT NULL                      -- read | write | create | delete | rename | chmod
 );
-CREATE INDEX IF NOT EXISTS audit_paths_by_path ON audit_paths (path, op, tool_call_id);
+CREATE INDEX IF NOT EXISTS audit_paths_by_path ON audit_paths (path, op, call_seq);
+CREATE INDEX IF NOT EXISTS audit_paths_by_call ON audit_paths (call_seq);
 CREATE TABLE IF NOT EXISTS audit_meta (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     indexed_seq INTEGER NOT NULL
@@ -92,14 +99,25 @@ def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
             (str(result.get("status", "error")), result.get("exitCode"), str((result.get("error") or {}).get("code", "")),
              e.time, e.tool_call_id))
     elif e.type == ev.NETWORK_ACCESS and "host" in p:
-        conn.execute("INSERT INTO audit_network (tool_call_id, host, port, decision) VALUES (?,?,?,?)",
-                     (e.tool_call_id, str(p["host"]), int(p.get("port", 0)), str(p.get("decision", ""))))
+        call_seq = _call_seq(conn, e.tool_call_id)
+        if call_seq is not None:
+            host = str(p["host"])
+            conn.execute("INSERT INTO audit_network (call_seq, tool_call_id, host, rhost, port, decision)"
+                         " VALUES (?,?,?,?,?,?)",
+                         (call_seq, e.tool_call_id, host, host[::-1], int(p.get("port", 0)), str(p.get("decision", ""))))
     elif e.type == ev.FILE_ACCESS and "path" in p:
-        conn.execute("INSERT INTO audit_paths (tool_call_id, path, op) VALUES (?,?,?)",
-                     (e.tool_call_id, str(p["path"]), str(p.get("operation", ""))))
-        if p.get("renamedTo"):
-            conn.execute("INSERT INTO audit_paths (tool_call_id, path, op) VALUES (?,?,?)",
-                         (e.tool_call_id, str(p["renamedTo"]), "rename"))
+        call_seq = _call_seq(conn, e.tool_call_id)
+        if call_seq is not None:
+            rows = [(str(p["path"]), str(p.get("operation", "")))]
+            if p.get("renamedTo"):
+                rows.append((str(p["renamedTo"]), "rename"))
+            conn.executemany("INSERT INTO audit_paths (call_seq, tool_call_id, path, op) VALUES (?,?,?,?)",
+                             [(call_seq, e.tool_call_id, path, op) for path, op in rows])
+
+
+def _call_seq(conn: sqlite3.Connection, tool_call_id: str) -> int | None:
+    row = conn.execute("SELECT seq FROM audit_calls WHERE tool_call_id = ?", (tool_call_id,)).fetchone()
+    return row[0] if row else None
 
 
 def index_events(conn: sqlite3.Connection, events: Iterable[ev.Event]) -> None:
@@ -112,7 +130,17 @@ def index_events(conn: sqlite3.Connection, events: Iterable[ev.Event]) -> None:
                      "ON CONFLICT (id) DO UPDATE SET indexed_seq = MAX(indexed_seq, excluded.indexed_seq)", (last,))
 
 
+# Bumped when the index's tables change: the old ones are dropped and rebuilt from the log.
+SCHEMA_VERSION = 2
+_TABLES = ("audit_calls", "audit_network", "audit_paths", "audit_meta")
+
+
 def ensure_schema(db) -> None:
+    db.ensure_schema("CREATE TABLE IF NOT EXISTS audit_schema (version INTEGER NOT NULL)")
+    rows = db.query("SELECT version FROM audit_schema")
+    if not rows or rows[0]["version"] != SCHEMA_VERSION:
+        db.ensure_schema("".join(f"DROP TABLE IF EXISTS {t};" for t in _TABLES)
+                         + f"DELETE FROM audit_schema; INSERT INTO audit_schema VALUES ({SCHEMA_VERSION});")
     db.ensure_schema(SCHEMA)
 
 
@@ -169,10 +197,51 @@ def decode_token(token: str) -> int:
     return before
 
 
-def build_query(q: CallQuery) -> tuple[str, list[Any]]:
-    """SQL (and its arguments) for one page of matching calls, newest first. Raises
-    BadFilter naming the bad filter."""
-    where, args = [], []
+# A driving filter with at least this many matching rows is read newest-first along the
+# call order (stopping at a page) rather than collected from its own index and sorted.
+DENSE_ROWS = 2000
+_TABLES_BY_ALIAS = {"n": ("audit_network", "audit_network_by_call"), "p": ("audit_paths", "audit_paths_by_call")}
+
+
+def _check(q: CallQuery) -> int:
+    if q.status and q.status not in STATUSES:
+        raise BadFilter("status", f"one of {', '.join(STATUSES)}")
+    if q.path_operation and q.path_operation not in PATH_OPERATIONS:
+        raise BadFilter("pathOperation", f"one of {', '.join(PATH_OPERATIONS)}")
+    if q.path_operation and not q.path:
+        raise BadFilter("pathOperation", "needs a path")
+    size = q.page_size or 50
+    if not 0 < size <= MAX_PAGE:
+        raise BadFilter("pageSize", f"1 to {MAX_PAGE}")
+    return size
+
+
+def _drivers(q: CallQuery) -> list[tuple[str, str, list[Any]]]:
+    """(table alias, condition, args) of the domain and path filters."""
+    drivers: list[tuple[str, str, list[Any]]] = []
+    if q.domain:
+        domain = q.domain.strip().rstrip(".").lower()
+        if domain.startswith("*."):
+            # Reversed, "tset.selif." is a prefix of every host below files.test.
+            prefix = domain[1:][::-1]
+            drivers.append(("n", "n.rhost >= ? AND n.rhost < ?", [prefix, prefix[:-1] + chr(ord(".") + 1)]))
+        else:
+            drivers.append(("n", "n.host = ?", [domain]))
+    if q.path:
+        path = q.path if q.path.startswith("/") else "/workspace/" + q.path
+        path = path.rstrip("/") or "/"
+        cond = "(p.path = ? OR (p.path >= ? AND p.path < ?))"  # the path, or anything below it
+        pargs: list[Any] = [path, path + "/", path + "0"]  # "0" sorts right after "/"
+        if q.path_operation:
+            cond += " AND p.op = ?"
+            pargs.append(q.path_operation)
+        drivers.append(("p", cond, pargs))
+    return drivers
+
+
+def _call_filters(q: CallQuery) -> tuple[list[str], list[Any]]:
+    where: list[str] = []
+    args: list[Any] = []
     if q.page_token:
         where.append("c.seq < ?")
         args.append(decode_token(q.page_token))
@@ -180,8 +249,6 @@ def build_query(q: CallQuery) -> tuple[str, list[Any]]:
         if value:
             where.append(f"c.{column} = ?")
             args.append(value)
-    if q.status and q.status not in STATUSES:
-        raise BadFilter("status", f"one of {', '.join(STATUSES)}")
     if q.since:
         where.append("c.requested_at >= ?")
         args.append(q.since)
@@ -191,51 +258,62 @@ def build_query(q: CallQuery) -> tuple[str, list[Any]]:
     if q.command_contains:
         where.append("c.command LIKE ? ESCAPE '\\'")
         args.append(f"%{_like_escape(q.command_contains)}%")
-    if q.domain:
-        domain = q.domain.strip().rstrip(".").lower()
-        if domain.startswith("*."):
-            where.append("c.tool_call_id IN (SELECT tool_call_id FROM audit_network WHERE host LIKE ? ESCAPE '\\')")
-            args.append(f"%.{_like_escape(domain[2:])}")
-        else:
-            where.append("c.tool_call_id IN (SELECT tool_call_id FROM audit_network WHERE host = ?)")
-            args.append(domain)
-    if q.path_operation and q.path_operation not in PATH_OPERATIONS:
-        raise BadFilter("pathOperation", f"one of {', '.join(PATH_OPERATIONS)}")
-    if q.path_operation and not q.path:
-        raise BadFilter("pathOperation", "needs a path")
-    if q.path:
-        path = q.path if q.path.startswith("/") else "/workspace/" + q.path
-        path = path.rstrip("/") or "/"
-        # The path itself or anything below it (a range, so the index serves it).
-        sub = "SELECT tool_call_id FROM audit_paths WHERE (path = ? OR (path >= ? AND path < ?))"
-        args += [path, path + "/", path + "0"]  # "0" sorts right after "/"
-        if q.path_operation:
-            sub += " AND op = ?"
-            args.append(q.path_operation)
-        where.append(f"c.tool_call_id IN ({sub})")
-    size = q.page_size or 50
-    if not 0 < size <= MAX_PAGE:
-        raise BadFilter("pageSize", f"1 to {MAX_PAGE}")
-    sql = "SELECT c.* FROM audit_calls c"
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += " ORDER BY c.seq DESC LIMIT ?"
-    args.append(size + 1)
-    return sql, args
+    return where, args
+
+
+def build_query(q: CallQuery, walk: bool = False) -> tuple[str, list[Any]]:
+    """SQL (and its arguments) for one page of matching calls, newest first. Raises
+    BadFilter naming the bad filter.
+
+    A domain or path filter drives the query from its own table, grouped by the call's
+    seq; the other filters probe audit_calls by primary key. `walk` reads the driving
+    table along the call order (right for a filter that matches many rows: the page
+    fills at once) instead of from its own index (right for a selective one)."""
+    size = _check(q)
+    drivers = _drivers(q)
+    where, args = _call_filters(q)
+    if not drivers:
+        sql = "SELECT c.* FROM audit_calls c"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        return sql + " ORDER BY c.seq DESC LIMIT ?", args + [size + 1]
+    alias, cond, dargs = drivers[0]
+    table, by_call = _TABLES_BY_ALIAS[alias]
+    hint = f" INDEXED BY {by_call}" if walk else ""
+    sql = f"SELECT c.* FROM {table} {alias}{hint} JOIN audit_calls c ON c.seq = {alias}.call_seq"
+    conds, all_args = [cond] + where, dargs + args
+    for other, ocond, oargs in drivers[1:]:
+        conds.append(f"EXISTS (SELECT 1 FROM {_TABLES_BY_ALIAS[other][0]} {other} "
+                     f"WHERE {other}.call_seq = c.seq AND {ocond})")
+        all_args += oargs
+    sql += " WHERE " + " AND ".join(conds) + f" GROUP BY {alias}.call_seq ORDER BY {alias}.call_seq DESC LIMIT ?"
+    return sql, all_args + [size + 1]
+
+
+def driver_rows(db, q: CallQuery, cap: int = DENSE_ROWS) -> int:
+    """How many rows the driving filter matches, counted up to `cap` (cheap either way)."""
+    drivers = _drivers(q)
+    if not drivers:
+        return 0
+    alias, cond, dargs = drivers[0]
+    table = _TABLES_BY_ALIAS[alias][0]
+    rows = db.query(f"SELECT COUNT(*) AS n FROM (SELECT 1 FROM {table} {alias} WHERE {cond} LIMIT {int(cap)})",
+                    tuple(dargs))
+    return rows[0]["n"]
 
 
 def query_calls(db, q: CallQuery) -> tuple[list[dict[str, Any]], str]:
     """One page of calls and the token of the next page ("" at the end)."""
-    sql, args = build_query(q)
+    sql, args = build_query(q, walk=driver_rows(db, q) >= DENSE_ROWS)
     rows = db.query(sql, tuple(args))
     size = q.page_size or 50
     page, more = rows[:size], len(rows) > size
     if page:
-        ids = tuple(r["tool_call_id"] for r in page)
-        marks = ",".join("?" * len(ids))
+        marks = ",".join("?" * len(page))
         hosts: dict[str, list[str]] = {}
-        for r in db.query(f"SELECT DISTINCT tool_call_id, host FROM audit_network WHERE tool_call_id IN ({marks})"
-                          f" AND decision = 'allowed' ORDER BY host", ids):
+        seqs = tuple(r["seq"] for r in page)
+        for r in db.query(f"SELECT DISTINCT tool_call_id, host FROM audit_network WHERE call_seq IN ({marks})"
+                          f" AND decision = 'allowed' ORDER BY host", seqs):
             hosts.setdefault(r["tool_call_id"], []).append(r["host"])
         for r in page:
             r["domains"] = hosts.get(r["tool_call_id"], [])

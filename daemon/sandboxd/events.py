@@ -5,7 +5,10 @@ edited, removed or reordered event breaks the chain at a point `verify_chain` na
 from __future__ import annotations
 
 import json
+import logging
+import os
 import secrets
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -14,6 +17,8 @@ from typing import Any
 from sandboxd_client.canonical import GENESIS_HASH, ChainReport, canonical_json, event_hash, verify_chain
 
 from .store import Database
+
+_log = logging.getLogger("sandboxd.events")
 
 
 # The seed's causal chain of one call, in order.
@@ -113,14 +118,85 @@ class EventLog:
         rows = self._db.query("SELECT * FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (after_seq, limit))
         return [Event(**r) for r in rows]
 
-    def verify(self) -> ChainReport:
+    def head(self) -> tuple[int, str]:
+        rows = self._db.query("SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1")
+        return (rows[0]["seq"], rows[0]["hash"]) if rows else (0, GENESIS_HASH)
+
+    def verify(self, checkpoints: Sequence["Checkpoint"] = ()) -> ChainReport:
+        """Recomputes the chain, then holds it against the checkpoints: a log that ends
+        before a checkpoint was truncated, one whose event differs from a checkpoint was
+        rewritten (even if consistently re-chained)."""
         total, prev_hash, prev_seq = 0, GENESIS_HASH, 0
+        wanted = {c.seq for c in checkpoints}
+        seen: dict[int, str] = {}
         while True:
             batch = self.range(prev_seq)
             if not batch:
-                return ChainReport(True, total, head_hash=prev_hash if total else "")
+                break
             report = verify_chain(batch, prev_hash, prev_seq)
             if not report.ok:
                 return ChainReport(False, total + report.events_checked, report.first_bad_seq, report.reason)
             total += report.events_checked
+            seen.update((e.seq, e.hash) for e in batch if e.seq in wanted)
             prev_hash, prev_seq = batch[-1].hash, batch[-1].seq
+        for c in sorted(checkpoints, key=lambda c: c.seq):
+            if c.seq > prev_seq:
+                return ChainReport(False, total, prev_seq + 1,
+                                   f"the log ends at seq {prev_seq}, but a checkpoint taken at {c.time} "
+                                   f"recorded seq {c.seq}: events were removed from its end")
+            if seen.get(c.seq) != c.hash:
+                return ChainReport(False, total, c.seq, f"event {c.seq} differs from the checkpoint taken at {c.time}: "
+                                   "the log was rewritten")
+        return ChainReport(True, total, head_hash=prev_hash if total else "")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    seq: int
+    hash: str
+    time: str
+
+
+class CheckpointFile:
+    """The log's head, written down outside the database after each call: an append-only
+    JSONL file, fsynced, and the same line in the daemon's own log (which operators ship
+    elsewhere). Removing events from the end of the log, or rewriting it wholesale and
+    re-chaining, then no longer verifies."""
+
+    def __init__(self, path, log: EventLog):
+        self._path = path
+        self._log = log
+        self._lock = threading.Lock()
+        self._last_seq = max((c.seq for c in self.read()), default=0)
+
+    def read(self) -> list[Checkpoint]:
+        try:
+            with open(self._path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                d = json.loads(line)
+                out.append(Checkpoint(int(d["seq"]), str(d["hash"]), str(d["time"])))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line (a crash mid-write) checks nothing
+        return out
+
+    def checkpoint(self) -> Checkpoint | None:
+        """Writes the current head if it moved; returns it."""
+        with self._lock:
+            seq, h = self._log.head()
+            if seq <= self._last_seq:
+                return None
+            c = Checkpoint(seq, h, utc_now())
+            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, (json.dumps({"seq": c.seq, "hash": c.hash, "time": c.time}) + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._last_seq = seq
+            _log.info("log checkpoint seq=%d hash=%s", c.seq, c.hash)
+            return c

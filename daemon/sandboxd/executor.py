@@ -23,7 +23,7 @@ from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle
 from .compile import EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
                      PermissionDenied, ResourceExhausted, SandboxdError)
-from .events import EventDraft, EventLog
+from .events import CheckpointFile, EventDraft, EventLog
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
 from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_admission, parse_call, request_digest,
                      resolve_policy)
@@ -219,6 +219,7 @@ class CallRun:
                 self._cond.notify_all()
         finally:
             self._executor._forget(self)
+            self._executor.checkpoint()
 
     def _finish(self, status: ExitStatus | None, usage: ResourceUsage, latency_ms: int, timed_out: bool,
                 cancel_reason: str, failure: SandboxdError | None, connections: list[ConnectionRecord],
@@ -390,8 +391,10 @@ class ReplayRun:
 class CallExecutor:
     def __init__(self, settings: DaemonSettings, db, events: EventLog, artifacts: FileArtifactStore,
                  backends: Mapping[str, Backend], daemon_id: str, unavailable: Mapping[str, str] | None = None,
-                 proxy: EgressProxy | None = None, no_proxy_reason: str = "disabled"):
+                 proxy: EgressProxy | None = None, no_proxy_reason: str = "disabled",
+                 checkpoints: CheckpointFile | None = None):
         self.settings = settings
+        self.checkpoints = checkpoints
         self.proxy = proxy
         self._no_proxy_reason = no_proxy_reason
         self.db = db
@@ -575,6 +578,7 @@ class CallExecutor:
                     EventDraft(ev.FINISHED, {"interrupted": True, "exitCode": -1}, finished_id),
                     EventDraft(ev.RESULT_VALIDATED, {"result": result}, validated_id),
                 ] + [_persisted(r) for r in records])
+        self.checkpoint()
         return len(rows)
 
     def _salvage_output(self, tool_call_id: str, sandbox_id: str) -> list[ArtifactRecord]:
@@ -619,6 +623,13 @@ class CallExecutor:
             "sandboxUser": f"{prepared.plan.uid}:{prepared.plan.gid}",
         }
 
+    def checkpoint(self) -> None:
+        if self.checkpoints is not None:
+            try:
+                self.checkpoints.checkpoint()
+            except OSError:
+                log.exception("writing the log checkpoint failed")
+
     def _reject(self, tool_call_id: str, raw: Mapping[str, Any], principal: str, stage: str,
                 exc: SandboxdError, requested_id: str = "") -> None:
         payload = _request_summary(raw)
@@ -633,6 +644,7 @@ class CallExecutor:
                 EventDraft(ev.REJECTED, {"stage": stage, "code": exc.kind, "field": exc.field or "",
                                          "reason": exc.reason, "requestedToolCallId": requested_id[:256]}),
             ])
+        self.checkpoint()
 
     def check_access(self, tool_call_id: str, caller: Principal) -> None:
         """Another tenant's call is NOT_FOUND, exactly like a call that does not exist."""
@@ -702,6 +714,7 @@ class CallExecutor:
             r.cancel("the daemon is shutting down")
         for r in runs:
             r.join(max(0.0, deadline - time.monotonic()))
+        self.checkpoint()
 
 
 def clean_spool(settings: DaemonSettings) -> None:

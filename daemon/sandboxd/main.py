@@ -28,7 +28,7 @@ from .artifacts import FileArtifactStore
 from .backends.docker import DockerBackend
 from .backends.nsjail import NsjailBackend
 from .errors import BackendUnavailable, SandboxdError
-from .events import EventLog
+from .events import CheckpointFile, EventLog
 from .executor import CallExecutor, clean_spool
 from .proxy import EgressProxy
 from .service import (ArtifactServicer, AuditServicer, Authenticator, ErrorInterceptor, ExecutionServicer, TraceServicer,
@@ -159,13 +159,14 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     db = Database(settings.db_path)
     audit.ensure_schema(db)
     events = EventLog(db, on_append=audit.index_events)
+    checkpoints = CheckpointFile(settings.state_dir / "checkpoints.jsonl", events)
     caught_up = audit.catch_up(db)
     if caught_up:
         log.info("indexed %d events the forensic index had not seen", caught_up)
     artifacts = FileArtifactStore(settings.blob_dir, db)
     proxy, no_proxy_reason = _start_egress(settings)
     executor = CallExecutor(settings, db, events, artifacts, backends, daemon_id, unavailable,
-                            proxy=proxy, no_proxy_reason=no_proxy_reason)
+                            proxy=proxy, no_proxy_reason=no_proxy_reason, checkpoints=checkpoints)
     interrupted = executor.recover_interrupted()
     if interrupted:
         log.warning("recorded %d calls that an earlier run of this daemon never finished", interrupted)
@@ -180,7 +181,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     authenticate = Authenticator(settings)
     add_execution_service(ExecutionServicer(executor, authenticate), server)
     pb_grpc.add_ArtifactServiceServicer_to_server(ArtifactServicer(artifacts, executor, authenticate), server)
-    pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events, executor, authenticate), server)
+    pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events, executor, authenticate, checkpoints), server)
     pb_grpc.add_AuditServiceServicer_to_server(AuditServicer(db, authenticate), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

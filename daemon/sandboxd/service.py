@@ -252,8 +252,9 @@ class ArtifactServicer(pb_grpc.ArtifactServiceServicer):
 
 
 class TraceServicer(pb_grpc.TraceServiceServicer):
-    def __init__(self, events: EventLog, executor: CallExecutor, authenticate: Authenticator):
+    def __init__(self, events: EventLog, executor: CallExecutor, authenticate: Authenticator, checkpoints=None):
         self._events = events
+        self._checkpoints = checkpoints
         self._executor = executor
         self._authenticate = authenticate
 
@@ -272,7 +273,7 @@ class TraceServicer(pb_grpc.TraceServiceServicer):
 
     def VerifyLog(self, request: pb.VerifyLogRequest, context) -> pb.VerifyLogResponse:
         self._admin(context)
-        report = self._events.verify()
+        report = self._events.verify(self._checkpoints.read() if self._checkpoints else ())
         return pb.VerifyLogResponse(ok=report.ok, events_checked=report.events_checked,
                                     first_bad_seq=report.first_bad_seq or 0, reason=report.reason,
                                     head_hash=report.head_hash)

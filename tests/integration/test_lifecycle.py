@@ -161,6 +161,53 @@ def test_trace_verify_and_export_detect_an_edited_event(spare_daemon, tmp_path):
     assert offline.returncode == 1 and json.loads(offline.stdout)["firstBadSeq"] == 7
 
 
+def test_checkpoints_catch_a_truncated_or_rechained_log(spare_daemon):
+    """Dropping the last call's events, or rewriting history and re-chaining it so every
+    hash checks out again, still fails verification against the checkpoints."""
+    import sqlite3
+
+    from sandboxd_client.canonical import event_hash
+
+    d = spare_daemon().start()
+    ws = d.new_workspace()
+    with d.client() as c:
+        first = c.run(call(ws, ["echo", "one"]))
+        last = c.run(call(ws, ["echo", "two"]))
+        report = c.verify_log()
+        assert report.ok
+    checkpoints = [json.loads(x) for x in (d.state_dir / "checkpoints.jsonl").read_text().splitlines()]
+    assert checkpoints and checkpoints[-1]["hash"] == report.head_hash
+    d.stop()
+    db = sqlite3.connect(d.state_dir / "sandboxd.db")
+    saved = db.execute("SELECT * FROM events WHERE tool_call_id = ? ORDER BY seq", (last.tool_call_id,)).fetchall()
+    db.execute("DELETE FROM events WHERE tool_call_id = ?", (last.tool_call_id,))
+    db.commit()
+    d.start()
+    with d.client() as c:
+        report = c.verify_log()
+    assert not report.ok and "removed from its end" in report.reason and report.first_bad_seq == saved[0][0]
+
+    # Put them back, then rewrite the first call's exit code and re-chain everything after it.
+    d.stop()
+    db.executemany("INSERT INTO events VALUES (?,?,?,?,?,?,?,?,?)", saved)
+    rows = db.execute("SELECT seq, event_id, tool_call_id, type, time, parent_event_id, payload_json, prev_hash"
+                      " FROM events ORDER BY seq").fetchall()
+    prev = None
+    for seq, event_id, tc, typ, time_, parent, payload, prev_hash in rows:
+        if tc == first.tool_call_id and typ == "ToolCallFinished":
+            payload = payload.replace('"exitCode":0', '"exitCode":1')
+        prev = prev_hash if prev is None else prev
+        h = event_hash(seq, event_id, tc, typ, time_, parent, payload, prev)
+        db.execute("UPDATE events SET payload_json = ?, prev_hash = ?, hash = ? WHERE seq = ?", (payload, prev, h, seq))
+        prev = h
+    db.commit()
+    db.close()
+    d.start()
+    with d.client() as c:
+        report = c.verify_log()
+    assert not report.ok and "rewritten" in report.reason
+
+
 def test_a_backend_that_fails_its_checks_is_refused_never_bypassed(spare_daemon, tmp_path):
     d = spare_daemon(nsjail={"nsjail_binary": str(tmp_path / "no-such-nsjail")}).start()
     ws = d.new_workspace()

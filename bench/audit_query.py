@@ -1,0 +1,149 @@
+"""Forensic queries on a store of 100,000 calls: audit.query_calls (the index kept with
+the event log) versus answering the same question by scanning the event log itself
+(json_extract over every payload), measured in one run. Prints a table of medians and
+the ratio of the index to the scan.
+
+The store is synthetic but shaped like the real thing: each call has the events the
+daemon writes (Requested, ArgsValidated, PolicyChecked, SandboxPrepared, Started,
+NetworkAccessObserved*, FileAccessObserved*, Finished, ResultValidated), written through
+EventLog with the index hook, 20 principals, 200 workspaces.
+
+    .venv/bin/python bench/audit_query.py [--calls 100000] [-n 15] [--db PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
+
+from sandboxd import audit  # noqa: E402
+from sandboxd import events as ev  # noqa: E402
+from sandboxd.events import EventDraft, EventLog  # noqa: E402
+from sandboxd.store import Database  # noqa: E402
+
+COMMANDS = [["pytest", "-q", "tests/"], ["git", "status"], ["ls", "-la"], ["grep", "-rn", "TODO", "src"],
+            ["pip", "install", "-r", "requirements.txt"], ["python3", "-m", "build"], ["make", "test"]]
+HOSTS = ["pypi.test", "files.pythonhosted.test", "github.test", "a.files.test", "b.files.test", "npm.test"]
+PATHS = ["/workspace/src/auth/login.py", "/workspace/src/auth/tokens.py", "/workspace/src/app.py",
+         "/workspace/README.md", "/workspace/secrets.yaml", "/workspace/tests/test_app.py"]
+OPS = ["read", "read", "read", "write", "create", "delete"]
+
+
+def populate(db: Database, calls: int, rng: random.Random) -> None:
+    log = EventLog(db, on_append=audit.index_events)
+    batch = 200
+    for start in range(0, calls, batch):
+        with db.transaction() as conn:
+            for i in range(start, min(start + batch, calls)):
+                argv = list(rng.choice(COMMANDS))
+                if i == calls // 2:
+                    argv = ["echo", "needle-in-the-haystack"]
+                tc = f"tc_{i:08d}"
+                drafts = [
+                    EventDraft(ev.REQUESTED, {"toolId": "shell", "argv": argv, "workspace": f"/srv/ws/{i % 200}",
+                                              "principal": f"p{i % 20}", "daemonId": "bench"}),
+                    EventDraft(ev.ARGS_VALIDATED, {"policyDigest": "sha256:" + "0" * 64}),
+                    EventDraft(ev.POLICY_CHECKED, {"decision": "allowed", "backend": "docker",
+                                                   "image": "sandboxd/default:latest"}),
+                    EventDraft(ev.SANDBOX_PREPARED, {"sandboxId": f"sbx-{i}"}),
+                    EventDraft(ev.STARTED, {"sandboxId": f"sbx-{i}"}),
+                ]
+                for _ in range(rng.choice((0, 0, 1, 2))):
+                    drafts.append(EventDraft(ev.NETWORK_ACCESS, {"host": rng.choice(HOSTS), "port": 443,
+                                                                 "decision": rng.choice(("allowed", "denied"))}))
+                for _ in range(rng.choice((0, 1, 2, 3))):
+                    drafts.append(EventDraft(ev.FILE_ACCESS, {"path": rng.choice(PATHS), "operation": rng.choice(OPS)}))
+                if i == calls // 3:  # one call that touched something nobody else did
+                    drafts.append(EventDraft(ev.NETWORK_ACCESS, {"host": "rare.test", "port": 443, "decision": "allowed"}))
+                    drafts.append(EventDraft(ev.FILE_ACCESS, {"path": "/workspace/vault/key.pem", "operation": "read"}))
+                status = rng.choice(("success", "success", "success", "error"))
+                drafts += [
+                    EventDraft(ev.FINISHED, {"exitCode": 0 if status == "success" else 1}),
+                    EventDraft(ev.RESULT_VALIDATED, {"result": {"status": status, "exitCode": 0 if status == "success" else 1}}),
+                ]
+                log.append(conn, tc, "", drafts)
+
+
+SCANS = {
+    # The same questions without the index: what the log alone can answer.
+    "command": ("SELECT tool_call_id FROM events WHERE type = 'ToolCallRequested' AND payload_json LIKE ? "
+                "ORDER BY seq DESC LIMIT 50"),
+    "domain": ("SELECT DISTINCT tool_call_id FROM events WHERE type = 'NetworkAccessObserved' "
+               "AND json_extract(payload_json, '$.host') = ? ORDER BY seq DESC LIMIT 50"),
+    "path": ("SELECT DISTINCT tool_call_id FROM events WHERE type = 'FileAccessObserved' "
+             "AND json_extract(payload_json, '$.path') LIKE ? AND json_extract(payload_json, '$.operation') = ? "
+             "ORDER BY seq DESC LIMIT 50"),
+    "principal": ("SELECT tool_call_id FROM events WHERE type = 'ToolCallRequested' "
+                  "AND json_extract(payload_json, '$.principal') = ? ORDER BY seq DESC LIMIT 50"),
+}
+
+
+def timed(fn, n: int) -> list[float]:
+    fn()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=100_000)
+    ap.add_argument("-n", type=int, default=15)
+    ap.add_argument("--db", help="reuse (or keep) the store at this path")
+    args = ap.parse_args()
+    path = Path(args.db) if args.db else Path(tempfile.mkdtemp(prefix="sandboxd-bench-audit-")) / "sandboxd.db"
+    fresh = not path.exists()
+    db = Database(path)
+    audit.ensure_schema(db)
+    if fresh:
+        t = time.perf_counter()
+        populate(db, args.calls, random.Random(7))
+        print(f"populated {args.calls} calls in {time.perf_counter() - t:.0f} s ({path})")
+    n_events = db.query("SELECT COUNT(*) AS n FROM events")[0]["n"]
+
+    def q(**kw):
+        return lambda: audit.query_calls(db, audit.CallQuery(**kw))
+
+    def scan(name, *a):
+        return lambda: db.query(SCANS[name], a)
+
+    cases = [
+        ("newest page, no filter", q(), None),
+        ("principal = p7", q(principal="p7"), scan("principal", "p7")),
+        ("command contains 'pytest' (common)", q(command_contains="pytest"), scan("command", "%pytest%")),
+        ("command contains a rare needle", q(command_contains="needle-in-the"), scan("command", "%needle-in-the%")),
+        ("domain = pypi.test", q(domain="pypi.test"), scan("domain", "pypi.test")),
+        ("domain = rare.test (one call)", q(domain="rare.test"), scan("domain", "rare.test")),
+        ("domain = *.files.test", q(domain="*.files.test"), None),
+        ("path under vault/, op read (one call)", q(path="vault", path_operation="read"),
+         scan("path", "/workspace/vault/%", "read")),
+        ("path under src/auth/, op write", q(path="src/auth", path_operation="write"),
+         scan("path", "/workspace/src/auth/%", "write")),
+        ("status error, one principal, since", q(status="error", principal="p3", since="2000-01-01T00:00:00Z"), None),
+    ]
+    print(f"\nforensic queries, {args.calls} calls / {n_events} events, n={args.n}; times in ms (first page of 50)\n")
+    print(f"| {'query':<38} | {'index':>8} | {'log scan':>9} | {'scan/index':>10} |")
+    print(f"|{'-' * 40}|{'-' * 10}|{'-' * 11}|{'-' * 12}|")
+    for name, indexed, scanned in cases:
+        mi = statistics.median(timed(indexed, args.n))
+        if scanned is not None:
+            ms = statistics.median(timed(scanned, max(3, args.n // 5)))
+            print(f"| {name:<38} | {mi:8.2f} | {ms:9.1f} | {ms / mi:9.0f}x |")
+        else:
+            print(f"| {name:<38} | {mi:8.2f} | {'-':>9} | {'-':>10} |")
+    db.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
