@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import base64
 import json
+import posixpath
 import shlex
 import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from . import events as ev
@@ -38,6 +40,7 @@ CREATE INDEX IF NOT EXISTS audit_calls_by_time ON audit_calls (requested_at);
 -- call_seq is the call's audit_calls.seq: walking (host, call_seq) backwards yields the
 -- newest calls first and stops at the page size, however common the host.
 CREATE TABLE IF NOT EXISTS audit_network (
+    event_seq INTEGER NOT NULL UNIQUE,    -- the NetworkAccessObserved event: indexed once
     call_seq INTEGER NOT NULL,
     tool_call_id TEXT NOT NULL,
     host TEXT NOT NULL,
@@ -49,6 +52,7 @@ CREATE INDEX IF NOT EXISTS audit_network_by_host ON audit_network (host, call_se
 CREATE INDEX IF NOT EXISTS audit_network_by_rhost ON audit_network (rhost, call_seq);
 CREATE INDEX IF NOT EXISTS audit_network_by_call ON audit_network (call_seq);
 CREATE TABLE IF NOT EXISTS audit_paths (
+    event_seq INTEGER NOT NULL,           -- the FileAccessObserved event
     call_seq INTEGER NOT NULL,
     tool_call_id TEXT NOT NULL,
     path TEXT NOT NULL,                   -- as the sandbox saw it, e.g. /workspace/src/auth.py
@@ -56,6 +60,7 @@ CREATE TABLE IF NOT EXISTS audit_paths (
 );
 CREATE INDEX IF NOT EXISTS audit_paths_by_path ON audit_paths (path, op, call_seq);
 CREATE INDEX IF NOT EXISTS audit_paths_by_call ON audit_paths (call_seq);
+CREATE UNIQUE INDEX IF NOT EXISTS audit_paths_once ON audit_paths (event_seq, path, op);
 CREATE TABLE IF NOT EXISTS audit_meta (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     indexed_seq INTEGER NOT NULL
@@ -73,7 +78,7 @@ def command_text(argv: Sequence[str]) -> str:
 
 
 def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
-    """Projects one event into the index (idempotent for a given event)."""
+    """Projects one event into the index; indexing the same event again changes nothing."""
     p = e.payload
     if e.type == ev.REQUESTED:
         argv = p.get("argv")
@@ -102,17 +107,18 @@ def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
         call_seq = _call_seq(conn, e.tool_call_id)
         if call_seq is not None:
             host = str(p["host"])
-            conn.execute("INSERT INTO audit_network (call_seq, tool_call_id, host, rhost, port, decision)"
-                         " VALUES (?,?,?,?,?,?)",
-                         (call_seq, e.tool_call_id, host, host[::-1], int(p.get("port", 0)), str(p.get("decision", ""))))
+            conn.execute("INSERT OR IGNORE INTO audit_network (event_seq, call_seq, tool_call_id, host, rhost, port,"
+                         " decision) VALUES (?,?,?,?,?,?,?)",
+                         (e.seq, call_seq, e.tool_call_id, host, host[::-1], int(p.get("port", 0)),
+                          str(p.get("decision", ""))))
     elif e.type == ev.FILE_ACCESS and "path" in p:
         call_seq = _call_seq(conn, e.tool_call_id)
         if call_seq is not None:
             rows = [(str(p["path"]), str(p.get("operation", "")))]
             if p.get("renamedTo"):
                 rows.append((str(p["renamedTo"]), "rename"))
-            conn.executemany("INSERT INTO audit_paths (call_seq, tool_call_id, path, op) VALUES (?,?,?,?)",
-                             [(call_seq, e.tool_call_id, path, op) for path, op in rows])
+            conn.executemany("INSERT OR IGNORE INTO audit_paths (event_seq, call_seq, tool_call_id, path, op)"
+                             " VALUES (?,?,?,?,?)", [(e.seq, call_seq, e.tool_call_id, path, op) for path, op in rows])
 
 
 def _call_seq(conn: sqlite3.Connection, tool_call_id: str) -> int | None:
@@ -121,17 +127,23 @@ def _call_seq(conn: sqlite3.Connection, tool_call_id: str) -> int | None:
 
 
 def index_events(conn: sqlite3.Connection, events: Iterable[ev.Event]) -> None:
-    last = 0
+    """Indexes appended events. The indexed position only moves when everything before
+    them is indexed too; otherwise catch_up fills the gap later (and indexing an event
+    twice changes nothing)."""
+    events = list(events)
     for e in events:
         index_event(conn, e)
-        last = e.seq
-    if last:
+    if not events:
+        return
+    row = conn.execute("SELECT indexed_seq FROM audit_meta WHERE id = 1").fetchone()
+    indexed = row[0] if row else 0
+    if indexed >= events[0].seq - 1 and events[-1].seq > indexed:
         conn.execute("INSERT INTO audit_meta (id, indexed_seq) VALUES (1, ?) "
-                     "ON CONFLICT (id) DO UPDATE SET indexed_seq = MAX(indexed_seq, excluded.indexed_seq)", (last,))
+                     "ON CONFLICT (id) DO UPDATE SET indexed_seq = excluded.indexed_seq", (events[-1].seq,))
 
 
 # Bumped when the index's tables change: the old ones are dropped and rebuilt from the log.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _TABLES = ("audit_calls", "audit_network", "audit_paths", "audit_meta")
 
 
@@ -148,14 +160,17 @@ def catch_up(db, batch: int = 5000) -> int:
     """Indexes every event the index has not seen; returns how many."""
     done = 0
     while True:
-        row = db.query("SELECT indexed_seq FROM audit_meta WHERE id = 1")
-        after = row[0]["indexed_seq"] if row else 0
-        rows = db.query("SELECT * FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (after, batch))
-        if not rows:
-            return done
+        # Read and index in one write transaction: nothing can be appended in between.
         with db.transaction() as conn:
-            index_events(conn, [ev.Event(**r) for r in rows])
-        done += len(rows)
+            row = conn.execute("SELECT indexed_seq FROM audit_meta WHERE id = 1").fetchone()
+            after = row[0] if row else 0
+            cur = conn.execute("SELECT seq, event_id, tool_call_id, type, time, parent_event_id, payload_json,"
+                               " prev_hash, hash FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (after, batch))
+            found = [ev.Event(*r) for r in cur.fetchall()]
+            index_events(conn, found)
+        if not found:
+            return done
+        done += len(found)
 
 
 class BadFilter(ValueError):
@@ -179,6 +194,21 @@ class CallQuery:
     page_token: str = ""
 
 
+def stored_time(text: str, field: str) -> str:
+    """An RFC 3339 time (or a bare date: midnight UTC) in the form event times are
+    stored in (UTC, microseconds, Z), so that comparing the text compares the instants."""
+    text = text.strip()
+    if len(text) == 10:
+        text += "T00:00:00Z"
+    try:
+        t = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise BadFilter(field, f"{text!r} is not an RFC 3339 time") from None
+    if t.tzinfo is None:
+        raise BadFilter(field, f"{text!r} needs a time zone (Z or +hh:mm)")
+    return t.astimezone(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
 def _like_escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
@@ -192,7 +222,7 @@ def decode_token(token: str) -> int:
         before = json.loads(base64.urlsafe_b64decode(token.encode()))["before"]
     except (ValueError, KeyError, TypeError):
         raise BadFilter("pageToken", "not a page token from this daemon") from None
-    if not isinstance(before, int):
+    if not isinstance(before, int) or isinstance(before, bool) or not 0 <= before < 2**63:
         raise BadFilter("pageToken", "not a page token from this daemon")
     return before
 
@@ -228,10 +258,14 @@ def _drivers(q: CallQuery) -> list[tuple[str, str, list[Any]]]:
         else:
             drivers.append(("n", "n.host = ?", [domain]))
     if q.path:
-        path = q.path if q.path.startswith("/") else "/workspace/" + q.path
-        path = path.rstrip("/") or "/"
-        cond = "(p.path = ? OR (p.path >= ? AND p.path < ?))"  # the path, or anything below it
-        pargs: list[Any] = [path, path + "/", path + "0"]  # "0" sorts right after "/"
+        path = posixpath.normpath(q.path if q.path.startswith("/") else "/workspace/" + q.path)
+        if path.startswith("//"):
+            path = "/" + path.lstrip("/")
+        if path == "/":
+            cond, pargs = "p.path >= ?", ["/"]  # everything
+        else:
+            cond = "(p.path = ? OR (p.path >= ? AND p.path < ?))"  # the path, or anything below it
+            pargs = [path, path + "/", path + "0"]  # "0" sorts right after "/"
         if q.path_operation:
             cond += " AND p.op = ?"
             pargs.append(q.path_operation)
@@ -251,10 +285,10 @@ def _call_filters(q: CallQuery) -> tuple[list[str], list[Any]]:
             args.append(value)
     if q.since:
         where.append("c.requested_at >= ?")
-        args.append(q.since)
+        args.append(stored_time(q.since, "since"))
     if q.until:
         where.append("c.requested_at < ?")
-        args.append(q.until)
+        args.append(stored_time(q.until, "until"))
     if q.command_contains:
         where.append("c.command LIKE ? ESCAPE '\\'")
         args.append(f"%{_like_escape(q.command_contains)}%")

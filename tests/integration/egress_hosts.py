@@ -251,7 +251,8 @@ class RemoteHosts:
 
     def dns_table(self) -> dict[str, str]:
         return {
-            "allowed.test": self.allowed_ip, "www.allowed.test": self.allowed_ip, "other.test": self.other_ip,
+            "allowed.test": self.allowed_ip, "www.allowed.test": self.allowed_ip,
+            "audit.allowed.test": self.allowed_ip, "other.test": self.other_ip,
             # Addresses the proxy must refuse after resolution; both are this run's own.
             "rebind.test": "127.0.0.1", "self.test": self.host_side_ip, "private.test": f"{self.prefix}.4",
         }

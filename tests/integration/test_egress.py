@@ -392,16 +392,16 @@ def test_sandboxctl_shows_network_attempts_and_the_network_plan(egress_daemon, w
 
 def test_audit_finds_the_calls_that_tried_a_domain(egress_daemon, ws, hosts):
     with egress_daemon.client() as c:
-        reached = run(c, ws, fetch_script("http://www.allowed.test/"))
+        reached = run(c, ws, fetch_script("http://audit.allowed.test/"))
         refused = run(c, ws, fetch_script("http://exfil-target.test/"))
         neither = run(c, ws, "print('offline')")
-        assert [x.tool_call_id for x in c.query_calls(domain="www.allowed.test").calls] == [reached.tool_call_id]
+        assert [x.tool_call_id for x in c.query_calls(domain="audit.allowed.test").calls] == [reached.tool_call_id]
         assert reached.tool_call_id in {x.tool_call_id for x in c.query_calls(domain="*.allowed.test").calls}
         # A denied attempt is an attempt: the reviewer asking "who tried?" finds it.
         [row] = c.query_calls(domain="exfil-target.test").calls
         assert row.tool_call_id == refused.tool_call_id and list(row.domains) == []
         found = {x.tool_call_id: list(x.domains) for x in c.query_calls(page_size=500).calls}
-        assert found[reached.tool_call_id] == ["www.allowed.test"] and found[neither.tool_call_id] == []
+        assert found[reached.tool_call_id] == ["audit.allowed.test"] and found[neither.tool_call_id] == []
 
 
 def test_record_network_access_off_still_records_denials(ec, ws, hosts):
