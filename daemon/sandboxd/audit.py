@@ -40,7 +40,7 @@ CREATE INDEX IF NOT EXISTS audit_calls_by_time ON audit_calls (requested_at);
 -- call_seq is the call's audit_calls.seq: walking (host, call_seq) backwards yields the
 -- newest calls first and stops at the page size, however common the host.
 CREATE TABLE IF NOT EXISTS audit_network (
-    event_seq INTEGER NOT NULL UNIQUE,    -- the NetworkAccessObserved event: indexed once
+    event_seq INTEGER NOT NULL,           -- the NetworkAccessObserved event: indexed once
     call_seq INTEGER NOT NULL,
     tool_call_id TEXT NOT NULL,
     host TEXT NOT NULL,
@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS audit_network (
 CREATE INDEX IF NOT EXISTS audit_network_by_host ON audit_network (host, call_seq);
 CREATE INDEX IF NOT EXISTS audit_network_by_rhost ON audit_network (rhost, call_seq);
 CREATE INDEX IF NOT EXISTS audit_network_by_call ON audit_network (call_seq);
+CREATE UNIQUE INDEX IF NOT EXISTS audit_network_once ON audit_network (event_seq, host, port, decision);
 CREATE TABLE IF NOT EXISTS audit_paths (
     event_seq INTEGER NOT NULL,           -- the FileAccessObserved event
     call_seq INTEGER NOT NULL,
@@ -103,14 +104,16 @@ def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
             "UPDATE audit_calls SET status = ?, exit_code = ?, error_code = ?, finished_at = ? WHERE tool_call_id = ?",
             (str(result.get("status", "error")), result.get("exitCode"), str((result.get("error") or {}).get("code", "")),
              e.time, e.tool_call_id))
-    elif e.type == ev.NETWORK_ACCESS and "host" in p:
+    elif e.type == ev.NETWORK_ACCESS and ("host" in p or "byDestination" in p):
         call_seq = _call_seq(conn, e.tool_call_id)
         if call_seq is not None:
-            host = str(p["host"])
-            conn.execute("INSERT OR IGNORE INTO audit_network (event_seq, call_seq, tool_call_id, host, rhost, port,"
-                         " decision) VALUES (?,?,?,?,?,?,?)",
-                         (e.seq, call_seq, e.tool_call_id, host, host[::-1], int(p.get("port", 0)),
-                          str(p.get("decision", ""))))
+            # One attempt, or the destinations counted past the record's size.
+            attempts = [p] if "host" in p else [d for d in p["byDestination"] if isinstance(d, dict) and "host" in d]
+            conn.executemany(
+                "INSERT OR IGNORE INTO audit_network (event_seq, call_seq, tool_call_id, host, rhost, port, decision)"
+                " VALUES (?,?,?,?,?,?,?)",
+                [(e.seq, call_seq, e.tool_call_id, str(a["host"]), str(a["host"])[::-1], int(a.get("port", 0)),
+                  str(a.get("decision", ""))) for a in attempts])
     elif e.type == ev.FILE_ACCESS and "path" in p:
         call_seq = _call_seq(conn, e.tool_call_id)
         if call_seq is not None:
@@ -143,7 +146,7 @@ def index_events(conn: sqlite3.Connection, events: Iterable[ev.Event]) -> None:
 
 
 # Bumped when the index's tables change: the old ones are dropped and rebuilt from the log.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _TABLES = ("audit_calls", "audit_network", "audit_paths", "audit_meta")
 
 

@@ -116,13 +116,16 @@ async def resolve(name: str, servers: tuple[str, ...], timeout_s: float = 2.0) -
     last: Exception | None = None
     for server in servers:
         host, port = parse_server(server)
-        try:
-            out: list[IPAddress] = []
-            for qtype in (TYPE_A, TYPE_AAAA):
+        out: list[IPAddress] = []
+        answered = False
+        for qtype in (TYPE_A, TYPE_AAAA):
+            try:
                 out += await _ask(host, port, name, qtype, timeout_s)
-            return out
-        except (OSError, TimeoutError, DNSError) as exc:
-            last = exc
+                answered = True
+            except (OSError, TimeoutError, DNSError) as exc:
+                last = exc
+        if answered:
+            return out  # an answer to either question will do (none: the name has no address)
     raise DNSError(f"no DNS server answered for {name}: {last}")
 
 

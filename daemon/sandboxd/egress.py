@@ -33,7 +33,20 @@ _ALWAYS_FORBIDDEN: tuple[tuple[IPNetwork, str], ...] = (
     (ipaddress.ip_network("100.100.100.200/32"), "metadata"),
     (ipaddress.ip_network("64:ff9b::/96"), "nat64"),
     (ipaddress.ip_network("64:ff9b:1::/48"), "nat64"),
+    # Prefixes that embed or tunnel to other addresses, and a deprecated local scope.
+    (ipaddress.ip_network("2002::/16"), "6to4"),
+    (ipaddress.ip_network("2001::/32"), "teredo"),
+    (ipaddress.ip_network("::/96"), "ipv4-compatible"),
+    (ipaddress.ip_network("fec0::/10"), "site-local"),
 )
+# Domains under which anyone gets names at any depth (buckets, tunnels, user content):
+# no wildcard below them at all, only exact names.
+SHARED_PARENTS = frozenset({
+    "amazonaws.com", "googleapis.com", "googleusercontent.com", "appspot.com", "cloudfront.net",
+    "azureedge.net", "azurewebsites.net", "windows.net", "github.io", "github.dev", "githubusercontent.com",
+    "ngrok.io", "ngrok.app", "ngrok-free.app", "trycloudflare.com", "workers.dev", "pages.dev", "r2.dev",
+    "vercel.app", "netlify.app", "herokuapp.com", "fly.dev", "onrender.com", "web.app", "firebaseapp.com",
+})
 
 
 def parse_ip(host: str) -> IPAddress | None:
@@ -95,6 +108,9 @@ def normalize_pattern(pattern: str) -> str:
             raise ValueError(f"'*.{suffix}' would admit a whole top-level domain")
         if suffix in SHARED_SUFFIXES:
             raise ValueError(f"'{suffix}' is a public suffix: '*.{suffix}' would admit anyone's names")
+        for parent in SHARED_PARENTS:
+            if suffix.endswith("." + parent):
+                raise ValueError(f"names below '{parent}' belong to anyone: list exact names, not '*.{suffix}'")
         return p
     if "*" in p:
         raise ValueError("a wildcard is only allowed as a leading '*.'")
@@ -118,13 +134,12 @@ def match_host(host: str, patterns: Iterable[str]) -> str | None:
 def forbidden_reason(ip: IPAddress, *, deny_private: bool, own_addresses: frozenset[IPAddress] = frozenset(),
                      exempt: tuple[IPNetwork, ...] = ()) -> str | None:
     """Why a sandbox may not reach `ip`, or None. Loopback, link-local, metadata,
-    multicast, unspecified and the daemon host's own addresses are refused whatever the
-    policy says; with deny_private, every address that is not globally routable is.
-    Networks the operator exempts (an internal mirror) pass."""
+    multicast, unspecified, tunnelling prefixes and the daemon host's own addresses are
+    refused whatever the policy or the operator's exemptions say; with deny_private,
+    every other address that is not globally routable is, unless the operator exempts
+    its network (an internal mirror)."""
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    if any(ip in net for net in exempt):
-        return None
     if ip.is_loopback:
         return "loopback"
     if ip.is_unspecified:
@@ -136,7 +151,7 @@ def forbidden_reason(ip: IPAddress, *, deny_private: bool, own_addresses: frozen
             return reason
     if ip in own_addresses:
         return "daemon host"
-    if deny_private and not ip.is_global:
+    if deny_private and not ip.is_global and not any(ip in net for net in exempt):
         return "private"
     return None
 

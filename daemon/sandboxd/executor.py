@@ -211,7 +211,7 @@ class CallRun:
             cancel_reason = self._cancel_reason
         try:
             self._finish(status, usage, latency_ms, timed_out, cancel_reason, failure, connections,
-                         endpoint.dropped_records if endpoint else 0)
+                         endpoint.dropped_records if endpoint else 0, dict(endpoint.overflow) if endpoint else {})
         except Exception:
             log.exception("recording the result of %s failed", self.tool_call_id)
             with self._cond:
@@ -223,7 +223,7 @@ class CallRun:
 
     def _finish(self, status: ExitStatus | None, usage: ResourceUsage, latency_ms: int, timed_out: bool,
                 cancel_reason: str, failure: SandboxdError | None, connections: list[ConnectionRecord],
-                dropped_connections: int) -> None:
+                dropped_connections: int, overflow: dict) -> None:
         ex = self._executor
         out, err = self.spool.summary(STDOUT), self.spool.summary(STDERR)
         now = ev.utc_now()
@@ -271,7 +271,7 @@ class CallRun:
             "stderrPreview": err.preview,
             "artifacts": [_artifact_json(r) for r in records],
             "effectsObserved": {"reads": [], "writes": [], "deletes": [],
-                                "externalCalls": summarize_external_calls(connections)},
+                                "externalCalls": summarize_external_calls(connections, overflow)},
             "usage": {"latencyMs": latency_ms, "cpuMs": usage.cpu_ms, "peakMemoryBytes": usage.peak_memory_bytes,
                       "outputBytes": out.produced_bytes + err.produced_bytes},
             "provenance": {"eventId": validated_id, "artifactRefs": [r.artifact_id for r in records]},
@@ -280,8 +280,12 @@ class CallRun:
             result["error"] = error
         drafts = [EventDraft(ev.NETWORK_ACCESS, c.to_event()) for c in connections]
         if dropped_connections:
-            drafts.append(EventDraft(ev.NETWORK_ACCESS, {"dropped": dropped_connections, "reason": (
-                f"more than {len(connections)} connections: the rest were counted, not recorded")}))
+            drafts.append(EventDraft(ev.NETWORK_ACCESS, {
+                "dropped": dropped_connections,
+                "reason": "more attempts than the call's record holds: the rest are counted by destination",
+                "byDestination": [{"host": h, "port": port, "decision": d, "attempts": n, "bytesUp": up,
+                                   "bytesDown": down} for (h, port, d), (n, up, down) in sorted(overflow.items())],
+            }))
         drafts += [
             EventDraft(ev.FINISHED, {
                 "exitCode": exit_code, "signal": result["signal"], "timedOut": timed_out, "oomKilled": oom,

@@ -7,6 +7,7 @@ import faulthandler
 import json
 import logging
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -148,7 +149,16 @@ def _start_egress(settings: DaemonSettings) -> tuple[EgressProxy | None, str]:
     return proxy, ""
 
 
+def _raise_open_file_limit() -> None:
+    """Sandboxes' proxy connections are the daemon's file descriptors: the soft limit
+    (often 1024) goes up to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+
+
 def build_daemon(settings: DaemonSettings) -> Daemon:
+    _raise_open_file_limit()
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(settings.state_dir, 0o700)
     daemon_id = _daemon_id(settings)

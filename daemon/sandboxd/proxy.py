@@ -20,6 +20,7 @@ open_endpoint / close_endpoint."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ipaddress
 import logging
 import re
@@ -42,9 +43,25 @@ log = logging.getLogger("sandboxd.proxy")
 
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
-# How long a CONNECT tunnel waits for the client's first bytes (a TLS ClientHello)
-# before relaying anyway: some protocols let the server speak first.
-FIRST_BYTES_TIMEOUT_S = 1.0
+# A connection that has not said what it wants within this long is closed.
+FIRST_BYTE_TIMEOUT_S = 10.0
+# Ports whose protocols let the server speak first (SSH, SMTP, FTP, POP, IMAP, MySQL):
+# a tunnel there is relayed if the client stays silent for a second. Every other tunnel
+# waits for the client's first bytes, so a delayed ClientHello is still checked.
+SERVER_FIRST_PORTS = frozenset({21, 22, 25, 110, 143, 465, 587, 993, 995, 3306})
+SERVER_FIRST_WAIT_S = 1.0
+# Connections open at once across every endpoint: one sandbox must not take the
+# daemon's file descriptors from the others.
+MAX_CONNECTIONS_TOTAL = 4096
+# Host-resolver lookups one sandbox may have running at once, and how long one may take.
+DNS_LOOKUPS_PER_SANDBOX = 4
+DNS_TIMEOUT_S = 5.0
+# How long a finished connection may take to flush to a peer that reads slowly.
+FLUSH_GRACE_S = 30.0
+# Records without a destination (garbage, half a request) kept per call; the rest counted.
+MAX_NAMELESS_RECORDS = 50
+# Destinations summarized (with counts) once a call's records are full.
+MAX_SUMMARIZED_DESTINATIONS = 1000
 RELAY_CHUNK = 256 * 1024
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authorization", "proxy-authenticate",
                         "te", "trailer", "upgrade"})
@@ -86,8 +103,14 @@ class EgressEndpoint:
     record_allowed: bool
     records: list[ConnectionRecord] = field(default_factory=list)
     dropped_records: int = 0
+    nameless_records: int = 0
+    # Past max_records: (host, port, decision) -> [attempts, bytes up, bytes down].
+    overflow: dict[tuple[str, int, str], list[int]] = field(default_factory=dict)
     server: asyncio.base_events.Server | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
+    # Every transport of the endpoint (both sides): aborted when the sandbox ends.
+    transports: set[asyncio.BaseTransport] = field(default_factory=set)
+    dns_slots: asyncio.Semaphore | None = None
 
 
 class ProxyRefusal(Exception):
@@ -252,6 +275,8 @@ def origin_form_request(method: str, url: str, version: str, headers: list[tuple
     for name, value in headers:
         if name.lower() == "connection":
             connection_named |= {v.strip().lower() for v in value.split(",")}
+    # Naming a framing header in Connection must not strip it: the body would become a request.
+    connection_named -= {"content-length", "transfer-encoding", "host"}
     out = [f"{method} {path} {version}"]
     have_host = False
     for name, value in headers:
@@ -275,6 +300,26 @@ SOCKS5_REPLY_FOR_STATUS = {400: 0x07, 403: 0x02, 502: 0x05, 503: 0x01, 504: 0x04
 def socks5_reply(code: int) -> bytes:
     """A SOCKS5 reply; the bound address is not ours to tell (all zeros)."""
     return bytes([5, code, 0, 1, 0, 0, 0, 0, 0, 0])
+
+
+def request_body_limit(headers: list[tuple[str, str]]) -> int | None:
+    """How many bytes after the head belong to the request: its Content-Length, 0 when
+    there is no body, None for a chunked body (relayed as it comes). Anything past it
+    would be a second request the proxy never checked, so it is not forwarded."""
+    lengths = {v.strip() for k, v in headers if k.lower() == "content-length"}
+    chunked = any(k.lower() == "transfer-encoding" for k, v in headers)
+    if chunked and lengths:
+        raise ProxyRefusal(400, "bad-request", "both Content-Length and Transfer-Encoding")
+    if chunked:
+        return None
+    if len(lengths) > 1:
+        raise ProxyRefusal(400, "bad-request", "conflicting Content-Length headers")
+    if not lengths:
+        return 0
+    value = lengths.pop()
+    if not (value.isascii() and value.isdigit()):
+        raise ProxyRefusal(400, "bad-request", f"bad Content-Length {value!r}")
+    return int(value)
 
 
 def response_status(first: bytes) -> int:
@@ -314,6 +359,10 @@ class EgressProxy:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="egress-proxy", daemon=True)
         self._started = False
+        self._open_connections = 0
+        # The host resolver blocks: it gets threads of its own, and each endpoint at most
+        # a few of them, so slow lookups from one sandbox never starve the others.
+        self._resolver_pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="egress-dns")
 
     @classmethod
     def from_settings(cls, egress) -> "EgressProxy":
@@ -328,7 +377,9 @@ class EgressProxy:
         if not os.access(self._shim_source, os.X_OK):
             raise BackendUnavailable(f"the egress shim {self._shim_source} is missing (build it with `make native`)")
         self.socket_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
-        # Traversable, not listable: nsjail binds the socket and the shim as the sandbox user.
+        # Ours, traversable, not listable: nsjail binds the socket and the shim as the
+        # sandbox user, and nobody else may swap the shim.
+        os.chown(self.socket_dir, os.geteuid(), os.getegid())
         os.chmod(self.socket_dir, 0o711)
         for stale in self.socket_dir.glob("*.sock"):
             stale.unlink(missing_ok=True)
@@ -343,6 +394,7 @@ class EgressProxy:
         if self._started:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
+        self._resolver_pool.shutdown(wait=False, cancel_futures=True)
 
     def socket_path(self, sandbox_id: str) -> Path:
         return self.socket_dir / f"{sandbox_id}.sock"
@@ -361,8 +413,11 @@ class EgressProxy:
     def close_endpoint(self, ep: EgressEndpoint, timeout_s: float = 10.0) -> list[ConnectionRecord]:
         """Stops the endpoint and ends its open connections; its records, in start order."""
         fut = asyncio.run_coroutine_threadsafe(self._close(ep), self._loop)
-        fut.result(timeout_s)
-        return sorted(ep.records, key=lambda r: r.started_at)
+        try:
+            fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            log.error("closing the egress endpoint of %s timed out; its records so far are kept", ep.sandbox_id)
+        return sorted(list(ep.records), key=lambda r: r.started_at)
 
     # -- on the loop ----------------------------------------------------------------
     async def _open(self, ep: EgressEndpoint, uid: int, gid: int) -> None:
@@ -378,14 +433,27 @@ class EgressProxy:
             sock.close()
             ep.socket_path.unlink(missing_ok=True)
             raise
+        ep.dns_slots = asyncio.Semaphore(DNS_LOOKUPS_PER_SANDBOX)
         ep.server = await asyncio.start_unix_server(lambda r, w: self._spawn(ep, r, w), sock=sock,
                                                     limit=MAX_HEAD_BYTES)
 
     def _spawn(self, ep: EgressEndpoint, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Full: refused at once, before a task or a buffer exists for it.
+        if len(ep.tasks) >= self._max_connections or self._open_connections >= MAX_CONNECTIONS_TOTAL:
+            ep.dropped_records += 1
+            writer.transport.abort()
+            return
         # Our own task, held by the endpoint, so that closing it can cancel every connection.
         task = self._loop.create_task(self._handle(ep, reader, writer))
         ep.tasks.add(task)
-        task.add_done_callback(ep.tasks.discard)
+        ep.transports.add(writer.transport)
+        self._open_connections += 1
+
+        def done(t: asyncio.Task) -> None:
+            ep.tasks.discard(t)
+            self._open_connections -= 1
+
+        task.add_done_callback(done)
 
     async def _close(self, ep: EgressEndpoint) -> None:
         if ep.server is not None:
@@ -394,30 +462,47 @@ class EgressProxy:
             task.cancel()
         if ep.tasks:
             await asyncio.wait(list(ep.tasks), timeout=5)
+        for t in ep.transports:
+            t.abort()  # a connection still flushing to a peer that stopped reading
+        ep.transports.clear()
         ep.socket_path.unlink(missing_ok=True)
 
     def _keep(self, ep: EgressEndpoint, rec: ConnectionRecord) -> None:
         rec.ended_at = ev.utc_now()
         if rec.decision == "allowed" and not ep.record_allowed:
             return
-        if len(ep.records) >= self._max_records:
-            ep.dropped_records += 1
+        if not rec.host:
+            # Garbage names nothing: a few are kept as evidence, the rest only counted,
+            # so a flood of them cannot push real attempts out of the record.
+            ep.nameless_records += 1
+            if ep.nameless_records > MAX_NAMELESS_RECORDS:
+                ep.dropped_records += 1
+                return
+        if len(ep.records) < self._max_records:
+            ep.records.append(rec)
             return
-        ep.records.append(rec)
+        ep.dropped_records += 1
+        key = (rec.host, rec.port, rec.decision)
+        if key in ep.overflow or len(ep.overflow) < MAX_SUMMARIZED_DESTINATIONS:
+            counts = ep.overflow.setdefault(key, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += rec.bytes_up
+            counts[2] += rec.bytes_down
 
     async def _handle(self, ep: EgressEndpoint, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         rec = ConnectionRecord(protocol="http")
         upstream: asyncio.StreamWriter | None = None
+        silent = False
         try:
             try:
-                first = await asyncio.wait_for(reader.readexactly(1), HEAD_TIMEOUT_S)
+                first = await asyncio.wait_for(reader.readexactly(1), FIRST_BYTE_TIMEOUT_S)
             except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
-                return  # connected and went away without a word: nothing attempted
+                silent = True  # connected and never said a word: nothing was attempted
+                return
             if first == b"\x05":
                 rec.protocol, rec.method = "socks5", "CONNECT"
                 await asyncio.wait_for(self._socks5_request(rec, reader, writer), HEAD_TIMEOUT_S)
-                self._check_capacity(ep)
-                upstream_reader, upstream = await self._connect(rec, ep.rules)
+                upstream_reader, upstream = await self._connect(ep, rec)
                 rec.decision, rec.status = "allowed", 200
                 writer.write(socks5_reply(0))
                 await writer.drain()
@@ -428,7 +513,6 @@ class EgressProxy:
                 head = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
                 raise ProxyRefusal(400, "bad-request", "no complete request head") from None
-            self._check_capacity(ep)
             method, target, version, headers = parse_head(head[:-4])
             rec.method = method
             if method == "CONNECT":
@@ -437,16 +521,19 @@ class EgressProxy:
             elif target.lower().startswith("http://"):
                 parts = urlsplit(target)
                 rec.host, rec.port = split_host_port(parts.netloc.rpartition("@")[2], 80)
-                for name, value in headers:
-                    if name.lower() == "host" and split_host_port(value, 80) != (rec.host, rec.port):
-                        raise ProxyRefusal(403, "host-mismatch",
-                                           f"Host header {value!r} disagrees with the request target {rec.host}")
+                hosts = [value for name, value in headers if name.lower() == "host"]
+                if len(hosts) > 1:
+                    raise ProxyRefusal(400, "bad-request", "more than one Host header")
+                if hosts and split_host_port(hosts[0], 80) != (rec.host, rec.port):
+                    raise ProxyRefusal(403, "host-mismatch",
+                                       f"Host header {hosts[0]!r} disagrees with the request target {rec.host}")
             elif target.lower().startswith("https://"):
                 raise ProxyRefusal(400, "bad-request", "https:// URLs go through CONNECT")
             else:
                 raise ProxyRefusal(400, "bad-request", "this is a proxy: requests need an absolute http:// URL or CONNECT")
-            upstream_reader, upstream = await self._connect(rec, ep.rules)
+            upstream_reader, upstream = await self._connect(ep, rec)
             rec.decision = "allowed"
+            body_limit: int | None = None
             if rec.protocol == "connect":
                 rec.status = 200
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -456,7 +543,8 @@ class EgressProxy:
                 request = origin_form_request(method, target, version, headers, rec.host, rec.port)
                 upstream.write(request)
                 rec.bytes_up += len(request)
-            await self._relay(rec, reader, writer, upstream_reader, upstream)
+                body_limit = request_body_limit(headers)
+            await self._relay(rec, reader, writer, upstream_reader, upstream, body_limit)
         except ProxyRefusal as refusal:
             rec.decision, rec.rule, rec.reason = refusal.decision, refusal.rule, refusal.reason
             rec.status = refusal.status or rec.status
@@ -478,12 +566,9 @@ class EgressProxy:
         finally:
             for w in (writer, upstream):
                 if w is not None:
-                    w.close()
-            self._keep(ep, rec)
-
-    def _check_capacity(self, ep: EgressEndpoint) -> None:
-        if len(ep.tasks) > self._max_connections:
-            raise ProxyRefusal(503, "too-many-connections", f"more than {self._max_connections} connections open at once")
+                    _close_soon(w.transport)
+            if not silent:
+                self._keep(ep, rec)
 
     async def _socks5_request(self, rec: ConnectionRecord, reader: asyncio.StreamReader,
                               writer: asyncio.StreamWriter) -> None:
@@ -513,13 +598,16 @@ class EgressProxy:
         if not 0 < port < 65536:
             raise ProxyRefusal(400, "bad-request", f"bad port {port}")
 
-    async def _connect(self, rec: ConnectionRecord, rules: EgressRules
+    async def _connect(self, ep: EgressEndpoint, rec: ConnectionRecord
                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        rules = ep.rules
         decision: Decision = decide_host(rec.host, rules)
         if not decision.allowed:
             raise ProxyRefusal(403, decision.rule, decision.reason)
         rec.rule = decision.rule
-        addresses = await self._resolve(rec)
+        assert ep.dns_slots is not None
+        async with ep.dns_slots:
+            addresses = await self._resolve(rec)
         permitted: list[IPAddress] = []
         first_refusal: Decision | None = None
         for ip in addresses:
@@ -537,8 +625,10 @@ class EgressProxy:
             rec.address = str(ip)
             try:
                 # Exactly the checked address: no second lookup that DNS could answer differently.
-                return await asyncio.wait_for(asyncio.open_connection(str(ip), rec.port, limit=RELAY_CHUNK),
-                                              self._connect_timeout_s)
+                connected = await asyncio.wait_for(asyncio.open_connection(str(ip), rec.port, limit=RELAY_CHUNK),
+                                                   self._connect_timeout_s)
+                ep.transports.add(connected[1].transport)
+                return connected
             except (OSError, TimeoutError) as exc:
                 last_error = f"{ip} port {rec.port}: {exc or type(exc).__name__}"
         raise ProxyRefusal(502, rec.rule, f"cannot connect to {rec.host}: {last_error}", decision="allowed")
@@ -560,9 +650,13 @@ class EgressProxy:
         if not self._system_dns:
             raise ProxyRefusal(502, rec.rule, f"{rec.host} is not in the proxy's host table", decision="allowed")
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(rec.host, rec.port, type=socket.SOCK_STREAM)
-        except socket.gaierror as exc:
-            raise ProxyRefusal(502, rec.rule, f"cannot resolve {rec.host}: {exc}", decision="allowed") from None
+            # Fully qualified ("name."), so the host's search domains are never appended.
+            infos = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                self._resolver_pool, socket.getaddrinfo, rec.host + ".", rec.port, 0, socket.SOCK_STREAM),
+                DNS_TIMEOUT_S)
+        except (socket.gaierror, TimeoutError) as exc:
+            raise ProxyRefusal(502, rec.rule, f"cannot resolve {rec.host}: {exc or 'timed out'}",
+                               decision="allowed") from None
         out: list[IPAddress] = []
         for info in infos:
             ip = ipaddress.ip_address(info[4][0].split("%")[0])
@@ -574,11 +668,16 @@ class EgressProxy:
                                  upstream: asyncio.StreamWriter) -> None:
         """The tunnel's first bytes may name a host (TLS SNI, an HTTP Host header); one
         that disagrees with the CONNECT target ends the tunnel before a byte is passed.
-        A hello or head that never completes is refused: the check fails closed."""
+        The check fails closed: a hello or head that never completes, an HTTP head this
+        proxy cannot read, more than one Host, or an absolute-form target are refused.
+        Only on ports where the server speaks first may a silent client be relayed."""
+        wait = SERVER_FIRST_WAIT_S if rec.port in SERVER_FIRST_PORTS else HEAD_TIMEOUT_S
         try:
-            first = await asyncio.wait_for(reader.read(RELAY_CHUNK), FIRST_BYTES_TIMEOUT_S)
+            first = await asyncio.wait_for(reader.read(RELAY_CHUNK), wait)
         except TimeoutError:
-            return  # the server speaks first (SSH, SMTP): nothing names a host
+            if rec.port in SERVER_FIRST_PORTS:
+                return  # the server speaks first (SSH, SMTP): nothing names a host
+            raise ProxyRefusal(0, "unreadable-first-bytes", f"the client sent nothing for {wait:.0f} s") from None
         if not first:
             return
         loop = asyncio.get_running_loop()
@@ -597,10 +696,15 @@ class EgressProxy:
 
         named: str | None = None
         what = ""
+        named_host = None
+        # Servers skip empty lines before a request line (RFC 9112 2.2): so does the check.
+        while first.strip(b"\r\n") == b"" and len(first) < MAX_HEAD_BYTES:
+            first += await more("only empty lines", MAX_HEAD_BYTES)
+        text = first.lstrip(b"\r\n")
         if looks_like_tls(first):
             while True:
                 try:
-                    is_tls, named = tls_client_hello_sni(first)
+                    _, named = tls_client_hello_sni(first)
                     break
                 except IncompleteHello as exc:
                     record_done = len(first) >= 5 and len(first) >= 5 + int.from_bytes(first[3:5], "big")
@@ -609,19 +713,24 @@ class EgressProxy:
                     first += await more(f"TLS ClientHello: {exc}", MAX_HELLO_RECORD)
             what = "TLS SNI"
             named_host = normalize_host(named) if named is not None else None
-        elif looks_like_http(first):
+        elif looks_like_http(text):
             while b"\r\n\r\n" not in first:
                 first += await more("an HTTP request head that never ends", MAX_HEAD_BYTES)
+            text = first.lstrip(b"\r\n")
             try:
-                _, _, _, headers = parse_head(first.partition(b"\r\n\r\n")[0])
+                _, target, _, headers = parse_head(text.partition(b"\r\n\r\n")[0])
             except ProxyRefusal as exc:
                 # What this proxy cannot read, an origin might read differently: refused.
                 raise ProxyRefusal(0, "unreadable-first-bytes", f"HTTP request head: {exc.reason}") from None
-            named = next((v for k, v in headers if k.lower() == "host"), None)
+            if not (target.startswith("/") or target == "*"):
+                # An absolute-form target is routed by its URL, whatever Host says.
+                raise ProxyRefusal(0, "host-mismatch", f"request target {target[:80]!r} inside a tunnel")
+            hosts = [v for k, v in headers if k.lower() == "host"]
+            if len(hosts) > 1:
+                raise ProxyRefusal(0, "host-mismatch", "more than one Host header inside a tunnel")
+            named = hosts[0] if hosts else None
             what = "Host header"
             named_host = split_host_port(named, rec.port)[0] if named is not None else None
-        else:
-            named_host = None
         if named_host is not None and named_host != rec.host:
             raise ProxyRefusal(0, "sni-mismatch" if what == "TLS SNI" else "host-mismatch",
                                f"{what} {named!r} disagrees with the CONNECT target {rec.host}")
@@ -629,14 +738,16 @@ class EgressProxy:
         rec.bytes_up += len(first)
 
     async def _relay(self, rec: ConnectionRecord, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     upstream_reader: asyncio.StreamReader, upstream: asyncio.StreamWriter) -> None:
+                     upstream_reader: asyncio.StreamReader, upstream: asyncio.StreamWriter,
+                     up_limit: int | None = None) -> None:
         """Past the checks, bytes only: the transports are handed to two small protocols
         that write what one side receives straight into the other (no stream buffers),
-        with back-pressure from each side's write buffer to the other's reading."""
+        with back-pressure from each side's write buffer to the other's reading.
+        `up_limit` caps what goes upstream (a plain HTTP request's declared body)."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         client_t, up_t = writer.transport, upstream.transport
-        to_up = _Pipe(rec, up=True, done=done)
+        to_up = _Pipe(rec, up=True, done=done, limit=up_limit)
         to_client = _Pipe(rec, up=False, done=done)
         to_up.pair(sink=up_t, source=client_t, peer=to_client)
         to_client.pair(sink=client_t, source=up_t, peer=to_up)
@@ -660,14 +771,20 @@ class EgressProxy:
 class _Pipe:
     """One direction of a tunnel: what `source` delivers is written to `sink`."""
 
-    def __init__(self, rec: ConnectionRecord, *, up: bool, done: asyncio.Future):
+    def __init__(self, rec: ConnectionRecord, *, up: bool, done: asyncio.Future, limit: int | None = None):
         self.rec, self.up, self.done = rec, up, done
         self.finished = False
+        self.left = limit  # bytes still allowed through; None: no limit
 
     def pair(self, *, sink: asyncio.Transport, source: asyncio.Transport, peer: "_Pipe") -> None:
         self.sink, self.source, self.peer = sink, source, peer
 
     def data_received(self, data: bytes) -> None:
+        if self.left is not None:
+            data = data[:self.left]  # past the declared body: dropped, never forwarded
+            self.left -= len(data)
+            if not data:
+                return
         if self.up:
             self.rec.bytes_up += len(data)
         else:
@@ -720,12 +837,28 @@ class _Sink(asyncio.Protocol):
             self.pipe.peer.source.resume_reading()
 
 
-def summarize_external_calls(records: list[ConnectionRecord]) -> list[str]:
-    """ToolResult.effectsObserved.externalCalls: each destination the call reached, once."""
+def _close_soon(transport: asyncio.BaseTransport) -> None:
+    """Closes after flushing what is buffered, but never waits on the peer for long."""
+    if transport.is_closing() and not transport.get_write_buffer_size():
+        return
+    transport.close()
+    if transport.get_write_buffer_size():
+        asyncio.get_running_loop().call_later(FLUSH_GRACE_S, transport.abort)
+
+
+def summarize_external_calls(records: list[ConnectionRecord],
+                             overflow: dict[tuple[str, int, str], list[int]] | None = None) -> list[str]:
+    """ToolResult.effectsObserved.externalCalls: each destination the call reached, once
+    (including those past the record's size, counted in `overflow`)."""
     seen: list[str] = []
     for r in records:
-        if r.decision == "allowed" and not r.error:
+        # Reached: allowed and bytes moved (a tunnel cut when the sandbox ended counts).
+        if r.decision == "allowed" and (not r.error or r.bytes_up or r.bytes_down):
             dest = f"{r.host}:{r.port}" if ":" not in r.host else f"[{r.host}]:{r.port}"
             if dest not in seen:
                 seen.append(dest)
+    for (host, port, decision), (_, up, down) in sorted((overflow or {}).items()):
+        dest = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        if decision == "allowed" and (up or down) and dest not in seen:
+            seen.append(dest)
     return seen

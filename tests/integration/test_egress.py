@@ -295,6 +295,131 @@ def test_sni_or_host_that_disagrees_with_connect_never_reaches_the_other_host(ec
     assert rules == ["sni-mismatch", "sni-mismatch", "host-mismatch", "host-mismatch"]
 
 
+def test_delayed_split_or_disguised_names_inside_a_tunnel_are_refused(ec, egress_daemon, hosts):
+    ws = with_cert(egress_daemon, hosts)
+    before = len(hosts.entries())
+    out = run(ec, ws, """
+        import socket, ssl, time
+        def tunnel(target):
+            s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+            s.sendall(f"CONNECT {target} HTTP/1.1\\r\\n\\r\\n".encode())
+            head = b""
+            while b"\\r\\n\\r\\n" not in head:
+                head += s.recv(1)
+            return s
+        def answer(s):
+            try:
+                return s.recv(100)
+            except OSError as e:
+                return type(e).__name__
+        ctx = ssl.create_default_context(cafile="/workspace/cert.pem")
+        inc, outg = ssl.MemoryBIO(), ssl.MemoryBIO()
+        obj = ctx.wrap_bio(inc, outg, server_hostname="other.test")
+        try:
+            obj.do_handshake()
+        except ssl.SSLWantReadError:
+            pass
+        hello = outg.read()
+        s = tunnel("allowed.test:443"); time.sleep(1.5); s.sendall(hello)
+        print("delayed", answer(s))
+        s = tunnel("allowed.test:80"); s.sendall(b"\\r\\nGET / HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n")
+        print("crlf", answer(s))
+        s = tunnel("allowed.test:80"); s.sendall(b"GET http://other.test/ HTTP/1.1\\r\\nHost: allowed.test\\r\\n\\r\\n")
+        print("absolute", answer(s))
+        s = tunnel("allowed.test:80")
+        s.sendall(b"GET / HTTP/1.1\\r\\nHost: allowed.test\\r\\nHost: other.test\\r\\n\\r\\n")
+        print("two-hosts", answer(s))
+    """)
+    assert out.stdout.split() == ["delayed", "b''", "crlf", "b''", "absolute", "b''", "two-hosts", "b''"]
+    seen = hosts.entries()[before:]
+    assert not [e for e in seen if e.get("server") == "other"]
+    assert all(e["bytes_read"] == 0 for e in seen if "server" in e), seen
+    rules = [r["rule"] for r in network_events(ec, out.tool_call_id)]
+    assert rules == ["sni-mismatch", "host-mismatch", "host-mismatch", "host-mismatch"]
+
+
+def test_a_pipelined_second_request_never_reaches_the_origin(ec, ws, hosts):
+    before = len(hosts.entries())
+    out = run(ec, ws, """
+        import socket
+        s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+        s.sendall(b"GET http://allowed.test/ HTTP/1.1\\r\\nHost: allowed.test\\r\\n\\r\\n"
+                  b"GET /second HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n")
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+        print(data.split(b"\\r\\n")[0].decode())
+    """)
+    assert out.stdout.strip() == "HTTP/1.1 200 OK"
+    [served] = [e for e in hosts.entries()[before:] if "server" in e]
+    [record] = network_events(ec, out.tool_call_id)
+    # The origin read exactly the rewritten first request: nothing of the second.
+    assert served["bytes_read"] == record["bytesUp"] and served["path"] == "/"
+
+
+def test_a_flood_of_connections_neither_starves_the_daemon_nor_hides_real_attempts(ec, egress_daemon, hosts):
+    """One sandbox holds more idle connections than its endpoint admits and sends a pile
+    of junk; its endpoint refuses the excess at once, another sandbox is unaffected, and
+    the real attempts made afterwards are still on the record."""
+    ws = egress_daemon.new_workspace()
+    flood = ec.execute(call(ws, py("""
+        import socket, time
+        held, refused = [], 0
+        for _ in range(400):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect("/dev/sandboxd/egress.sock")
+            held.append(s)
+        time.sleep(0.5)
+        for s in held:
+            s.setblocking(False)
+            try:
+                if s.recv(1) == b"":
+                    refused += 1
+            except BlockingIOError:
+                pass
+        print("refused", refused, flush=True)
+        for s in held:
+            s.close()
+        for _ in range(300):  # junk: one byte, then gone
+            s = socket.socket(socket.AF_UNIX); s.connect("/dev/sandboxd/egress.sock"); s.sendall(b"x"); s.close()
+        time.sleep(0.5)
+        import urllib.request
+        print(urllib.request.urlopen("http://allowed.test/", timeout=20).read().decode().strip(), flush=True)
+        try:
+            urllib.request.urlopen("http://flood-target.test/", timeout=20)
+        except Exception as e:
+            print("denied", getattr(e, "code", e), flush=True)
+        time.sleep(2)
+    """), allowlist()))
+    events = iter(flood)
+    out = b""
+    for event in events:
+        if event.WhichOneof("kind") == "output":
+            out += event.output.data
+            break
+    # Meanwhile, another sandbox goes about its business.
+    other = run(ec, egress_daemon.new_workspace(), fetch_script("http://allowed.test/"))
+    assert json.loads(other.stdout) == [{"status": 200, "body": "allowed\n"}]
+    result = None
+    for event in events:
+        kind = event.WhichOneof("kind")
+        if kind == "output":
+            out += event.output.data
+        elif kind == "finished":
+            result = event.finished.result
+    text = out.decode()
+    refused = int(text.split("refused ")[1].split()[0]) if "refused " in text else None
+    assert result is not None and result.status == "success", text
+    lines = text.split("\n")
+    assert "allowed" in lines and "denied 403" in lines, text
+    records = network_events(ec, result.tool_call_id)
+    hosts_recorded = [r.get("host") for r in records]
+    assert "allowed.test" in hosts_recorded and "flood-target.test" in hosts_recorded
+    assert list(result.effects_observed.external_calls) == ["allowed.test:80"]
+    # The endpoint admits 256 connections at once; the rest were closed on arrival.
+    assert refused is not None and refused >= 400 - 256, text
+
+
 def test_sandbox_cannot_reach_daemon_socket_docker_api_or_another_sandbox(ec, ws, egress_daemon, hosts):
     listener = ec.execute(call(ws, py("""
         import socket, time

@@ -11,6 +11,7 @@ from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 import pytest
 
 from sandboxd.egress import (
+    SHARED_PARENTS,
     SHARED_SUFFIXES,
     Decision,
     EgressRules,
@@ -153,8 +154,6 @@ def test_is_hostname_rejects_ipv4_shorthand(name):
     ("*.example.com", "*.example.com"),
     ("*.Example.Com.", "*.example.com"),
     ("*.example.co.uk", "*.example.co.uk"),  # below a shared suffix: one owner's names
-    ("*.someone.github.io", "*.someone.github.io"),
-    ("*.us-east-1.amazonaws.com", "*.us-east-1.amazonaws.com"),
     ("93.184.216.34", "93.184.216.34"),
     ("[2606:4700::1]", "2606:4700::1"),
     ("2606:4700:0:0::1", "2606:4700::1"),
@@ -232,9 +231,23 @@ def test_every_shared_suffix_is_refused_as_a_wildcard_but_allowed_below(suffix):
         normalize_pattern(f"*.{suffix}")
     with pytest.raises(ValueError, match="public suffix"):
         normalize_pattern(f"*.{suffix.upper()}.")
-    # One owner's names below the shared suffix, and an exact name on it, are fine.
-    assert normalize_pattern(f"*.owner.{suffix}") == f"*.owner.{suffix}"
+    # An exact name on it is fine; one owner's wildcard too, unless anyone can get names
+    # at any depth below it (a SHARED_PARENT: buckets, tunnels, user content).
     assert normalize_pattern(f"owner.{suffix}") == f"owner.{suffix}"
+    if any(suffix == p or suffix.endswith("." + p) for p in SHARED_PARENTS):
+        with pytest.raises(ValueError, match="belong to anyone"):
+            normalize_pattern(f"*.owner.{suffix}")
+    else:
+        assert normalize_pattern(f"*.owner.{suffix}") == f"*.owner.{suffix}"
+
+
+@pytest.mark.parametrize("pattern", ["*.s3.us-east-1.amazonaws.com", "*.someone.github.io", "*.x.storage.googleapis.com",
+                                     "*.abc.ngrok.app", "*.us-east-1.amazonaws.com"])
+def test_no_wildcard_below_a_shared_parent(pattern):
+    with pytest.raises(ValueError, match="belong to anyone"):
+        normalize_pattern(pattern)
+    exact = pattern[2:]
+    assert normalize_pattern(exact) == exact
 
 
 # ------------------------------------------------------------------ match_host
@@ -402,21 +415,24 @@ def test_exempt_networks_are_exact(addr):
     assert forbidden_reason(ip_address(addr), deny_private=True, exempt=MIRROR) == "private"
 
 
-def test_exempt_overrides_everything_the_operator_names():
-    # The operator's word is final, even over the fixed refusals.
-    assert forbidden_reason(ip_address("127.0.0.1"), deny_private=True, exempt=(ip_network("127.0.0.0/8"),)) is None
+def test_exempt_only_lifts_the_private_rule_never_the_fixed_refusals():
+    # An exempted corporate /8 must not make the daemon host or the metadata service reachable.
+    assert forbidden_reason(ip_address("127.0.0.1"), deny_private=True,
+                            exempt=(ip_network("127.0.0.0/8"),)) == "loopback"
     assert forbidden_reason(ip_address("172.17.0.1"), deny_private=True, own_addresses=OWN,
-                            exempt=(ip_network("172.17.0.0/16"),)) is None
+                            exempt=(ip_network("172.17.0.0/16"),)) == "daemon host"
+    assert forbidden_reason(ip_address("169.254.169.254"), deny_private=True,
+                            exempt=(ip_network("169.254.0.0/16"),)) == "link-local"
+    assert forbidden_reason(ip_address("10.1.2.3"), deny_private=True, exempt=(ip_network("10.0.0.0/8"),)) is None
 
 
 def test_exempt_networks_of_the_other_family_do_not_apply():
     v6_only = (ip_network("::/0"),)
     assert forbidden_reason(ip_address("10.0.0.1"), deny_private=True, exempt=v6_only) == "private"
-    assert forbidden_reason(ip_address("127.0.0.1"), deny_private=False, exempt=v6_only) == "loopback"
     v4_only = (ip_network("0.0.0.0/0"),)
-    assert forbidden_reason(ip_address("::1"), deny_private=False, exempt=v4_only) == "loopback"
+    assert forbidden_reason(ip_address("fd00::1"), deny_private=True, exempt=v4_only) == "private"
     # ...but a mapped address is judged as the IPv4 address it carries.
-    assert forbidden_reason(ip_address("::ffff:127.0.0.1"), deny_private=False, exempt=v4_only) is None
+    assert forbidden_reason(ip_address("::ffff:10.0.0.1"), deny_private=True, exempt=v4_only) is None
 
 
 # ------------------------------------------------------------------ EgressRules, decide_host
@@ -518,9 +534,11 @@ def test_decide_address_uses_every_field_of_the_rules():
     assert decide_address(ip_address("10.0.0.1"), rules).allowed  # deny_private False
     strict = dataclasses.replace(rules, deny_private=True)
     assert decide_address(ip_address("10.0.0.1"), strict).rule == "deny-private-networks"
-    # exempt covers an own address too
+    # exempt never covers an own address
     exempted = dataclasses.replace(rules, exempt=(ip_network("198.51.100.0/24"),))
-    assert decide_address(ip_address("198.51.100.7"), exempted).allowed
+    assert not decide_address(ip_address("198.51.100.7"), exempted).allowed
+    exempted_strict = dataclasses.replace(strict, exempt=(ip_network("10.0.0.0/8"),))
+    assert decide_address(ip_address("10.0.0.1"), exempted_strict).allowed
 
 
 @pytest.mark.parametrize("deny_private", [False, True])
