@@ -27,6 +27,7 @@ from .events import CheckpointFile, EventDraft, EventLog
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
 from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_admission, parse_call, request_digest,
                      resolve_policy)
+from .approvals import verify_authorization
 from .preflight import HostPlan, preflight
 from .proxy import ConnectionRecord, EgressEndpoint, EgressProxy, summarize_external_calls
 from .settings import DaemonSettings
@@ -409,6 +410,8 @@ class CallExecutor:
         self.daemon_id = daemon_id
         self._lock = threading.Lock()
         self._runs: dict[str, CallRun] = {}
+        # tool_call_id -> principal, for the per-principal quota (same keys as _runs).
+        self._run_owners: dict[str, str] = {}
         self._pending_keys: dict[str, str] = {}
         # tool_call_id -> (host workspace, can write it), from admission to sandbox removal.
         self._workspace_users: dict[str, tuple[str, bool]] = {}
@@ -474,16 +477,24 @@ class CallExecutor:
             if tool_call_id in self._runs or self.events.has_call(tool_call_id):
                 # Not recorded under that id: the id belongs to the earlier call.
                 raise AlreadyExists(f"a call with id {tool_call_id} was already submitted", field="toolCallId")
-            if len(self._runs) >= self.settings.max_concurrent_calls:
+            mine = sum(1 for p in self._run_owners.values() if p == principal)
+            quota = self.settings.quotas.concurrent_calls_for(principal)
+            exc = None
+            if mine >= quota:
+                exc = ResourceExhausted(f"{principal} has {mine} calls running, its quota")
+            elif len(self._runs) >= self.settings.max_concurrent_calls:
                 exc = ResourceExhausted(f"{len(self._runs)} calls are running, the daemon's maximum")
+            if exc is not None:
                 exc.tool_call_id = tool_call_id
                 self._reject(tool_call_id, raw, principal, "admission", exc)
                 raise exc
             placeholder = self._runs[tool_call_id] = None  # type: ignore[assignment]
+            self._run_owners[tool_call_id] = principal
             if key:
                 self._pending_keys[key] = tool_call_id
         try:
             try:
+                approved = verify_authorization(raw, call, self.settings.approvals)
                 prepared = self._prepare(call, tool_call_id)
                 if not caller.admin and prepared.plan.uid != caller.uid:
                     raise PermissionDenied("the workspace belongs to another user; a principal may only use "
@@ -513,6 +524,8 @@ class CallExecutor:
                     "effectivePolicy": prepared.policy.to_json_dict(), "policyDigest": prepared.policy.digest()}),
                 EventDraft(ev.POLICY_CHECKED, {
                     "decision": "allowed", "backend": prepared.backend.name, "image": prepared.image,
+                    "authorization": ({"grantId": call.authorization.grant_id, "approvalDigest": approved,
+                                       "verified": True} if approved else {"status": call.authorization.status}),
                     "imageDigest": prepared.image_digest, "uid": prepared.plan.uid, "gid": prepared.plan.gid,
                     "workspace": prepared.plan.workspace,
                     "binds": [[b.sandbox_path, "ro" if b.read_only else "rw"] for b in prepared.plan.binds],
@@ -525,6 +538,7 @@ class CallExecutor:
             with self._lock:
                 if self._runs.get(tool_call_id) is placeholder:
                     del self._runs[tool_call_id]
+                    self._run_owners.pop(tool_call_id, None)
                 self._pending_keys.pop(key, None)
                 self._workspace_users.pop(tool_call_id, None)
             raise
@@ -701,6 +715,7 @@ class CallExecutor:
             self._workspace_users.pop(run.tool_call_id, None)
             if self._runs.get(run.tool_call_id) is run:
                 del self._runs[run.tool_call_id]
+                self._run_owners.pop(run.tool_call_id, None)
 
     def shutdown(self, grace_s: float) -> None:
         """Cancels every running call and waits for their sandboxes to be removed."""

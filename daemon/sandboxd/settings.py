@@ -95,6 +95,48 @@ class EgressSettings(BaseModel):
         return self
 
 
+class ApprovalSettings(BaseModel):
+    """Who may approve calls (approvals.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Key id -> the Tool Manager's Ed25519 public key (32 raw bytes, base64).
+    public_keys: dict[str, str] = Field(default_factory=dict)
+    # fnmatch patterns of tool ids that may run with authorization.status "not_required".
+    # None: every tool while no public key is configured (a development daemon), none
+    # once one is.
+    unsigned_tools: tuple[str, ...] | None = None
+
+    @model_validator(mode="after")
+    def _keys_parse(self) -> "ApprovalSettings":
+        from sandboxd_client.approval import load_public_key
+
+        for key_id, b64 in self.public_keys.items():
+            if ":" in key_id or not key_id:
+                raise ValueError(f"approval key id {key_id!r}: non-empty, without ':'")
+            load_public_key(b64)
+        return self
+
+    @property
+    def tools_without_grant(self) -> tuple[str, ...]:
+        if self.unsigned_tools is not None:
+            return self.unsigned_tools
+        return () if self.public_keys else ("*",)
+
+
+class QuotaSettings(BaseModel):
+    """Per-principal limits: one tenant filling the daemon must not lock the others out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    concurrent_calls: int = Field(default=16, ge=1)
+    # principal -> its own concurrent-call limit.
+    per_principal: dict[str, int] = Field(default_factory=dict)
+
+    def concurrent_calls_for(self, principal: str) -> int:
+        return self.per_principal.get(principal, self.concurrent_calls)
+
+
 class DaemonSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -117,6 +159,8 @@ class DaemonSettings(BaseModel):
     limits: LimitSettings = Field(default_factory=LimitSettings)
     nsjail: NsjailSettings = Field(default_factory=NsjailSettings)
     egress: EgressSettings = Field(default_factory=EgressSettings)
+    approvals: ApprovalSettings = Field(default_factory=ApprovalSettings)
+    quotas: QuotaSettings = Field(default_factory=QuotaSettings)
     # Peer uid on the Unix socket -> principal name; any other uid is refused.
     principals: dict[int, str] = Field(default_factory=lambda: {0: "root"})
     # Principals that may read every tenant's traces and artifacts.

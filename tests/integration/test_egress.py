@@ -37,7 +37,8 @@ def hosts():
 @pytest.fixture(scope="module")
 def egress_daemon(docker_engine, hosts):
     base = public_tmpdir("sandboxd-egress-")
-    d = make_daemon(base, env=DAEMON_ENV, max_concurrent_calls=64, egress=hosts.daemon_egress_settings()).start()
+    d = make_daemon(base, env=DAEMON_ENV, max_concurrent_calls=64, quotas={"concurrent_calls": 64},
+                    egress=hosts.daemon_egress_settings()).start()
     yield d
     d.stop()
     leftovers = leftover_sandboxes(docker_engine, d)
