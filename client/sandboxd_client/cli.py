@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from .canonical import GENESIS_HASH, event_hash, verify_chain
-from .client import SandboxdClient, default_socket, to_json
+from .client import SandboxdClient, TlsFiles, default_socket, to_json
 from .errors import SandboxdClientError
 from .pb import sandboxd_pb2 as pb
 
@@ -87,7 +87,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if args.stdin:
         call["stdin"] = sys.stdin.buffer.read()
     out, err = sys.stdout.buffer, sys.stderr.buffer
-    with SandboxdClient(args.socket) as client:
+    with connect(args) as client:
         stream = client.execute(call)
         result = None
         try:
@@ -116,7 +116,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_artifact_get(args: argparse.Namespace) -> int:
-    with SandboxdClient(args.socket) as client:
+    with connect(args) as client:
         try:
             if args.output and args.output != "-":
                 tmp = args.output + ".part"
@@ -133,7 +133,7 @@ def cmd_artifact_get(args: argparse.Namespace) -> int:
 
 
 def cmd_artifact_ls(args: argparse.Namespace) -> int:
-    with SandboxdClient(args.socket) as client:
+    with connect(args) as client:
         try:
             refs = client.list_artifacts(args.tool_call_id)
         except SandboxdClientError as exc:
@@ -151,7 +151,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return _trace_verify(args)
     if args.target == "export":
         return _trace_export(args)
-    with SandboxdClient(args.socket) as client:
+    with connect(args) as client:
         try:
             events = client.get_trace(args.target)
         except SandboxdClientError as exc:
@@ -183,7 +183,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         "command_contains": args.command, "path": args.path, "path_operation": args.op, "domain": args.domain,
         "principal": args.principal, "workspace": args.workspace, "status": args.status, "since": args.since,
         "until": args.until, "page_size": args.limit, "page_token": args.page_token}.items() if v}
-    with SandboxdClient(args.socket) as client:
+    with connect(args) as client:
         try:
             page = client.query_calls(**filters)
         except SandboxdClientError as exc:
@@ -235,7 +235,7 @@ def _trace_verify(args: argparse.Namespace) -> int:
         first = events[0] if events else None
         report = verify_chain(events, first.prev_hash if first else GENESIS_HASH, first.seq - 1 if first else 0)
     else:
-        with SandboxdClient(args.socket) as client:
+        with connect(args) as client:
             try:
                 report = client.verify_log()
             except SandboxdClientError as exc:
@@ -262,7 +262,7 @@ def _trace_export(args: argparse.Namespace) -> int:
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     n = 0
     try:
-        with SandboxdClient(args.socket) as client:
+        with connect(args) as client:
             for e in client.export_events(args.call or "", args.after_seq):
                 out.write(json.dumps(to_json(e), sort_keys=True) + "\n")
                 n += 1
@@ -277,7 +277,7 @@ def _trace_export(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy) if args.policy else None
-    with SandboxdClient(args.socket) as client:
+    with connect(args) as client:
         try:
             resp = client.explain(policy, os.path.abspath(args.workspace or os.getcwd()), image=args.image or "")
         except SandboxdClientError as exc:
@@ -296,9 +296,23 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def connect(args: argparse.Namespace) -> SandboxdClient:
+    if getattr(args, "tcp", None):
+        files = (args.tls_ca, args.tls_cert, args.tls_key)
+        if not all(files):
+            raise SystemExit("sandboxctl: --tcp needs --tls-ca, --tls-cert and --tls-key (the daemon only speaks mutual TLS)")
+        return SandboxdClient(target=args.tcp, tls=TlsFiles(*files))
+    return SandboxdClient(args.socket)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sandboxctl", description="Client for the sandboxd daemon.")
     parser.add_argument("--socket", default=None, help=f"daemon socket (default $SANDBOXD_SOCKET or {default_socket()})")
+    parser.add_argument("--tcp", default=None, metavar="HOST:PORT",
+                        help="the daemon's mutual-TLS listener instead of the socket (with --tls-*)")
+    parser.add_argument("--tls-ca", default=None, help="CA certificate that signed the daemon's (PEM)")
+    parser.add_argument("--tls-cert", default=None, help="this client's certificate (PEM)")
+    parser.add_argument("--tls-key", default=None, help="this client's private key (PEM)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:

@@ -59,9 +59,35 @@ class CallOutcome:
     events: list[pb.ExecuteEvent] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a daemon's mutual-TLS TCP listener: the CA that signed the daemon's
+    certificate, and this client's certificate and key."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca_file), private_key=read(self.key_file),
+                                            certificate_chain=read(self.cert_file))
+
+
 class SandboxdClient:
-    def __init__(self, socket_path: str | None = None, *, target: str | None = None):
-        self._channel = grpc.insecure_channel(target or f"unix:{socket_path or default_socket()}", options=_CHANNEL_OPTIONS)
+    def __init__(self, socket_path: str | None = None, *, target: str | None = None, tls: TlsFiles | None = None):
+        """The Unix socket (default), or `target` "host:port" with `tls` (the daemon only
+        speaks mutual TLS on TCP)."""
+        if tls is not None:
+            if not target:
+                raise ValueError("tls needs a host:port target")
+            self._channel = grpc.secure_channel(target, tls.credentials(), options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(target or f"unix:{socket_path or default_socket()}",
+                                                  options=_CHANNEL_OPTIONS)
         self._exec = pb_grpc.ExecutionServiceStub(self._channel)
         self._artifacts = pb_grpc.ArtifactServiceStub(self._channel)
         self._traces = pb_grpc.TraceServiceStub(self._channel)
@@ -200,8 +226,14 @@ class ExecuteStream:
 
 
 class AsyncSandboxdClient:
-    def __init__(self, socket_path: str | None = None, *, target: str | None = None):
-        self._channel = grpc.aio.insecure_channel(target or f"unix:{socket_path or default_socket()}", options=_CHANNEL_OPTIONS)
+    def __init__(self, socket_path: str | None = None, *, target: str | None = None, tls: TlsFiles | None = None):
+        if tls is not None:
+            if not target:
+                raise ValueError("tls needs a host:port target")
+            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.insecure_channel(target or f"unix:{socket_path or default_socket()}",
+                                                      options=_CHANNEL_OPTIONS)
         self._exec = pb_grpc.ExecutionServiceStub(self._channel)
         self._artifacts = pb_grpc.ArtifactServiceStub(self._channel)
         self._traces = pb_grpc.TraceServiceStub(self._channel)

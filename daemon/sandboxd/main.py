@@ -205,6 +205,14 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     internal.mkdir(mode=0o700, parents=True)
     internal_socket = internal / "grpc.sock"
     server.add_insecure_port(f"unix:{internal_socket}")
+    if settings.tcp is not None:
+        tcp = settings.tcp
+        credentials = grpc.ssl_server_credentials(
+            [(tcp.key_file.read_bytes(), tcp.cert_file.read_bytes())],
+            root_certificates=tcp.client_ca_file.read_bytes(), require_client_auth=True)
+        if not server.add_secure_port(tcp.address, credentials):
+            raise BackendUnavailable(f"cannot listen on {tcp.address}")
+        log.info("serving mutual TLS on %s", tcp.address)
     server.start()
     relay = PeerCredentialRelay(settings.socket_path, internal_socket, internal, settings.socket_mode)
     relay.start()

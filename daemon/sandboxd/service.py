@@ -17,7 +17,7 @@ from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 from . import audit
 from .artifacts import FileArtifactStore
 from .compile import network_plan
-from .errors import InvalidArgument, NotFound, PermissionDenied, SandboxdError
+from .errors import InvalidArgument, NotFound, PermissionDenied, SandboxdError, Unauthenticated
 from .events import EventLog
 from .executor import CallExecutor
 from .output import STDOUT
@@ -43,13 +43,31 @@ def call_to_json(call: pb.PreparedToolCall) -> dict[str, Any]:
 
 
 class Authenticator:
-    """The caller of an RPC, from the uid the peer-credential relay recorded."""
+    """The caller of an RPC: on the Unix socket, from the uid the peer-credential relay
+    recorded; on TCP (mutual TLS only), from the client certificate's subject CN. Either
+    way a principal of the daemon's config, or UNAUTHENTICATED."""
 
     def __init__(self, settings: DaemonSettings):
         self._settings = settings
+        self._uid_of = {name: uid for uid, name in settings.principals.items()}
 
     def __call__(self, context: grpc.ServicerContext) -> Principal:
+        auth = context.auth_context() or {}
+        if auth.get("transport_security_type") == [b"ssl"]:
+            return self._from_certificate(auth)
         return resolve_principal(peer_uid(context, self._settings.internal_dir), self._settings)
+
+    def _from_certificate(self, auth: dict) -> Principal:
+        tcp = self._settings.tcp
+        names = auth.get("x509_common_name") or []
+        if tcp is None or not names:
+            raise Unauthenticated("the client certificate names no subject (CN)")
+        cn = names[0].decode("utf-8", "replace")
+        name = tcp.subjects.get(cn) if tcp.subjects else cn
+        if name is None or name not in self._uid_of:
+            raise Unauthenticated(f"certificate subject CN={cn} is not a principal of this daemon")
+        # A TCP principal is the same tenant as its uid on the socket: same workspaces.
+        return Principal(name=name, uid=self._uid_of[name], admin=name in self._settings.admins)
 
 
 def _abort(context: grpc.ServicerContext, exc: SandboxdError) -> None:

@@ -137,6 +137,30 @@ class QuotaSettings(BaseModel):
         return self.per_principal.get(principal, self.concurrent_calls)
 
 
+class TcpSettings(BaseModel):
+    """A TCP listener, only ever with mutual TLS: there is no way to configure plain TCP."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    address: str  # host:port, e.g. "0.0.0.0:7443"
+    cert_file: Path  # the daemon's certificate chain (PEM)
+    key_file: Path
+    # CA bundle that client certificates must chain to; a client without one is refused.
+    client_ca_file: Path
+    # Client certificate subject CN -> principal name; empty: the CN is the principal's name.
+    subjects: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _files_exist(self) -> "TcpSettings":
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            if not getattr(self, name).is_file():
+                raise ValueError(f"tcp.{name}: {getattr(self, name)} is not a file (TCP needs mutual TLS)")
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"tcp.address: {self.address!r} is not host:port")
+        return self
+
+
 class DaemonSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -160,6 +184,7 @@ class DaemonSettings(BaseModel):
     nsjail: NsjailSettings = Field(default_factory=NsjailSettings)
     egress: EgressSettings = Field(default_factory=EgressSettings)
     approvals: ApprovalSettings = Field(default_factory=ApprovalSettings)
+    tcp: TcpSettings | None = None
     quotas: QuotaSettings = Field(default_factory=QuotaSettings)
     # Peer uid on the Unix socket -> principal name; any other uid is refused.
     principals: dict[int, str] = Field(default_factory=lambda: {0: "root"})
