@@ -15,13 +15,13 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The egress shim runs inside every image, so it is static and libc-only.
-build/egress-shim: native/egress-shim.c
+# The sandbox shim runs inside every image, so it is static and libc-only.
+build/sandbox-shim: native/sandbox-shim.c
 	@mkdir -p build
 	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
 	gcc -static -O2 -Wall -Wextra -o $@ $< 2>&1 | { grep -v 'statically linked' || true; }
 
-native: build/egress-shim
+native: build/sandbox-shim
 
 docker:
 	scripts/ensure-docker.sh

@@ -56,12 +56,15 @@ def _value(field: FieldDescriptor, value: Any) -> Any:
 
 
 def approval_body(call: pb.PreparedToolCall) -> dict[str, Any]:
-    """What a grant approves: the command, where it runs, under which policy, as which
-    tool, with which credentials. Ids, authorization and runtime knobs are not in it."""
+    """What a grant approves: the command and its input, where it runs, in which image,
+    under which policy, as which tool, with which credentials. Ids, authorization and
+    the other runtime knobs (backend, idempotency key) are not in it."""
     return {
         "argv": list(call.argv),
+        "stdinSha256": hashlib.sha256(call.stdin).hexdigest(),
         "cwd": call.cwd,
         "workspace": call.workspace,
+        "image": call.runtime.image,
         "toolId": call.tool_id,
         "toolVersion": call.tool_version,
         "policy": approval_view(call.policy),

@@ -10,6 +10,8 @@ import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
+from google.protobuf import json_format
+
 from sandboxd_client.approval import (approval_digest, grant_signing_bytes, load_public_key, parse_signature,
                                       signature_valid)
 from sandboxd_client.client import build_call
@@ -48,7 +50,12 @@ def verify_authorization(raw: Mapping[str, Any], call: PreparedToolCall, setting
     if not signature_valid(load_public_key(b64), signature, message):
         raise PermissionDenied(f"the grant's signature does not verify with key {key_id!r}",
                                field=f"{where}.signature")
-    digest = approval_digest(build_call(dict(raw)))
+    try:
+        message = build_call(dict(raw))
+    except json_format.ParseError as exc:
+        # Only JSON handed to the executor directly can get here (gRPC input is typed).
+        raise InvalidArgument(f"not a PreparedToolCall: {exc}", field="") from None
+    digest = approval_digest(message)
     if digest != auth.approval_digest:
         raise PermissionDenied(f"the call differs from what was approved: its digest is {digest}, the grant's "
                                f"{auth.approval_digest}", field=f"{where}.approvalDigest")

@@ -68,19 +68,19 @@ class DockerSpec:
         return asdict(self)
 
 
-# Where an allowlist sandbox finds the egress proxy's socket and the shim that relays
-# its loopback port to it. Under /dev, a tmpfs on both backends, so the read-only
-# image root needs no mount point of its own.
+# What the daemon binds into a sandbox beyond the policy's mounts, all under /dev (a
+# tmpfs on both backends, so the read-only image root needs no mount point of its own):
+# the shim that runs before the command, the egress proxy's socket, env secrets.
+SHIM_PATH = "/dev/sandboxd/shim"
 EGRESS_SOCKET_PATH = "/dev/sandboxd/egress.sock"
-EGRESS_SHIM_PATH = "/dev/sandboxd/egress-shim"
+SECRETS_DIR = "/dev/sandboxd/secrets"
 
 
 @dataclass(frozen=True)
 class EgressAttachment:
-    """Host facts of an allowlist sandbox's way out: its proxy endpoint and the shim."""
+    """A proxied sandbox's way out: its proxy endpoint, reached on a loopback port."""
 
     socket_host_path: str
-    shim_host_path: str
     port: int
 
     @property
@@ -96,8 +96,56 @@ class EgressAttachment:
         out["NO_PROXY"] = out["no_proxy"] = "localhost,127.0.0.1,::1"
         return out
 
+
+@dataclass(frozen=True)
+class SecretMount:
+    """A credential's value in a file on the daemon's tmpfs, bound read-only into the
+    sandbox: at the call's file target, or (env_name set) where the shim reads it into
+    that variable. The value itself is never in a spec."""
+
+    binding_id: str
+    host_path: str
+    sandbox_path: str
+    env_name: str = ""
+
+
+@dataclass(frozen=True)
+class Attachments:
+    """Host facts a call brings into its sandbox besides the HostPlan."""
+
+    shim_host_path: str = ""
+    egress: EgressAttachment | None = None
+    secrets: tuple[SecretMount, ...] = ()
+
+    @property
+    def needs_shim(self) -> bool:
+        return self.egress is not None or any(s.env_name for s in self.secrets)
+
     def wrap(self, argv: tuple[str, ...]) -> tuple[str, ...]:
-        return (EGRESS_SHIM_PATH, EGRESS_SOCKET_PATH, str(self.port), "--", *argv)
+        if not self.needs_shim:
+            return tuple(argv)
+        if not self.shim_host_path:
+            raise ValueError("the sandbox shim is needed but there is none")
+        out: list[str] = [SHIM_PATH]
+        if self.egress is not None:
+            out += ["--egress", EGRESS_SOCKET_PATH, str(self.egress.port)]
+        for s in self.secrets:
+            if s.env_name:
+                out += ["--env", f"{s.env_name}={s.sandbox_path}"]
+        return (*out, "--", *argv)
+
+    def env(self) -> dict[str, str]:
+        return self.egress.env() if self.egress is not None else {}
+
+    def binds(self) -> list[tuple[str, str]]:
+        """(sandbox path, host path) of every read-only file bind, shim first."""
+        out = []
+        if self.needs_shim:
+            out.append((SHIM_PATH, self.shim_host_path))
+        if self.egress is not None:
+            out.append((EGRESS_SOCKET_PATH, self.egress.socket_host_path))
+        out += [(s.sandbox_path, s.host_path) for s in self.secrets]
+        return out
 
 
 def network_plan(policy: EffectivePolicy, egress: EgressAttachment | None) -> dict[str, Any]:
@@ -115,8 +163,9 @@ def network_plan(policy: EffectivePolicy, egress: EgressAttachment | None) -> di
     return plan
 
 
-def require_egress(policy: EffectivePolicy, egress: EgressAttachment | None) -> None:
+def require_egress(policy: EffectivePolicy, attachments: "Attachments") -> None:
     """A proxied policy without its proxy would be a sandbox cut off, or worse, an open one."""
+    egress = attachments.egress
     if policy.proxied != (egress is not None):
         raise ValueError(f"egress {policy.egress!r} with{'out' if egress is None else ''} an egress attachment")
 
@@ -126,11 +175,9 @@ def cgroup_parent_for(sandbox_id: str) -> str:
 
 
 def _mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str,
-            egress: EgressAttachment | None) -> tuple[MountSpec, ...]:
-    mounts: list[MountSpec] = []
-    if egress is not None:
-        mounts.append(MountSpec("bind", EGRESS_SOCKET_PATH, source=egress.socket_host_path, read_only=True))
-        mounts.append(MountSpec("bind", EGRESS_SHIM_PATH, source=egress.shim_host_path, read_only=True))
+            attachments: Attachments) -> tuple[MountSpec, ...]:
+    mounts: list[MountSpec] = [MountSpec("bind", target, source=source, read_only=True)
+                               for target, source in attachments.binds()]
     bound = {b.sandbox_path for b in plan.binds}
     if WORKSPACE not in bound:
         # Only parts of the workspace are visible: /workspace itself is an empty,
@@ -161,25 +208,25 @@ def compile_docker(
     stdin_open: bool,
     mask_file: str,
     seccomp_profile: str,
-    egress: EgressAttachment | None = None,
+    attachments: Attachments = Attachments(),
 ) -> DockerSpec:
-    require_egress(policy, egress)
+    require_egress(policy, attachments)
     # Proxied: no network at all; the proxy is reached through a bound Unix socket.
     network_mode = "none" if policy.proxied else {"none": "none", "open": "bridge"}[policy.egress]
     return DockerSpec(
         name=f"sandboxd-{identity.sandbox_id}",
         image=image,
-        argv=egress.wrap(tuple(argv)) if egress else tuple(argv),
+        argv=attachments.wrap(tuple(argv)),
         user=f"{plan.uid}:{plan.gid}",
         working_dir=policy.cwd,
-        env={**policy.env, **(egress.env() if egress else {})},
+        env={**policy.env, **attachments.env()},
         labels={
             f"{LABEL_PREFIX}daemon_id": identity.daemon_id,
             f"{LABEL_PREFIX}sandbox_id": identity.sandbox_id,
             f"{LABEL_PREFIX}tool_call_id": identity.tool_call_id,
             f"{LABEL_PREFIX}workspace": plan.workspace,
         },
-        mounts=_mounts(policy, plan, mask_file, egress),
+        mounts=_mounts(policy, plan, mask_file, attachments),
         network_mode=network_mode,
         memory_bytes=policy.memory_bytes,
         pids_limit=policy.max_pids,

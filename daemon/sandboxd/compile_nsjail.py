@@ -26,8 +26,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .compile import (EGRESS_SHIM_PATH, EGRESS_SOCKET_PATH, LABEL_PREFIX, MASK_DIR_TMPFS_BYTES, MAX_OPEN_FILES,
-                      WORKSPACE_BASE_TMPFS_BYTES, EgressAttachment, SandboxIdentity, _mounts, require_egress)
+from .compile import (LABEL_PREFIX, MASK_DIR_TMPFS_BYTES, MAX_OPEN_FILES, SHIM_PATH, WORKSPACE_BASE_TMPFS_BYTES,
+                      Attachments, SandboxIdentity, _mounts, require_egress)
 from .errors import FailedPrecondition, Unimplemented
 from .policy import WORKSPACE, EffectivePolicy
 from .preflight import HostPlan
@@ -141,7 +141,7 @@ def _check_name(value: str, what: str) -> None:
 def _workspace_mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str) -> list[NsjailMount]:
     """compile_docker's mounts, in its order (parents before children), said to nsjail."""
     out: list[NsjailMount] = []
-    for m in _mounts(policy, plan, mask_file, None):
+    for m in _mounts(policy, plan, mask_file, Attachments()):
         if m.type == "bind":
             # A blocked file is the mask file bound read-only; other binds are the
             # workspace's, file or directory as the host has them.
@@ -204,20 +204,17 @@ def compile_nsjail(
     seccomp_policy_path: str,
     nsjail_binary: str,
     init_binary: str = DEFAULT_INIT_BINARY,
-    egress: EgressAttachment | None = None,
+    attachments: Attachments = Attachments(),
 ) -> NsjailSpec:
     if policy.egress == "open" and not policy.proxied:
         # Unfiltered 'open' on nsjail would mean the host's own network namespace, which
         # is not what Docker's bridge gives (no NAT, host loopback reachable): refused.
         raise Unimplemented("egress 'open' without denyPrivateNetworks is not available on the nsjail backend; "
                             "'none', 'allowlist' and 'open' through the egress proxy are", field="policy.network.egress")
-    require_egress(policy, egress)
-    egress_mounts = [] if egress is None else [
-        NsjailMount(dst=EGRESS_SOCKET_PATH, src=egress.socket_host_path, is_bind=True, rw=False, is_dir=False,
-                    nosuid=True, nodev=True, noexec=True),
-        NsjailMount(dst=EGRESS_SHIM_PATH, src=egress.shim_host_path, is_bind=True, rw=False, is_dir=False,
-                    nosuid=True, nodev=True),
-    ]
+    require_egress(policy, attachments)
+    # The shim and secrets: read-only file binds; the proxy socket cannot be executed.
+    attached = [NsjailMount(dst=target, src=source, is_bind=True, rw=False, is_dir=False, nosuid=True, nodev=True,
+                            noexec=target != SHIM_PATH) for target, source in attachments.binds()]
     if plan.uid == 0 or plan.gid == 0:
         raise FailedPrecondition("the nsjail backend never runs a sandbox as root, inside or outside", field="workspace")
     _check_name(identity.daemon_id, "daemon id")
@@ -232,13 +229,13 @@ def compile_nsjail(
         },
         nsjail_binary=nsjail_binary,
         init_binary=init_binary,
-        argv=egress.wrap(tuple(argv)) if egress else tuple(argv),
+        argv=attachments.wrap(tuple(argv)),
         rootfs=rootfs,
         uid=plan.uid,
         gid=plan.gid,
         cwd=policy.cwd,
-        env={**policy.env, **(egress.env() if egress else {})},
-        mounts=tuple(_system_mounts(rootfs, init_binary) + egress_mounts + _workspace_mounts(policy, plan, mask_file)),
+        env={**policy.env, **attachments.env()},
+        mounts=tuple(_system_mounts(rootfs, init_binary) + _workspace_mounts(policy, plan, mask_file) + attached),
         seccomp_policy_path=seccomp_policy_path,
         network="none",
         cgroup=cgroup_for(identity.daemon_id, identity.sandbox_id),

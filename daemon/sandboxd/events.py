@@ -33,6 +33,8 @@ ARTIFACT_PERSISTED = "ArtifactPersisted"
 REJECTED = "ToolCallRejected"
 # One connection attempt through the egress proxy, allowed or denied.
 NETWORK_ACCESS = "NetworkAccessObserved"
+# A credential put into a sandbox: binding id, principal and target, never the value.
+CREDENTIAL_INJECTED = "CredentialInjected"
 # One access to a file under the sandbox's mounted roots.
 FILE_ACCESS = "FileAccessObserved"
 # A retry with an already accepted idempotency key, answered from the first call.

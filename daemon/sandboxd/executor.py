@@ -20,14 +20,16 @@ from typing import Any
 from . import events as ev
 from .artifacts import ArtifactRecord, FileArtifactStore
 from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle
-from .compile import EgressAttachment, SandboxIdentity
+from .compile import Attachments, EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
                      PermissionDenied, ResourceExhausted, SandboxdError)
 from .events import CheckpointFile, EventDraft, EventLog
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
+from .redact import Redactor
 from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_admission, parse_call, request_digest,
                      resolve_policy)
 from .approvals import verify_authorization
+from .credentials import CredentialBroker, ResolvedSecret
 from .preflight import HostPlan, preflight
 from .proxy import ConnectionRecord, EgressEndpoint, EgressProxy, summarize_external_calls
 from .settings import DaemonSettings
@@ -55,15 +57,22 @@ class Prepared:
     backend: Backend
     spec: Any
     sandbox_id: str
-    egress: EgressAttachment | None = None
+    attachments: Attachments = Attachments()
+    # Resolved credential values: in memory only, never in a spec, event or log.
+    secrets: tuple[ResolvedSecret, ...] = ()
+
+    @property
+    def egress(self) -> EgressAttachment | None:
+        return self.attachments.egress
 
 
 class CallRun:
     """One accepted call. Its thread owns the sandbox from create to destroy."""
 
     def __init__(self, executor: "CallExecutor", tool_call_id: str, prepared: Prepared, spool: OutputSpool,
-                 last_event_id: str):
+                 last_event_id: str, principal: str = ""):
         self.tool_call_id = tool_call_id
+        self._principal = principal
         self.prepared = prepared
         self.spool = spool
         self._executor = executor
@@ -162,6 +171,10 @@ class CallRun:
                     p.sandbox_id, proxy.rules(p.policy.allow_domains, p.policy.deny_private_networks,
                                               any_host=p.policy.egress == "open"),
                     uid=p.plan.uid, gid=p.plan.gid, record_allowed=p.policy.record_network_access)
+            if not cancelled_early and p.secrets:
+                self._executor.broker.materialize(p.sandbox_id, p.secrets, p.plan.uid, p.plan.gid)
+                self._record([EventDraft(ev.CREDENTIAL_INJECTED, {
+                    "bindingId": s.binding_id, "principal": self._principal, "target": s.target}) for s in p.secrets])
             if not cancelled_early:
                 handle = backend.create(p.spec)
                 self._record([EventDraft(ev.SANDBOX_PREPARED, {
@@ -206,6 +219,8 @@ class CallRun:
                     connections = self._executor.proxy.close_endpoint(endpoint)
                 except Exception:
                     log.exception("closing the egress endpoint of %s failed", p.sandbox_id)
+            if p.secrets:
+                self._executor.broker.release(p.sandbox_id)
             self.spool.close()
         latency_ms = int((time.monotonic() - t0) * 1000)
         with self._cond:
@@ -397,8 +412,12 @@ class CallExecutor:
     def __init__(self, settings: DaemonSettings, db, events: EventLog, artifacts: FileArtifactStore,
                  backends: Mapping[str, Backend], daemon_id: str, unavailable: Mapping[str, str] | None = None,
                  proxy: EgressProxy | None = None, no_proxy_reason: str = "disabled",
-                 checkpoints: CheckpointFile | None = None):
+                 checkpoints: CheckpointFile | None = None, shim: str | None = None,
+                 no_shim_reason: str = "not installed", broker: CredentialBroker | None = None):
         self.settings = settings
+        self.shim = shim
+        self._no_shim_reason = no_shim_reason
+        self.broker = broker or CredentialBroker(settings.credentials, settings.secrets_dir)
         self.checkpoints = checkpoints
         self.proxy = proxy
         self._no_proxy_reason = no_proxy_reason
@@ -410,6 +429,8 @@ class CallExecutor:
         self.daemon_id = daemon_id
         self._lock = threading.Lock()
         self._runs: dict[str, CallRun] = {}
+        # Grant ids claimed by calls being admitted (the used_grants table has the rest).
+        self._pending_grants: dict[str, str] = {}
         # tool_call_id -> principal, for the per-principal quota (same keys as _runs).
         self._run_owners: dict[str, str] = {}
         self._pending_keys: dict[str, str] = {}
@@ -419,7 +440,9 @@ class CallExecutor:
         self._inheritable = {n: os.environ[n] for n in settings.inheritable_env if n in os.environ}
 
     # -- admission ------------------------------------------------------------------
-    def _prepare(self, call: PreparedToolCall, tool_call_id: str) -> Prepared:
+    def _prepare(self, call: PreparedToolCall, tool_call_id: str, principal: str | None = None) -> Prepared:
+        """Everything up to the compiled spec. `principal` None (ExplainPolicy) resolves
+        no credentials."""
         check_admission(call)
         policy = resolve_policy(call, self.settings.limits, self._inheritable)
         argv_bytes = sum(len(a.encode()) + 1 for a in call.argv)
@@ -443,11 +466,16 @@ class CallExecutor:
             if self.proxy is None:
                 raise BackendUnavailable(f"egress {policy.egress!r} needs the egress proxy, which is unavailable: "
                                          f"{self._no_proxy_reason}", field="policy.network.egress")
-            egress = EgressAttachment(str(self.proxy.socket_path(sandbox_id)), str(self.proxy.shim_path),
-                                      self.settings.egress.proxy_port)
+            egress = EgressAttachment(str(self.proxy.socket_path(sandbox_id)), self.settings.egress.proxy_port)
+        secrets = self.broker.resolve(call, policy, principal) if principal is not None else ()
+        attachments = Attachments(self.shim or "", egress, self.broker.mounts(sandbox_id, secrets))
+        if attachments.needs_shim and not self.shim:
+            raise BackendUnavailable(f"this call needs the sandbox shim, which is unavailable: {self._no_shim_reason}",
+                                     field="policy.network.egress" if egress else "credentialRefs")
         spec = backend.compile(policy, plan, SandboxIdentity(self.daemon_id, sandbox_id, tool_call_id),
-                               argv=tuple(call.argv), image=image, stdin_open=bool(call.stdin), egress=egress)
-        return Prepared(call, policy, plan, image, digest, backend, spec, sandbox_id, egress)
+                               argv=tuple(call.argv), image=image, stdin_open=bool(call.stdin),
+                               attachments=attachments)
+        return Prepared(call, policy, plan, image, digest, backend, spec, sandbox_id, attachments, secrets)
 
     def submit(self, raw: Mapping[str, Any], caller: Principal) -> "CallRun | AttachedRun | ReplayRun":
         """Verifies and starts a call. Refusals raise (after being recorded); an
@@ -492,10 +520,14 @@ class CallExecutor:
             self._run_owners[tool_call_id] = principal
             if key:
                 self._pending_keys[key] = tool_call_id
+        grant_id = ""
         try:
             try:
                 approved = verify_authorization(raw, call, self.settings.approvals)
-                prepared = self._prepare(call, tool_call_id)
+                grant_id = call.authorization.grant_id if approved else ""
+                if grant_id:
+                    self._claim_grant(grant_id, tool_call_id)
+                prepared = self._prepare(call, tool_call_id, principal)
                 if not caller.admin and prepared.plan.uid != caller.uid:
                     raise PermissionDenied("the workspace belongs to another user; a principal may only use "
                                            "workspaces its own uid owns", field="workspace")
@@ -512,9 +544,12 @@ class CallExecutor:
             # Before the call is recorded as accepted: once it is, it must get a result.
             spool = OutputSpool(self.settings.spool_dir / prepared.sandbox_id,
                                 {STDOUT: prepared.policy.max_stdout_bytes, STDERR: prepared.policy.max_stderr_bytes},
-                                self.settings.limits.preview_bytes)
+                                self.settings.limits.preview_bytes,
+                                redactor=Redactor({s.binding_id: s.value for s in prepared.secrets}))
             with self.db.transaction() as conn:
                 conn.execute("INSERT INTO call_owners (tool_call_id, principal) VALUES (?,?)", (tool_call_id, principal))
+                if grant_id:
+                    conn.execute("INSERT INTO used_grants (grant_id, tool_call_id) VALUES (?,?)", (grant_id, tool_call_id))
                 if key:
                     conn.execute("INSERT INTO idempotency_keys (idempotency_key, request_digest, tool_call_id)"
                                  " VALUES (?,?,?)", (key, digest, tool_call_id))
@@ -533,9 +568,10 @@ class CallExecutor:
                     **({"command": self._command_record(prepared, principal)} if prepared.policy.record_command else {}),
                 }),
                 ])
-            run = CallRun(self, tool_call_id, prepared, spool, recorded[-1].event_id)
+            run = CallRun(self, tool_call_id, prepared, spool, recorded[-1].event_id, principal)
         except BaseException:
             with self._lock:
+                self._pending_grants.pop(grant_id, None)
                 if self._runs.get(tool_call_id) is placeholder:
                     del self._runs[tool_call_id]
                     self._run_owners.pop(tool_call_id, None)
@@ -545,6 +581,8 @@ class CallExecutor:
         with self._lock:
             self._runs[tool_call_id] = run
             self._pending_keys.pop(key, None)
+            if grant_id:
+                self._pending_grants.pop(grant_id, None)
             closing = self._closing
         if closing:  # accepted just before shutdown began: it ends at once, recorded
             run.cancel("the daemon is shutting down")
@@ -640,6 +678,15 @@ class CallExecutor:
             "policyDigest": prepared.policy.digest(), "principal": principal, "workspace": prepared.plan.workspace,
             "sandboxUser": f"{prepared.plan.uid}:{prepared.plan.gid}",
         }
+
+    def _claim_grant(self, grant_id: str, tool_call_id: str) -> None:
+        """A grant runs one call: a second call presenting it is refused."""
+        with self._lock:
+            rows = self.db.query("SELECT tool_call_id FROM used_grants WHERE grant_id = ?", (grant_id,))
+            holder = rows[0]["tool_call_id"] if rows else self._pending_grants.get(grant_id)
+            if holder is not None:
+                raise PermissionDenied(f"grant {grant_id} was already used by another call", field="authorization.grantId")
+            self._pending_grants[grant_id] = tool_call_id
 
     def checkpoint(self) -> None:
         if self.checkpoints is not None:

@@ -29,6 +29,7 @@ from .artifacts import FileArtifactStore
 from .backends.docker import DockerBackend
 from .backends.nsjail import NsjailBackend
 from .errors import BackendUnavailable, SandboxdError
+from .credentials import CredentialBroker
 from .events import CheckpointFile, EventLog
 from .executor import CallExecutor, clean_spool
 from .proxy import EgressProxy
@@ -136,6 +137,25 @@ def _start_backends(settings: DaemonSettings, daemon_id: str) -> tuple[dict, dic
     return backends, unavailable
 
 
+def _install_shim(settings: DaemonSettings) -> tuple[str, str]:
+    """The sandbox shim copied into the runtime dir (root's, traversable: nsjail binds it
+    as the sandbox user), or why not: calls that need it are then refused."""
+    source = settings.shim_binary
+    if not os.access(source, os.X_OK):
+        reason = f"the sandbox shim {source} is missing (build it with `make native`)"
+        log.error("%s", reason)
+        return "", reason
+    runtime = settings.runtime_dir
+    runtime.mkdir(parents=True, exist_ok=True, mode=0o711)
+    os.chown(runtime, os.geteuid(), os.getegid())
+    os.chmod(runtime, 0o711)
+    target, tmp = runtime / "sandbox-shim", runtime / ".sandbox-shim.tmp"
+    shutil.copyfile(source, tmp)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, target)
+    return str(target), ""
+
+
 def _start_egress(settings: DaemonSettings) -> tuple[EgressProxy | None, str]:
     """The egress proxy, or why there is none: allowlist calls are then refused."""
     if not settings.egress.enabled:
@@ -175,8 +195,12 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
         log.info("indexed %d events the forensic index had not seen", caught_up)
     artifacts = FileArtifactStore(settings.blob_dir, db)
     proxy, no_proxy_reason = _start_egress(settings)
+    shim, no_shim_reason = _install_shim(settings)
+    broker = CredentialBroker(settings.credentials, settings.secrets_dir)
+    broker.purge()
     executor = CallExecutor(settings, db, events, artifacts, backends, daemon_id, unavailable,
-                            proxy=proxy, no_proxy_reason=no_proxy_reason, checkpoints=checkpoints)
+                            proxy=proxy, no_proxy_reason=no_proxy_reason, checkpoints=checkpoints,
+                            shim=shim or None, no_shim_reason=no_shim_reason, broker=broker)
     interrupted = executor.recover_interrupted()
     if interrupted:
         log.warning("recorded %d calls that an earlier run of this daemon never finished", interrupted)

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .redact import Redactor
+
 STDOUT, STDERR = 1, 2
 STREAM_NAMES = {STDOUT: "stdout", STDERR: "stderr"}
 MAX_CHUNK_BYTES = 1024 * 1024
@@ -29,7 +31,7 @@ class StreamSummary:
 
 
 class OutputSpool:
-    def __init__(self, directory: Path, caps: dict[int, int], preview_bytes: int):
+    def __init__(self, directory: Path, caps: dict[int, int], preview_bytes: int, redactor: Redactor | None = None):
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._dir = directory
         self._caps = dict(caps)
@@ -39,16 +41,21 @@ class OutputSpool:
         self._hashes = {s: hashlib.sha256() for s in (STDOUT, STDERR)}
         self._produced = {STDOUT: 0, STDERR: 0}
         self._stored = {STDOUT: 0, STDERR: 0}
+        self._truncated = {STDOUT: False, STDERR: False}
         self._previews = {STDOUT: bytearray(), STDERR: bytearray()}
         self._closed = False
         self._cond = threading.Condition()
+        # Secrets are struck before a byte is stored: the live stream, the artifact and
+        # the preview all read what is stored.
+        self._redactor = redactor if redactor is not None and redactor.active else None
 
     # -- writer side (the backend's reader thread) ------------------------------
     def write(self, stream: int, data: bytes | memoryview) -> None:
         self.write_parts(stream, [data])
 
     def write_parts(self, stream: int, parts: list[bytes | memoryview]) -> None:
-        """Appends the parts in order with one writev: no joined copy of them is made."""
+        """Appends the parts in order with one writev: no joined copy of them is made
+        (unless secrets must be struck from them)."""
         n = sum(len(p) for p in parts)
         if not n:
             return
@@ -56,39 +63,52 @@ class OutputSpool:
         with self._cond:
             if self._closed:
                 return
-            room = self._caps[stream] - self._stored[stream]
-            keep: list[bytes | memoryview] = []
-            kept = 0
-            for part in parts:
-                if kept + len(part) > room:
-                    part = part[:room - kept]
-                if len(part):
-                    keep.append(part)
-                    kept += len(part)
-                if kept >= room:
-                    break
-            for i in range(0, len(keep), IOV_MAX):
-                group = keep[i:i + IOV_MAX]
-                want = sum(len(p) for p in group)
-                written = os.writev(self._fds[stream], group)
-                if written < want:  # a short write (disk nearly full): finish it plainly
-                    rest = memoryview(b"".join(group))[written:]
-                    while rest:
-                        rest = rest[os.write(self._fds[stream], rest):]
-            digest = self._hashes[stream]
-            preview = self._previews[stream]
-            for part in keep:
-                digest.update(part)
-                if len(preview) < self._preview_bytes:
-                    preview += part[: self._preview_bytes - len(preview)]
-            self._produced[stream] += n
-            self._stored[stream] += kept
-            self._cond.notify_all()
+            if self._redactor is not None:
+                parts = [self._redactor.feed(stream, b"".join(parts))]
+            self._store(stream, parts, n)
+
+    def _store(self, stream: int, parts: list[bytes | memoryview], n: int) -> None:
+        """Under the lock: `parts` stored up to the cap; `n` bytes were produced."""
+        room = self._caps[stream] - self._stored[stream]
+        keep: list[bytes | memoryview] = []
+        kept = 0
+        for part in parts:
+            if kept + len(part) > room:
+                part = part[:room - kept]
+            if len(part):
+                keep.append(part)
+                kept += len(part)
+            if kept >= room:
+                break
+        for i in range(0, len(keep), IOV_MAX):
+            group = keep[i:i + IOV_MAX]
+            want = sum(len(p) for p in group)
+            written = os.writev(self._fds[stream], group)
+            if written < want:  # a short write (disk nearly full): finish it plainly
+                rest = memoryview(b"".join(group))[written:]
+                while rest:
+                    rest = rest[os.write(self._fds[stream], rest):]
+        digest = self._hashes[stream]
+        preview = self._previews[stream]
+        for part in keep:
+            digest.update(part)
+            if len(preview) < self._preview_bytes:
+                preview += part[: self._preview_bytes - len(preview)]
+        self._produced[stream] += n
+        self._stored[stream] += kept
+        if kept < sum(len(p) for p in parts):
+            self._truncated[stream] = True
+        self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
             if self._closed:
                 return
+            if self._redactor is not None:
+                for stream in (STDOUT, STDERR):
+                    rest = self._redactor.flush(stream)
+                    if rest:
+                        self._store(stream, [rest], 0)
             self._closed = True
             for fd in self._fds.values():
                 os.close(fd)
@@ -133,7 +153,7 @@ class OutputSpool:
                 path=self._paths[stream],
                 produced_bytes=self._produced[stream],
                 stored_bytes=self._stored[stream],
-                truncated=self._produced[stream] > self._stored[stream],
+                truncated=self._truncated[stream],
                 content_hash="sha256:" + self._hashes[stream].hexdigest(),
                 preview=bytes(self._previews[stream]).decode("utf-8", errors="replace"),
             )

@@ -25,7 +25,6 @@ import ipaddress
 import logging
 import re
 import os
-import shutil
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -37,7 +36,6 @@ from . import dns
 from . import events as ev
 from .egress import (Decision, EgressRules, IPAddress, decide_address, decide_host, host_addresses, normalize_host,
                      parse_ip)
-from .errors import BackendUnavailable
 
 log = logging.getLogger("sandboxd.proxy")
 
@@ -343,12 +341,10 @@ def refusal_response(status: int, rule: str, reason: str) -> bytes:
 
 
 class EgressProxy:
-    def __init__(self, *, socket_dir: Path, shim_source: Path, host_overrides: dict[str, tuple[str, ...]],
+    def __init__(self, *, socket_dir: Path, host_overrides: dict[str, tuple[str, ...]],
                  system_dns: bool, dns_servers: tuple[str, ...] = (), exempt_networks: tuple[str, ...] = (), connect_timeout_s: float = 10.0,
                  max_connections: int = 256, max_records: int = 2000):
         self.socket_dir = socket_dir
-        self._shim_source = shim_source
-        self.shim_path = socket_dir / "egress-shim"
         self.exempt = tuple(ipaddress.ip_network(n, strict=False) for n in exempt_networks)
         self._overrides = {normalize_host(k): tuple(v) for k, v in host_overrides.items()}
         self._system_dns = system_dns
@@ -366,27 +362,19 @@ class EgressProxy:
 
     @classmethod
     def from_settings(cls, egress) -> "EgressProxy":
-        return cls(socket_dir=egress.socket_dir, shim_source=egress.shim_binary, host_overrides=dict(egress.hosts),
+        return cls(socket_dir=egress.socket_dir, host_overrides=dict(egress.hosts),
                    system_dns=egress.system_dns, dns_servers=egress.dns_servers, exempt_networks=egress.exempt_networks,
                    connect_timeout_s=egress.connect_timeout_s, max_connections=egress.max_connections_per_sandbox,
                    max_records=egress.max_records_per_call)
 
     # -- lifecycle (any thread) ----------------------------------------------------
     def start(self) -> None:
-        """Raises BackendUnavailable when the shim is missing: no allowlist without it."""
-        if not os.access(self._shim_source, os.X_OK):
-            raise BackendUnavailable(f"the egress shim {self._shim_source} is missing (build it with `make native`)")
         self.socket_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
-        # Ours, traversable, not listable: nsjail binds the socket and the shim as the
-        # sandbox user, and nobody else may swap the shim.
+        # Ours, traversable, not listable: nsjail binds the socket as the sandbox user.
         os.chown(self.socket_dir, os.geteuid(), os.getegid())
         os.chmod(self.socket_dir, 0o711)
         for stale in self.socket_dir.glob("*.sock"):
             stale.unlink(missing_ok=True)
-        tmp = self.socket_dir / ".egress-shim.tmp"
-        shutil.copyfile(self._shim_source, tmp)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, self.shim_path)
         self._thread.start()
         self._started = True
 

@@ -66,8 +66,6 @@ class EgressSettings(BaseModel):
     # Holds one Unix socket per allowlist sandbox; traversable by sandbox users (nsjail
     # binds as them), so it lies outside the private state dir.
     socket_dir: Path = Path("/var/lib/sandboxd-egress")
-    # The static relay run inside the sandbox (native/egress-shim.c, `make native`).
-    shim_binary: Path = REPO_ROOT / "build" / "egress-shim"
     # The loopback port the sandbox's HTTP(S)_PROXY points at.
     proxy_port: int = Field(default=3128, ge=1, le=65535)
     # name -> addresses the proxy uses instead of DNS (an internal mirror; test hosts).
@@ -122,6 +120,28 @@ class ApprovalSettings(BaseModel):
         if self.unsigned_tools is not None:
             return self.unsigned_tools
         return () if self.public_keys else ("*",)
+
+
+class CredentialBinding(BaseModel):
+    """One credential a call may name by id: where its value comes from (exactly one
+    source) and who may use it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file: Path | None = None  # owned by the daemon's user, mode 0600 or stricter
+    env: str | None = None  # a variable of the daemon's own environment
+    command: tuple[str, ...] | None = None  # prints the secret on stdout
+    principals: tuple[str, ...] = ()  # who may use it: nobody unless listed
+    tools: tuple[str, ...] = ("*",)  # fnmatch patterns of tool ids
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "CredentialBinding":
+        sources = [x for x in (self.file, self.env, self.command) if x is not None]
+        if len(sources) != 1:
+            raise ValueError("a credential binding needs exactly one of file, env, command")
+        if self.command is not None and not self.command:
+            raise ValueError("command: an argv, not empty")
+        return self
 
 
 class QuotaSettings(BaseModel):
@@ -185,6 +205,14 @@ class DaemonSettings(BaseModel):
     egress: EgressSettings = Field(default_factory=EgressSettings)
     approvals: ApprovalSettings = Field(default_factory=ApprovalSettings)
     tcp: TcpSettings | None = None
+    # binding id -> source and permissions (credentials.py).
+    credentials: dict[str, CredentialBinding] = Field(default_factory=dict)
+    # Where secrets are written for the sandboxes: a tmpfs (never on disk).
+    secrets_dir: Path = Path("/dev/shm/sandboxd-secrets")
+    # The static shim run inside sandboxes (native/sandbox-shim.c, `make native`), and the
+    # directory it is installed into: traversable by sandbox users (nsjail binds as them).
+    shim_binary: Path = REPO_ROOT / "build" / "sandbox-shim"
+    runtime_dir: Path = Path("/var/lib/sandboxd-runtime")
     quotas: QuotaSettings = Field(default_factory=QuotaSettings)
     # Peer uid on the Unix socket -> principal name; any other uid is refused.
     principals: dict[int, str] = Field(default_factory=lambda: {0: "root"})

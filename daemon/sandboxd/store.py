@@ -41,6 +41,11 @@ CREATE TABLE IF NOT EXISTS call_owners (
     tool_call_id TEXT PRIMARY KEY,
     principal TEXT NOT NULL
 );
+-- Each approval grant runs one call.
+CREATE TABLE IF NOT EXISTS used_grants (
+    grant_id TEXT PRIMARY KEY,
+    tool_call_id TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS idempotency_keys (
     idempotency_key TEXT PRIMARY KEY,
     request_digest TEXT NOT NULL,

@@ -113,6 +113,8 @@ def make_daemon(base: Path, env: dict[str, str] | None = None, **settings) -> Da
         "log_level": "INFO",
         # Tests never reach real DNS: every name the proxy may resolve is in `hosts`.
         "egress": {"socket_dir": str(base / "egress"), "system_dns": False},
+        "runtime_dir": str(base / "runtime"),
+        "secrets_dir": str(base / "secrets"),
     }
     config["egress"].update(settings.pop("egress", {}))
     config.update(settings)

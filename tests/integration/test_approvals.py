@@ -95,6 +95,19 @@ def test_expired_unknown_key_and_forged_grants_are_refused(strict):
             assert rejection(c, bad["toolCallId"])["field"] == field, name
 
 
+def test_a_grant_runs_one_call(strict):
+    ws = strict.new_workspace()
+    once = granted(ws, sh("echo once"))
+    again = json.loads(json.dumps(once))
+    again["toolCallId"] = "tc_grant_replayed_0001"
+    with strict.client() as c:
+        assert c.run(once).stdout == b"once\n"
+        with pytest.raises(errors.PermissionDenied) as exc:
+            c.run(again)
+        assert "authorization.grantId" in exc.value.message and "already used" in exc.value.message
+        assert rejection(c, "tc_grant_replayed_0001")["field"] == "authorization.grantId"
+
+
 def test_unsigned_calls_run_only_for_tools_the_daemon_lets(spare_daemon):
     d = spare_daemon(approvals={"public_keys": {"tm-1": public_key_b64(TOOL_MANAGER)},
                                 "unsigned_tools": ["readonly.*"]}).start()

@@ -14,7 +14,9 @@ from sandboxd.compile import (
     MASK_DIR_TMPFS_BYTES,
     MAX_OPEN_FILES,
     WORKSPACE_BASE_TMPFS_BYTES,
-    EGRESS_SHIM_PATH,
+    SHIM_PATH,
+    Attachments,
+    SecretMount,
     EGRESS_SOCKET_PATH,
     DockerSpec,
     EgressAttachment,
@@ -35,10 +37,11 @@ MB = 2**20
 
 
 def _compile(policy, plan, *, stdin_open=False, argv=("python3", "-c", "print(1)"),
-             image="sandboxd/default:latest", ident=None, egress=None) -> DockerSpec:
+             image="sandboxd/default:latest", ident=None, attachments=None) -> DockerSpec:
     return compile_docker(policy, plan, ident or SandboxIdentity("daemon-1", "sbx-0001", "tc-0001"),
                           argv=argv, image=image, stdin_open=stdin_open,
-                          mask_file=MASK_FILE, seccomp_profile="sandboxd-docker.json", egress=egress)
+                          mask_file=MASK_FILE, seccomp_profile="sandboxd-docker.json",
+                          attachments=attachments or Attachments())
 
 
 # ------------------------------------------------------------------ cases
@@ -100,8 +103,9 @@ def case_egress_allowlist():
     policy = resolve({"network": {"egress": "allowlist", "allowDomains": ["pypi.test", "*.files.test"]},
                       "environment": {"injectedEnv": {"HTTP_PROXY": "http://elsewhere:1"}}})
     plan = HostPlan(workspace=WS, uid=1000, gid=1000, binds=(Bind("/workspace", WS, True),), masks=())
-    att = EgressAttachment("/var/lib/sandboxd-egress/sbx-0001.sock", "/var/lib/sandboxd-egress/egress-shim", 3128)
-    return policy, plan, {"egress": att, "argv": ("pip", "download", "requests")}
+    att = Attachments("/var/lib/sandboxd-runtime/sandbox-shim",
+                      EgressAttachment("/var/lib/sandboxd-egress/sbx-0001.sock", 3128))
+    return policy, plan, {"attachments": att, "argv": ("pip", "download", "requests")}
 
 
 CASES = {
@@ -324,7 +328,7 @@ def test_egress_allowlist_cannot_compile_without_its_proxy():
         _compile(replace(policy, egress="allowlist", allow_domains=("pypi.test",)), plan)
     policy, plan, kwargs = case_egress_allowlist()
     with pytest.raises(ValueError):
-        _compile(replace(policy, egress="none", allow_domains=()), plan, egress=kwargs["egress"])
+        _compile(replace(policy, egress="none", allow_domains=()), plan, attachments=kwargs["attachments"])
 
 
 def test_egress_allowlist_has_no_network_but_the_proxy():
@@ -332,9 +336,9 @@ def test_egress_allowlist_has_no_network_but_the_proxy():
     spec = _compile(policy, plan, **kwargs)
     assert spec.network_mode == "none"
     binds = {m.target: m for m in spec.mounts if m.type == "bind"}
-    assert binds[EGRESS_SOCKET_PATH].source == kwargs["egress"].socket_host_path
-    assert binds[EGRESS_SOCKET_PATH].read_only and binds[EGRESS_SHIM_PATH].read_only
-    assert spec.argv == (EGRESS_SHIM_PATH, EGRESS_SOCKET_PATH, "3128", "--", "pip", "download", "requests")
+    assert binds[EGRESS_SOCKET_PATH].source == kwargs["attachments"].egress.socket_host_path
+    assert binds[EGRESS_SOCKET_PATH].read_only and binds[SHIM_PATH].read_only
+    assert spec.argv == (SHIM_PATH, "--egress", EGRESS_SOCKET_PATH, "3128", "--", "pip", "download", "requests")
     # The daemon's proxy wins over a policy that names another: it is the only way out anyway.
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         assert spec.env[name] == "http://127.0.0.1:3128"
@@ -345,19 +349,40 @@ def test_egress_open_that_denies_private_networks_is_proxied():
     policy, plan, kwargs = case_egress_allowlist()
     open_policy = replace(policy, egress="open", allow_domains=())
     spec = _compile(open_policy, plan, **kwargs)
-    assert spec.network_mode == "none" and spec.argv[0] == EGRESS_SHIM_PATH
-    assert network_plan(open_policy, kwargs["egress"])["allowDomains"] == ["(any)"]
+    assert spec.network_mode == "none" and spec.argv[0] == SHIM_PATH
+    assert network_plan(open_policy, kwargs["attachments"].egress)["allowDomains"] == ["(any)"]
     with pytest.raises(ValueError):
         _compile(open_policy, plan)
     bridge = replace(open_policy, deny_private_networks=False)
     assert _compile(bridge, plan).network_mode == "bridge"
     with pytest.raises(ValueError):
-        _compile(bridge, plan, egress=kwargs["egress"])
+        _compile(bridge, plan, attachments=kwargs["attachments"])
+
+
+def test_secrets_are_read_only_file_binds_and_env_ones_go_through_the_shim():
+    policy, plan, _ = case_default()
+    att = Attachments("/rt/sandbox-shim", None, (
+        SecretMount("gh", "/dev/shm/s/sbx-0001/0", "/dev/sandboxd/secrets/0", env_name="GH_TOKEN"),
+        SecretMount("npmrc", "/dev/shm/s/sbx-0001/1", "/tmp/.npmrc"),
+    ))
+    spec = _compile(policy, plan, attachments=att, argv=("git", "push"))
+    binds = {m.target: m for m in spec.mounts if m.type == "bind"}
+    assert binds["/dev/sandboxd/secrets/0"].source == "/dev/shm/s/sbx-0001/0"
+    assert binds["/tmp/.npmrc"].source == "/dev/shm/s/sbx-0001/1" and binds["/tmp/.npmrc"].read_only
+    assert spec.argv == (SHIM_PATH, "--env", "GH_TOKEN=/dev/sandboxd/secrets/0", "--", "git", "push")
+    # The engine is never told a value: not in env, labels or anywhere in the spec.
+    assert "GH_TOKEN" not in spec.env
+    # The file target lands on the tmpfs it lives in: the tmpfs is mounted first.
+    targets = [m.target for m in spec.mounts]
+    assert targets.index("/tmp") < targets.index("/tmp/.npmrc")
+    # Only file secrets: no shim needed.
+    files_only = Attachments("/rt/sandbox-shim", None, (SecretMount("npmrc", "/h/1", "/tmp/.npmrc"),))
+    assert _compile(policy, plan, attachments=files_only).argv == ("python3", "-c", "print(1)")
 
 
 def test_network_plan_shows_the_proxy_and_patterns():
     policy, plan, kwargs = case_egress_allowlist()
-    shown = network_plan(policy, kwargs["egress"])
+    shown = network_plan(policy, kwargs["attachments"].egress)
     assert shown["proxy"] == "http://127.0.0.1:3128"
     assert shown["allowDomains"] == ["pypi.test", "*.files.test"]
     assert shown["denyPrivateNetworks"] is True

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.compile import (EGRESS_SHIM_PATH, EGRESS_SOCKET_PATH, MAX_OPEN_FILES, EgressAttachment, SandboxIdentity,
+from sandboxd.compile import (EGRESS_SOCKET_PATH, MAX_OPEN_FILES, SHIM_PATH, Attachments, EgressAttachment, SandboxIdentity,
                               compile_docker)
 from sandboxd.compile_nsjail import (CPU_PERIOD_US, INIT_PATH, NSJAIL_CGROUP_ROOT, TIME_LIMIT_SLACK_S, NsjailMount,
                                      NsjailSpec, cgroup_for, compile_nsjail, quote)
@@ -33,10 +33,11 @@ MB = 2**20
 
 
 def _compile(policy, plan, *, stdin_open=False, argv=("python3", "-c", "print(1)"), ident=None,
-             egress=None) -> NsjailSpec:
+             attachments=None) -> NsjailSpec:
     return compile_nsjail(policy, plan, ident or SandboxIdentity("daemon-1", "sbx-0001", "tc-0001"),
                           argv=argv, rootfs=ROOTFS, stdin_open=stdin_open, mask_file=MASK_FILE,
-                          seccomp_policy_path=SECCOMP, nsjail_binary=NSJAIL, init_binary=INIT, egress=egress)
+                          seccomp_policy_path=SECCOMP, nsjail_binary=NSJAIL, init_binary=INIT,
+                          attachments=attachments or Attachments())
 
 
 def _docker(policy, plan):
@@ -329,15 +330,16 @@ def test_egress_allowlist_needs_its_attachment():
 def test_egress_allowlist_binds_the_proxy_socket_and_wraps_the_command():
     policy, plan, _ = case_default()
     policy = replace(policy, egress="allowlist", allow_domains=("pypi.test",))
-    att = EgressAttachment("/var/lib/sandboxd-egress/sbx-0001.sock", "/var/lib/sandboxd-egress/egress-shim", 3128)
-    spec = _compile(policy, plan, egress=att)
+    att = Attachments("/var/lib/sandboxd-runtime/sandbox-shim",
+                      EgressAttachment("/var/lib/sandboxd-egress/sbx-0001.sock", 3128))
+    spec = _compile(policy, plan, attachments=att)
     assert spec.network == "none"  # still a fresh namespace with loopback only
     by_dst = {m.dst: m for m in spec.mounts}
     sock = by_dst[EGRESS_SOCKET_PATH]
-    assert sock.src == att.socket_host_path and sock.is_bind and not sock.rw and sock.noexec
-    shim = by_dst[EGRESS_SHIM_PATH]
+    assert sock.src == att.egress.socket_host_path and sock.is_bind and not sock.rw and sock.noexec
+    shim = by_dst[SHIM_PATH]
     assert shim.src == att.shim_host_path and not shim.rw and not shim.noexec
-    assert spec.argv[:4] == (EGRESS_SHIM_PATH, EGRESS_SOCKET_PATH, "3128", "--")
+    assert spec.argv[:5] == (SHIM_PATH, "--egress", EGRESS_SOCKET_PATH, "3128", "--")
     assert spec.command("/cfg", 3)[-len(spec.argv) - 2:][:2] == [INIT_PATH, "--"]
     assert spec.env["HTTPS_PROXY"] == spec.env["http_proxy"] == "http://127.0.0.1:3128"
     assert "127.0.0.1" in spec.env["NO_PROXY"]

@@ -623,7 +623,6 @@ def test_expiry_uses_real_clock_by_default():
 
 
 @pytest.mark.parametrize("fields, field", [
-    ({"credentialRefs": [{"bindingId": "b1", "envName": "TOKEN"}]}, "credentialRefs"),
     ({"runtime": {"leaseId": "l"}}, "runtime.leaseId"),
 ])
 def test_unsupported_features_are_unimplemented(fields, field):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..output import OutputSpool
 
 if TYPE_CHECKING:
-    from ..compile import SandboxIdentity
+    from ..compile import Attachments, SandboxIdentity
     from ..policy import EffectivePolicy
     from ..preflight import HostPlan
 
@@ -45,9 +45,10 @@ class Backend(Protocol):
         """Raises BackendUnavailable when the engine or a feature it needs is missing."""
 
     def compile(self, policy: "EffectivePolicy", plan: "HostPlan", identity: "SandboxIdentity", *,
-                argv: tuple[str, ...], image: str, stdin_open: bool) -> Any:
+                argv: tuple[str, ...], image: str, stdin_open: bool, attachments: "Attachments | None" = None) -> Any:
         """This backend's spec for a call: its pure compiler, fed the host facts only the
-        backend knows (mask file, seccomp profile, root filesystem)."""
+        backend knows (mask file, seccomp profile, root filesystem) and the call's
+        attachments (the shim, the egress endpoint, secrets)."""
 
     def image_digest(self, image: str) -> str:
         """The local image's content digest; FailedPrecondition when it is absent."""

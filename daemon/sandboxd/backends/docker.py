@@ -17,7 +17,7 @@ from typing import Any
 
 import requests
 
-from ..compile import LABEL_PREFIX, DockerSpec, SandboxIdentity, cgroup_parent_for, compile_docker
+from ..compile import LABEL_PREFIX, Attachments, DockerSpec, SandboxIdentity, cgroup_parent_for, compile_docker
 from ..errors import BackendUnavailable, FailedPrecondition, InternalError
 from ..output import STDERR, STDOUT, OutputSpool
 from . import ExitStatus, ResourceUsage, SandboxHandle
@@ -189,9 +189,10 @@ class DockerBackend:
             raise BackendUnavailable(f"dockerd does not answer: {exc}") from None
 
     def compile(self, policy, plan, identity: SandboxIdentity, *, argv: tuple[str, ...], image: str,
-                stdin_open: bool, egress=None) -> DockerSpec:
+                stdin_open: bool, attachments=None) -> DockerSpec:
         return compile_docker(policy, plan, identity, argv=argv, image=image, stdin_open=stdin_open,
-                              mask_file=self._mask_file, seccomp_profile=self._seccomp_name, egress=egress)
+                              mask_file=self._mask_file, seccomp_profile=self._seccomp_name,
+                              attachments=attachments or Attachments())
 
     @_engine_errors_are_unavailable
     def image_digest(self, image: str) -> str:

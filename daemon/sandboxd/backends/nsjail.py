@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..compile import LABEL_PREFIX, SandboxIdentity
+from ..compile import LABEL_PREFIX, Attachments, SandboxIdentity
 from ..compile_nsjail import (DEFAULT_INIT_BINARY, INIT_PATH, NSJAIL_CGROUP_ROOT, NsjailSpec, _system_mounts,
                               compile_nsjail, render_config)
 from ..errors import BackendUnavailable, FailedPrecondition, InternalError
@@ -437,11 +437,12 @@ class NsjailBackend:
         return self._resolve(image)[0]
 
     def compile(self, policy, plan, identity: SandboxIdentity, *, argv: tuple[str, ...], image: str,
-                stdin_open: bool, egress=None) -> NsjailSpec:
+                stdin_open: bool, attachments=None) -> NsjailSpec:
         _, rootfs = self._resolve(image)
         return compile_nsjail(policy, plan, identity, argv=argv, rootfs=rootfs, stdin_open=stdin_open,
                               mask_file=self._mask_file, seccomp_policy_path=self._seccomp_policy,
-                              nsjail_binary=self._binary or "nsjail", init_binary=self._init_binary, egress=egress)
+                              nsjail_binary=self._binary or "nsjail", init_binary=self._init_binary,
+                              attachments=attachments or Attachments())
 
     def create(self, spec: NsjailSpec) -> SandboxHandle:
         sandbox_id = spec.labels[f"{LABEL_PREFIX}sandbox_id"]

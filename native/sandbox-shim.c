@@ -1,13 +1,20 @@
 /*
- * egress-shim: makes the daemon's egress proxy reachable from inside a sandbox that
- * has no network at all (only its own loopback).
+ * sandbox-shim: what the daemon sets up inside a sandbox just before the command runs.
  *
- *   egress-shim SOCKET PORT -- ARGV...
+ *   sandbox-shim [--egress SOCKET PORT] [--env NAME=FILE]... -- ARGV...
  *
- * Binds 127.0.0.1:PORT (and [::1]:PORT when the sandbox has IPv6 loopback), starts a
- * forwarder that relays every accepted connection to the Unix socket SOCKET (the
- * daemon's per-sandbox proxy, bind-mounted in), then execs ARGV in its own place, so
- * ARGV stays the init's direct child and its exit status is the sandbox's.
+ * --env NAME=FILE  reads FILE (a secret bound in from the daemon's tmpfs) into the
+ *                  environment variable NAME: the value never appears in the engine's
+ *                  container config, on a command line, or in the daemon's own env.
+ * --egress SOCKET PORT
+ *                  makes the daemon's egress proxy reachable from a sandbox that has no
+ *                  network at all (only its own loopback): binds 127.0.0.1:PORT (and
+ *                  [::1]:PORT when the sandbox has IPv6 loopback) and starts a forwarder
+ *                  that relays every accepted connection to the Unix socket SOCKET (the
+ *                  daemon's per-sandbox proxy, bind-mounted in).
+ *
+ * Then it execs ARGV in its own place, so ARGV stays the init's direct child and its
+ * exit status is the sandbox's.
  *
  * The listeners exist before ARGV starts: a command that connects at once never races
  * the forwarder. The forwarder is double-forked, so it is the init's child, not ARGV's:
@@ -34,6 +41,7 @@
 #include <unistd.h>
 
 #define RELAY_BUF (64 * 1024)
+#define MAX_SECRET (64 * 1024)
 
 static void die(const char *what) {
     fprintf(stderr, "sandboxd egress-shim: %s: %s\n", what, strerror(errno));
@@ -154,16 +162,54 @@ static void serve(int l4, int l6, const char *sock_path) {
     }
 }
 
-int main(int argc, char **argv) {
-    if (argc < 5 || strcmp(argv[3], "--") != 0) {
-        fprintf(stderr, "usage: egress-shim SOCKET PORT -- ARGV...\n");
-        return 2;
+/* Sets NAME to FILE's contents (at most MAX_SECRET bytes, no NUL). */
+static void env_from_file(const char *spec) {
+    const char *eq = strchr(spec, '=');
+    if (!eq || eq == spec) {
+        fprintf(stderr, "sandboxd sandbox-shim: bad --env %s\n", spec);
+        exit(2);
     }
-    const char *sock_path = argv[1];
-    int port = atoi(argv[2]);
+    char name[256];
+    size_t nlen = (size_t)(eq - spec);
+    if (nlen >= sizeof name) {
+        fprintf(stderr, "sandboxd sandbox-shim: variable name too long\n");
+        exit(2);
+    }
+    memcpy(name, spec, nlen);
+    name[nlen] = 0;
+    int fd = open(eq + 1, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        die("open a secret");
+    static char value[MAX_SECRET + 1];
+    size_t len = 0;
+    for (;;) {
+        ssize_t n = read(fd, value + len, MAX_SECRET - len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            die("read a secret");
+        if (n == 0)
+            break;
+        len += (size_t)n;
+        if (len == MAX_SECRET)
+            break;
+    }
+    close(fd);
+    value[len] = 0;
+    if (strlen(value) != len) {
+        fprintf(stderr, "sandboxd sandbox-shim: secret for %s contains a NUL byte\n", name);
+        exit(2);
+    }
+    if (setenv(name, value, 1) < 0)
+        die("setenv");
+    memset(value, 0, len);
+}
+
+static void start_egress(const char *sock_path, const char *port_text) {
+    int port = atoi(port_text);
     if (port <= 0 || port > 65535) {
-        fprintf(stderr, "sandboxd egress-shim: bad port %s\n", argv[2]);
-        return 2;
+        fprintf(stderr, "sandboxd sandbox-shim: bad port %s\n", port_text);
+        exit(2);
     }
     int l4 = listen_on(AF_INET, port);
     if (l4 < 0)
@@ -195,7 +241,32 @@ int main(int argc, char **argv) {
     close(l4);
     if (l6 >= 0)
         close(l6);
-    execvp(argv[4], &argv[4]);
-    fprintf(stderr, "sandboxd: cannot run %s: %s\n", argv[4], strerror(errno));
+}
+
+static void usage(void) {
+    fprintf(stderr, "usage: sandbox-shim [--egress SOCKET PORT] [--env NAME=FILE]... -- ARGV...\n");
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    int i = 1;
+    const char *egress_sock = NULL, *egress_port = NULL;
+    for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
+        if (strcmp(argv[i], "--egress") == 0 && i + 2 < argc) {
+            egress_sock = argv[++i];
+            egress_port = argv[++i];
+        } else if (strcmp(argv[i], "--env") == 0 && i + 1 < argc) {
+            env_from_file(argv[++i]);
+        } else {
+            usage();
+        }
+    }
+    if (i + 1 >= argc)
+        usage();
+    char **cmd = &argv[i + 1];
+    if (egress_sock)
+        start_egress(egress_sock, egress_port);
+    execvp(cmd[0], cmd);
+    fprintf(stderr, "sandboxd: cannot run %s: %s\n", cmd[0], strerror(errno));
     return errno == ENOENT ? 127 : 126;
 }
