@@ -238,7 +238,8 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
             raise BackendUnavailable(f"cannot listen on {tcp.address}")
         log.info("serving mutual TLS on %s", tcp.address)
     server.start()
-    relay = PeerCredentialRelay(settings.socket_path, internal_socket, internal, settings.socket_mode)
+    relay = PeerCredentialRelay(settings.socket_path, internal_socket, internal, settings.socket_mode,
+                                settings.socket_ownership())
     relay.start()
     log.info("serving on %s (daemon %s, state %s)", settings.socket_path, daemon_id, settings.state_dir)
     return Daemon(settings, server, executor, db, daemon_id, relay, proxy)

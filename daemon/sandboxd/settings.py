@@ -186,6 +186,9 @@ class DaemonSettings(BaseModel):
 
     socket_path: Path = Path("/run/sandboxd/sandboxd.sock")
     socket_mode: int = 0o660
+    # Owner and group of the socket file (names or numbers); unset: the daemon's own.
+    socket_owner: str | None = None
+    socket_group: str | None = None
     state_dir: Path = Path("/var/lib/sandboxd")
     # A call's workspace must be a directory strictly below one of these.
     workspace_roots: tuple[Path, ...] = (Path("/home"), Path("/srv/sandboxd/workspaces"))
@@ -238,6 +241,23 @@ class DaemonSettings(BaseModel):
                 if _is_within(forbidden, real):
                     raise ValueError(f"workspace root {root} contains {forbidden}, which may never be mounted")
         return self
+
+    def socket_ownership(self) -> tuple[int, int] | None:
+        """(uid, gid) for the socket file, or None to leave it the daemon's."""
+        import grp
+        import pwd
+
+        if self.socket_owner is None and self.socket_group is None:
+            return None
+
+        def lookup(value: str | None, by_name, default: int) -> int:
+            if value is None:
+                return default
+            return int(value) if value.isdigit() else by_name(value)
+
+        uid = lookup(self.socket_owner, lambda n: pwd.getpwnam(n).pw_uid, -1)
+        gid = lookup(self.socket_group, lambda n: grp.getgrnam(n).gr_gid, -1)
+        return uid, gid
 
     @property
     def internal_dir(self) -> Path:

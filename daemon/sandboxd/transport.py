@@ -51,7 +51,8 @@ def peer_uid(context: grpc.ServicerContext, internal_dir: Path) -> int:
 
 
 class PeerCredentialRelay:
-    def __init__(self, public_path: Path, internal_socket: Path, internal_dir: Path, mode: int):
+    def __init__(self, public_path: Path, internal_socket: Path, internal_dir: Path, mode: int,
+                 owner: tuple[int, int] | None = None):
         self._public_path = public_path
         self._internal_socket = internal_socket
         self._internal_dir = internal_dir
@@ -61,6 +62,8 @@ class PeerCredentialRelay:
             public_path.unlink()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(str(public_path))
+        if owner is not None:
+            os.chown(public_path, *owner)
         os.chmod(public_path, mode)
         self._listener.listen(128)
         self._closed = False

@@ -87,3 +87,31 @@ def test_an_unknown_uid_is_unauthenticated(tenants):
             stranger.run(call(ws, ["true"]))
         with pytest.raises(errors.Unauthenticated):
             stranger.get_trace("tc-anything")
+
+
+def test_socket_owner_group_and_mode_come_from_the_config(spare_daemon):
+    import stat
+
+    d = spare_daemon(principals={0: "root", ALICE: "alice"}, socket_mode=0o660, socket_group=str(ALICE)).start()
+    st = os.stat(d.socket)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, ALICE, 0o660)
+    # Group members get in; alice (gid 1000 as her own group) is one of them.
+    os.setegid(ALICE)
+    try:
+        with client_as(d, ALICE) as alice:
+            alice.query_calls()
+    finally:
+        os.setegid(0)
+    # Anyone else is stopped by the file mode before the daemon even sees them.
+    with pytest.raises(PermissionError):
+        os.seteuid(BOB)
+        try:
+            import socket
+
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect(str(d.socket))
+            finally:
+                s.close()
+        finally:
+            os.seteuid(0)
