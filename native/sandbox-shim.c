@@ -2,6 +2,7 @@
  * sandbox-shim: what the daemon sets up inside a sandbox just before the command runs.
  *
  *   sandbox-shim [--egress SOCKET PORT] [--env NAME=FILE]... -- ARGV...
+ *   sandbox-shim [--egress SOCKET PORT] [--env NAME=FILE]... --supervise CONTROL
  *
  * --env NAME=FILE  reads FILE (a secret bound in from the daemon's tmpfs) into the
  *                  environment variable NAME: the value never appears in the engine's
@@ -15,6 +16,14 @@
  *
  * Then it execs ARGV in its own place, so ARGV stays the init's direct child and its
  * exit status is the sandbox's.
+ *
+ * --supervise CONTROL keeps a warm sandbox instead: it listens on the SOCK_SEQPACKET
+ * socket CONTROL (in a directory the daemon bound in) and runs one command per
+ * connection. The daemon sends one message: the command's stdin, stdout and stderr as
+ * SCM_RIGHTS descriptors, and "cwd\0argc\0argv...\0envc\0env...\0". The supervisor
+ * answers "P <pid>" once the command runs and "X <wait status>" when it is over; "K"
+ * from the daemon kills it. Before "X" every other process of the sandbox but init and
+ * the supervisor is killed: a command's background children never outlive it.
  *
  * The listeners exist before ARGV starts: a command that connects at once never races
  * the forwarder. The forwarder is double-forked, so it is the init's child, not ARGV's:
@@ -35,6 +44,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -243,16 +254,219 @@ static void start_egress(const char *sock_path, const char *port_text) {
         close(l6);
 }
 
+#define MAX_REQUEST (1024 * 1024)
+#define MAX_ITEMS 65536
+
+/* SIGKILL to every process of this PID namespace but init, the supervisor and the
+ * given one; then reap what is ours. Returns how many were killed. */
+static int kill_others(pid_t except) {
+    int killed = 0;
+    for (int round = 0; round < 50; round++) {
+        DIR *d = opendir("/proc");
+        if (!d)
+            return killed;
+        int found = 0;
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            char *end;
+            long pid = strtol(e->d_name, &end, 10);
+            if (*end || pid <= 1 || pid == getpid() || pid == except)
+                continue;
+            if (kill((pid_t)pid, SIGKILL) == 0) {
+                found++;
+                killed++;
+            }
+        }
+        closedir(d);
+        while (waitpid(-1, NULL, WNOHANG) > 0)
+            ;
+        if (!found)
+            break;
+        usleep(1000);
+    }
+    return killed;
+}
+
+/* The egress forwarder, if any: it serves every command of the sandbox. */
+static pid_t forwarder_pid = 0;
+
+static pid_t find_forwarder(void) {
+    DIR *d = opendir("/proc");
+    pid_t found = 0;
+    if (!d)
+        return 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (!*end && pid > 1 && pid != getpid())
+            found = (pid_t)pid;
+    }
+    closedir(d);
+    return found;
+}
+
+static void reply(int conn, const char *text) {
+    send(conn, text, strlen(text), MSG_NOSIGNAL);
+}
+
+/* One command: spawn, report, wait (or kill on request), clean up, report. */
+static void run_one(int conn) {
+    static char buf[MAX_REQUEST + 1];
+    char control[CMSG_SPACE(3 * sizeof(int))];
+    struct iovec iov = {.iov_base = buf, .iov_len = MAX_REQUEST};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
+    ssize_t n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+    if (n <= 0 || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+        reply(conn, "E bad request");
+        return;
+    }
+    buf[n] = 0;
+    int fds[3] = {-1, -1, -1};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    if (!c || c->cmsg_type != SCM_RIGHTS || c->cmsg_len != CMSG_LEN(3 * sizeof(int))) {
+        reply(conn, "E need three descriptors");
+        return;
+    }
+    memcpy(fds, CMSG_DATA(c), sizeof fds);
+    /* Fields: cwd, argc, argv..., envc, env... (each NUL-terminated). */
+    char *items[2 * MAX_ITEMS + 4];
+    int count = 0;
+    for (char *p = buf; p < buf + n && count < (int)(sizeof items / sizeof items[0]); p += strlen(p) + 1)
+        items[count++] = p;
+    int i = 0;
+    const char *cwd = count > i ? items[i++] : NULL;
+    int argc = count > i ? atoi(items[i++]) : 0;
+    if (!cwd || argc <= 0 || argc > MAX_ITEMS || i + argc >= count) {
+        reply(conn, "E malformed request");
+        goto out;
+    }
+    char **argv = &items[i];
+    i += argc;
+    int envc = atoi(items[i]);
+    char *saved = items[i];
+    i++;
+    if (envc < 0 || envc > MAX_ITEMS || i + envc > count) {
+        reply(conn, "E malformed request");
+        goto out;
+    }
+    char **envp = &items[i];
+    (void)saved;
+    char *argv_z[MAX_ITEMS + 1], *envp_z[MAX_ITEMS + 1];
+    memcpy(argv_z, argv, argc * sizeof(char *));
+    argv_z[argc] = NULL;
+    memcpy(envp_z, envp, envc * sizeof(char *));
+    envp_z[envc] = NULL;
+
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &chld, NULL);
+    int sfd = signalfd(-1, &chld, SFD_CLOEXEC);
+    pid_t pid = fork();
+    if (pid == 0) {
+        sigprocmask(SIG_UNBLOCK, &chld, NULL);
+        setsid();
+        dup2(fds[0], 0);
+        dup2(fds[1], 1);
+        dup2(fds[2], 2);
+        if (chdir(cwd) < 0) {
+            fprintf(stderr, "sandboxd: cannot enter %s: %s\n", cwd, strerror(errno));
+            _exit(126);
+        }
+        execvpe(argv_z[0], argv_z, envp_z);
+        fprintf(stderr, "sandboxd: cannot run %s: %s\n", argv_z[0], strerror(errno));
+        _exit(errno == ENOENT ? 127 : 126);
+    }
+    for (int k = 0; k < 3; k++) {
+        close(fds[k]);
+        fds[k] = -1;
+    }
+    if (pid < 0) {
+        reply(conn, "E fork failed");
+        close(sfd);
+        sigprocmask(SIG_UNBLOCK, &chld, NULL);
+        return;
+    }
+    char line[64];
+    snprintf(line, sizeof line, "P %d", (int)pid);
+    reply(conn, line);
+    int status = 0;
+    for (;;) {
+        pid_t got = waitpid(pid, &status, WNOHANG);
+        if (got == pid)
+            break;
+        struct pollfd p[2] = {{.fd = sfd, .events = POLLIN}, {.fd = conn, .events = POLLIN}};
+        if (poll(p, 2, -1) < 0 && errno != EINTR)
+            break;
+        if (p[0].revents & POLLIN) {
+            struct signalfd_siginfo si;
+            if (read(sfd, &si, sizeof si) < 0) { /* drained below by waitpid */
+            }
+        }
+        if (p[1].revents & (POLLIN | POLLHUP | POLLERR)) {
+            char k;
+            ssize_t r = recv(conn, &k, 1, MSG_DONTWAIT);
+            if (r <= 0 || k == 'K') {
+                kill(-pid, SIGKILL);
+                kill(pid, SIGKILL);
+                kill_others(forwarder_pid);
+                if (r <= 0) { /* the daemon went away: nobody to tell */
+                    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+                        ;
+                    break;
+                }
+            }
+        }
+    }
+    kill_others(forwarder_pid);
+    close(sfd);
+    sigprocmask(SIG_UNBLOCK, &chld, NULL);
+    snprintf(line, sizeof line, "X %d", status);
+    reply(conn, line);
+out:
+    for (int k = 0; k < 3; k++)
+        if (fds[k] >= 0)
+            close(fds[k]);
+}
+
+static void supervise(const char *path) {
+    int l = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (l < 0)
+        die("socket");
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    strncpy(a.sun_path, path, sizeof a.sun_path - 1);
+    unlink(path);
+    if (bind(l, (struct sockaddr *)&a, sizeof a) < 0 || listen(l, 16) < 0)
+        die("listen on the control socket");
+    /* Ready: the daemon waits for this line before it hands the sandbox out. */
+    printf("sandboxd-supervisor ready\n");
+    fflush(stdout);
+    signal(SIGPIPE, SIG_IGN);
+    for (;;) {
+        int conn = accept4(l, NULL, NULL, SOCK_CLOEXEC);
+        if (conn < 0) {
+            if (errno == EINTR)
+                continue;
+            die("accept");
+        }
+        run_one(conn);
+        close(conn);
+    }
+}
+
 static void usage(void) {
-    fprintf(stderr, "usage: sandbox-shim [--egress SOCKET PORT] [--env NAME=FILE]... -- ARGV...\n");
+    fprintf(stderr, "usage: sandbox-shim [--egress SOCKET PORT] [--env NAME=FILE]... (-- ARGV... | --supervise CONTROL)\n");
     exit(2);
 }
 
 int main(int argc, char **argv) {
     int i = 1;
-    const char *egress_sock = NULL, *egress_port = NULL;
+    const char *egress_sock = NULL, *egress_port = NULL, *control = NULL;
     for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
-        if (strcmp(argv[i], "--egress") == 0 && i + 2 < argc) {
+        if (strcmp(argv[i], "--supervise") == 0 && i + 1 < argc) {
+            control = argv[++i];
+        } else if (strcmp(argv[i], "--egress") == 0 && i + 2 < argc) {
             egress_sock = argv[++i];
             egress_port = argv[++i];
         } else if (strcmp(argv[i], "--env") == 0 && i + 1 < argc) {
@@ -260,6 +474,13 @@ int main(int argc, char **argv) {
         } else {
             usage();
         }
+    }
+    if (control) {
+        if (egress_sock) {
+            start_egress(egress_sock, egress_port);
+            forwarder_pid = find_forwarder();
+        }
+        supervise(control);
     }
     if (i + 1 >= argc)
         usage();
