@@ -257,6 +257,24 @@ static void start_egress(const char *sock_path, const char *port_text) {
 #define MAX_REQUEST (1024 * 1024)
 #define MAX_ITEMS 65536
 
+/* The running command, and its wait status once reaped (by whichever waitpid got it). */
+static pid_t cmd_pid = 0;
+static int cmd_status = 0;
+static int cmd_reaped = 0;
+
+static void reap(int flags) {
+    int st;
+    pid_t got;
+    while ((got = waitpid(-1, &st, flags)) > 0) {
+        if (got == cmd_pid) {
+            cmd_status = st;
+            cmd_reaped = 1;
+        }
+        if (flags == 0)
+            break;
+    }
+}
+
 /* SIGKILL to every process of this PID namespace but init, the supervisor and the
  * given one; then reap what is ours. Returns how many were killed. */
 static int kill_others(pid_t except) {
@@ -278,8 +296,7 @@ static int kill_others(pid_t except) {
             }
         }
         closedir(d);
-        while (waitpid(-1, NULL, WNOHANG) > 0)
-            ;
+        reap(WNOHANG);
         if (!found)
             break;
         usleep(1000);
@@ -391,10 +408,11 @@ static void run_one(int conn) {
     char line[64];
     snprintf(line, sizeof line, "P %d", (int)pid);
     reply(conn, line);
-    int status = 0;
+    cmd_pid = pid;
+    cmd_reaped = 0;
     for (;;) {
-        pid_t got = waitpid(pid, &status, WNOHANG);
-        if (got == pid)
+        reap(WNOHANG);
+        if (cmd_reaped)
             break;
         struct pollfd p[2] = {{.fd = sfd, .events = POLLIN}, {.fd = conn, .events = POLLIN}};
         if (poll(p, 2, -1) < 0 && errno != EINTR)
@@ -412,8 +430,8 @@ static void run_one(int conn) {
                 kill(pid, SIGKILL);
                 kill_others(forwarder_pid);
                 if (r <= 0) { /* the daemon went away: nobody to tell */
-                    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
-                        ;
+                    while (!cmd_reaped && errno != ECHILD)
+                        reap(0);
                     break;
                 }
             }
@@ -422,7 +440,8 @@ static void run_one(int conn) {
     kill_others(forwarder_pid);
     close(sfd);
     sigprocmask(SIG_UNBLOCK, &chld, NULL);
-    snprintf(line, sizeof line, "X %d", status);
+    cmd_pid = 0;
+    snprintf(line, sizeof line, "X %d", cmd_status);
     reply(conn, line);
 out:
     for (int k = 0; k < 3; k++)

@@ -92,6 +92,7 @@ class SandboxdClient:
         self._artifacts = pb_grpc.ArtifactServiceStub(self._channel)
         self._traces = pb_grpc.TraceServiceStub(self._channel)
         self._audit = pb_grpc.AuditServiceStub(self._channel)
+        self._pools = pb_grpc.PoolServiceStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -194,6 +195,36 @@ class SandboxdClient:
         status, since, until, page_size, page_token."""
         try:
             return self._audit.QueryCalls(pb.QueryCallsRequest(**filters))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def acquire_sandbox(self, workspace: str, policy: dict[str, Any] | None = None, *, image: str = "",
+                        adapter: str = "", lease_ms: int = 0, wait_ms: int = 0) -> pb.Lease:
+        """A lease on a warm sandbox; run calls in it with runtime.leaseId = lease.lease_id."""
+        request = pb.AcquireSandboxRequest(workspace=workspace, lease_ms=lease_ms, wait_ms=wait_ms,
+                                           runtime=pb.RuntimeSettings(image=image, adapter=adapter))
+        if policy is not None:
+            json_format.ParseDict(policy, request.policy)
+        try:
+            return self._pools.AcquireSandbox(request)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def release_sandbox(self, lease_id: str) -> None:
+        try:
+            self._pools.ReleaseSandbox(pb.ReleaseSandboxRequest(lease_id=lease_id))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def list_pools(self) -> list[pb.PoolStatus]:
+        try:
+            return list(self._pools.ListPools(pb.ListPoolsRequest()).pools)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def drain_pools(self, pool_key: str = "") -> int:
+        try:
+            return self._pools.DrainPool(pb.DrainPoolRequest(pool_key=pool_key)).destroyed
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 

@@ -74,6 +74,9 @@ class DockerSpec:
 SHIM_PATH = "/dev/sandboxd/shim"
 EGRESS_SOCKET_PATH = "/dev/sandboxd/egress.sock"
 SECRETS_DIR = "/dev/sandboxd/secrets"
+# A warm sandbox's supervisor listens here (a host directory bound read-write).
+CONTROL_DIR = "/dev/sandboxd/control"
+CONTROL_SOCKET = CONTROL_DIR + "/supervisor.sock"
 
 
 @dataclass(frozen=True)
@@ -116,10 +119,13 @@ class Attachments:
     shim_host_path: str = ""
     egress: EgressAttachment | None = None
     secrets: tuple[SecretMount, ...] = ()
+    # Set for a warm (pool) sandbox: the host directory of its supervisor's socket. The
+    # sandbox then runs the supervisor, not a command.
+    control_host_dir: str = ""
 
     @property
     def needs_shim(self) -> bool:
-        return self.egress is not None or any(s.env_name for s in self.secrets)
+        return self.egress is not None or any(s.env_name for s in self.secrets) or bool(self.control_host_dir)
 
     def wrap(self, argv: tuple[str, ...]) -> tuple[str, ...]:
         if not self.needs_shim:
@@ -132,6 +138,8 @@ class Attachments:
         for s in self.secrets:
             if s.env_name:
                 out += ["--env", f"{s.env_name}={s.sandbox_path}"]
+        if self.control_host_dir:
+            return (*out, "--supervise", CONTROL_SOCKET)
         return (*out, "--", *argv)
 
     def env(self) -> dict[str, str]:
@@ -178,6 +186,8 @@ def _mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str,
             attachments: Attachments) -> tuple[MountSpec, ...]:
     mounts: list[MountSpec] = [MountSpec("bind", target, source=source, read_only=True)
                                for target, source in attachments.binds()]
+    if attachments.control_host_dir:
+        mounts.append(MountSpec("bind", CONTROL_DIR, source=attachments.control_host_dir, read_only=False))
     bound = {b.sandbox_path for b in plan.binds}
     if WORKSPACE not in bound:
         # Only parts of the workspace are visible: /workspace itself is an empty,

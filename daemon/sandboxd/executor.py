@@ -14,7 +14,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import events as ev
@@ -22,7 +22,7 @@ from .artifacts import ArtifactRecord, FileArtifactStore
 from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle
 from .compile import Attachments, EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
-                     PermissionDenied, ResourceExhausted, SandboxdError)
+                     PermissionDenied, ResourceExhausted, SandboxdError, Unimplemented)
 from .events import CheckpointFile, EventDraft, EventLog
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
 from .redact import Redactor
@@ -30,6 +30,7 @@ from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_ad
                      resolve_policy)
 from .approvals import verify_authorization
 from .credentials import CredentialBroker, ResolvedSecret
+from .pools import CommandSpec, LeaseBackend, PoolManager
 from .preflight import HostPlan, preflight
 from .proxy import ConnectionRecord, EgressEndpoint, EgressProxy, summarize_external_calls
 from .settings import DaemonSettings
@@ -60,6 +61,8 @@ class Prepared:
     attachments: Attachments = Attachments()
     # Resolved credential values: in memory only, never in a spec, event or log.
     secrets: tuple[ResolvedSecret, ...] = ()
+    # The warm sandbox a leased call runs in.
+    lease: Any = None
 
     @property
     def egress(self) -> EgressAttachment | None:
@@ -418,6 +421,7 @@ class CallExecutor:
         self.shim = shim
         self._no_shim_reason = no_shim_reason
         self.broker = broker or CredentialBroker(settings.credentials, settings.secrets_dir)
+        self.pools: PoolManager | None = None  # set by main once the executor exists
         self.checkpoints = checkpoints
         self.proxy = proxy
         self._no_proxy_reason = no_proxy_reason
@@ -477,6 +481,35 @@ class CallExecutor:
                                attachments=attachments)
         return Prepared(call, policy, plan, image, digest, backend, spec, sandbox_id, attachments, secrets)
 
+    def _prepare_leased(self, call: PreparedToolCall, tool_call_id: str, caller: Principal) -> Prepared:
+        """A call in a leased sandbox: the same checks as any call, then the lease's
+        sandbox (its policy class must match) and a command spec for its supervisor."""
+        if call.credential_refs:
+            raise Unimplemented("credentials in leased sandboxes are not supported yet", field="credentialRefs")
+        prepared = self._prepare(call, tool_call_id, None)
+        if self.pools is None:
+            raise FailedPrecondition("this daemon keeps no pools", field="runtime.leaseId")
+        ws = self.pools.sandbox_for(call.runtime.lease_id, caller, prepared)
+        try:
+            spec = CommandSpec(call.runtime.lease_id, ws.sandbox_id, tuple(call.argv), prepared.policy.cwd,
+                               dict(prepared.policy.env), prepared.policy.timeout_ms,
+                               prepared.policy.max_stdout_bytes, prepared.policy.max_stderr_bytes)
+            return replace(prepared, backend=LeaseBackend(self.pools, ws), spec=spec, sandbox_id=ws.sandbox_id,
+                           attachments=Attachments(), lease=ws)
+        except BaseException:
+            self.pools.command_done(ws, True)
+            raise
+
+    def acquire(self, raw: Mapping[str, Any], caller: Principal, lease_ms: int, wait_ms: int):
+        """A lease on a warm sandbox for this workspace, image and policy."""
+        if self.pools is None:
+            raise FailedPrecondition("this daemon keeps no pools")
+        call = parse_call(raw)
+        template = self._prepare(call, "pool", None)
+        if not caller.admin and template.plan.uid != caller.uid:
+            raise PermissionDenied("the workspace belongs to another user", field="workspace")
+        return self.pools.acquire(template, caller, lease_ms, wait_ms)
+
     def submit(self, raw: Mapping[str, Any], caller: Principal) -> "CallRun | AttachedRun | ReplayRun":
         """Verifies and starts a call. Refusals raise (after being recorded); an
         accepted call's events up to ToolPolicyChecked are durable on return. A retry
@@ -527,11 +560,19 @@ class CallExecutor:
                 grant_id = call.authorization.grant_id if approved else ""
                 if grant_id:
                     self._claim_grant(grant_id, tool_call_id)
-                prepared = self._prepare(call, tool_call_id, principal)
+                if call.runtime.lease_id:
+                    prepared = self._prepare_leased(call, tool_call_id, caller)
+                else:
+                    prepared = self._prepare(call, tool_call_id, principal)
                 if not caller.admin and prepared.plan.uid != caller.uid:
+                    if prepared.lease is not None:
+                        self.pools.command_done(prepared.lease, True)
                     raise PermissionDenied("the workspace belongs to another user; a principal may only use "
                                            "workspaces its own uid owns", field="workspace")
-                self._reserve_workspace(tool_call_id, prepared)
+                if prepared.lease is None:
+                    self._reserve_workspace(tool_call_id, prepared)
+                else:
+                    self.pools.claim(prepared.lease, tool_call_id)
             except SandboxdError as exc:
                 exc.tool_call_id = tool_call_id
                 self._reject(tool_call_id, raw, principal, "verification", exc)
@@ -740,12 +781,19 @@ class CallExecutor:
         return run.cancel(reason)
 
     def _reserve_workspace(self, tool_call_id: str, prepared: Prepared) -> None:
+        self.reserve_workspace(tool_call_id, prepared.plan)
+
+    def release_workspace(self, holder: str) -> None:
+        with self._lock:
+            self._workspace_users.pop(holder, None)
+
+    def reserve_workspace(self, tool_call_id: str, plan: HostPlan) -> None:
         """A call that can write a workspace runs alone on it. Its writes could swap a
         directory for a symlink between another call's host checks and that call's
         mounts, redirecting a bind (or a mask) to anywhere its owner can reach; so while
         a writer runs nobody else mounts the workspace, and the other way round."""
-        workspace = prepared.plan.workspace
-        writes = any(not b.read_only for b in prepared.plan.binds)
+        workspace = plan.workspace
+        writes = any(not b.read_only for b in plan.binds)
         with self._lock:
             if self._closing:
                 raise FailedPrecondition("the daemon is shutting down")

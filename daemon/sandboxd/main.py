@@ -32,16 +32,17 @@ from .errors import BackendUnavailable, SandboxdError
 from .credentials import CredentialBroker
 from .events import CheckpointFile, EventLog
 from .executor import CallExecutor, clean_spool
+from .pools import PoolManager
 from .proxy import EgressProxy
-from .service import (ArtifactServicer, AuditServicer, Authenticator, ErrorInterceptor, ExecutionServicer, TraceServicer,
-                      add_execution_service)
+from .service import (ArtifactServicer, AuditServicer, Authenticator, ErrorInterceptor, ExecutionServicer, PoolServicer,
+                      TraceServicer, add_execution_service)
 from .settings import DaemonSettings, load_settings
 from .store import Database
 from .transport import PeerCredentialRelay
 
 log = logging.getLogger("sandboxd")
 SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[n].full_name
-                      for n in ("ExecutionService", "ArtifactService", "TraceService", "AuditService"))
+                      for n in ("ExecutionService", "ArtifactService", "TraceService", "AuditService", "PoolService"))
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -91,6 +92,8 @@ class Daemon:
         log.info("shutting down: cancelling running calls")
         self.relay.close()
         self.executor.shutdown(grace)
+        if self.executor.pools is not None:
+            self.executor.pools.shutdown()
         self.server.stop(grace=1).wait()
         if self.proxy is not None:
             self.proxy.stop()
@@ -201,6 +204,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     executor = CallExecutor(settings, db, events, artifacts, backends, daemon_id, unavailable,
                             proxy=proxy, no_proxy_reason=no_proxy_reason, checkpoints=checkpoints,
                             shim=shim or None, no_shim_reason=no_shim_reason, broker=broker)
+    executor.pools = PoolManager(executor)
     interrupted = executor.recover_interrupted()
     if interrupted:
         log.warning("recorded %d calls that an earlier run of this daemon never finished", interrupted)
@@ -217,6 +221,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     pb_grpc.add_ArtifactServiceServicer_to_server(ArtifactServicer(artifacts, executor, authenticate), server)
     pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events, executor, authenticate, checkpoints), server)
     pb_grpc.add_AuditServiceServicer_to_server(AuditServicer(db, authenticate), server)
+    pb_grpc.add_PoolServiceServicer_to_server(PoolServicer(executor, authenticate), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("",) + SERVICE_NAMES:

@@ -383,5 +383,3 @@ def check_admission(call: PreparedToolCall, now: datetime | None = None) -> None
             raise InvalidArgument("needs a time zone", field="authorization.expiresAt")
         if expires <= (now or datetime.now(timezone.utc)):
             raise PermissionDenied(f"the grant expired at {call.authorization.expires_at}", field="authorization.expiresAt")
-    if call.runtime.lease_id:
-        raise Unimplemented("sandbox leases are not supported yet", field="runtime.leaseId")

@@ -351,3 +351,45 @@ def _call_summary(r: dict[str, Any]) -> pb.CallSummary:
     if r["exit_code"] is not None:
         summary.exit_code = r["exit_code"]
     return summary
+
+
+class PoolServicer(pb_grpc.PoolServiceServicer):
+    """Leases on warm sandboxes (pools.py); a lease is its principal's alone."""
+
+    def __init__(self, executor: CallExecutor, authenticate: Authenticator):
+        self._executor = executor
+        self._authenticate = authenticate
+
+    def AcquireSandbox(self, request: pb.AcquireSandboxRequest, context) -> pb.Lease:
+        caller = self._authenticate(context)
+        raw: dict[str, Any] = {"toolId": "sandboxd.pool", "argv": ["supervisor"], "workspace": request.workspace,
+                               "authorization": {"status": "not_required"}}
+        if request.HasField("policy"):
+            raw["policy"] = message_to_json(request.policy)
+        if request.HasField("runtime"):
+            runtime = message_to_json(request.runtime)
+            runtime.pop("leaseId", None)
+            runtime.pop("idempotencyKey", None)
+            raw["runtime"] = runtime
+        lease = self._executor.acquire(raw, caller, request.lease_ms, request.wait_ms)
+        return json_format.ParseDict(lease.to_json(), pb.Lease())
+
+    def ReleaseSandbox(self, request: pb.ReleaseSandboxRequest, context) -> pb.ReleaseSandboxResponse:
+        caller = self._authenticate(context)
+        if self._executor.pools is None:
+            raise NotFound(f"no lease {request.lease_id}", field="leaseId")
+        self._executor.pools.release(request.lease_id, caller)
+        return pb.ReleaseSandboxResponse()
+
+    def ListPools(self, request: pb.ListPoolsRequest, context) -> pb.ListPoolsResponse:
+        caller = self._authenticate(context)
+        pools = self._executor.pools.list() if self._executor.pools is not None else []
+        if not caller.admin:
+            pools = []  # pool keys name workspaces: for admins
+        return pb.ListPoolsResponse(pools=[json_format.ParseDict(p, pb.PoolStatus()) for p in pools])
+
+    def DrainPool(self, request: pb.DrainPoolRequest, context) -> pb.DrainPoolResponse:
+        if not self._authenticate(context).admin:
+            raise PermissionDenied("draining pools is for admin principals")
+        n = self._executor.pools.drain(request.pool_key) if self._executor.pools is not None else 0
+        return pb.DrainPoolResponse(destroyed=n)

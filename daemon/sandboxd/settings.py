@@ -144,6 +144,18 @@ class CredentialBinding(BaseModel):
         return self
 
 
+class PoolSettings(BaseModel):
+    """Warm sandboxes per (workspace, image, backend, policy class) (pools.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_idle: int = Field(default=1, ge=0)
+    max_size: int = Field(default=4, ge=1)
+    idle_ttl_s: float = Field(default=300.0, gt=0)
+    default_lease_s: float = Field(default=600.0, gt=0)
+    max_lease_s: float = Field(default=3600.0, gt=0)
+
+
 class QuotaSettings(BaseModel):
     """Per-principal limits: one tenant filling the daemon must not lock the others out."""
 
@@ -217,6 +229,7 @@ class DaemonSettings(BaseModel):
     shim_binary: Path = REPO_ROOT / "build" / "sandbox-shim"
     runtime_dir: Path = Path("/var/lib/sandboxd-runtime")
     quotas: QuotaSettings = Field(default_factory=QuotaSettings)
+    pools: PoolSettings = Field(default_factory=PoolSettings)
     # Peer uid on the Unix socket -> principal name; any other uid is refused.
     principals: dict[int, str] = Field(default_factory=lambda: {0: "root"})
     # Principals that may read every tenant's traces and artifacts.

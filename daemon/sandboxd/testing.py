@@ -33,12 +33,14 @@ class DaemonProcess:
     env: dict[str, str]
     proc: subprocess.Popen | None = None
     daemon_id: str = ""
+    started_at: float = 0.0
 
     @property
     def log_path(self) -> Path:
         return self.base / "daemon.log"
 
     def start(self, timeout_s: float = 30.0) -> "DaemonProcess":
+        self.started_at = time.time()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([SANDBOXD, "--config", str(self.config)], env=self.env,
                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

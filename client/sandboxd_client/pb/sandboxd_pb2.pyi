@@ -528,3 +528,87 @@ class QueryCallsResponse(_message.Message):
     calls: _containers.RepeatedCompositeFieldContainer[CallSummary]
     next_page_token: str
     def __init__(self, calls: _Optional[_Iterable[_Union[CallSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class AcquireSandboxRequest(_message.Message):
+    __slots__ = ("workspace", "policy", "runtime", "lease_ms", "wait_ms")
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    workspace: str
+    policy: SandboxPolicy
+    runtime: RuntimeSettings
+    lease_ms: int
+    wait_ms: int
+    def __init__(self, workspace: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., runtime: _Optional[_Union[RuntimeSettings, _Mapping]] = ..., lease_ms: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "sandbox_id", "expires_at", "pool_key", "backend")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    POOL_KEY_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    sandbox_id: str
+    expires_at: str
+    pool_key: str
+    backend: str
+    def __init__(self, lease_id: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., expires_at: _Optional[str] = ..., pool_key: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class ReleaseSandboxRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseSandboxResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPoolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("pool_key", "workspace", "image", "backend", "idle", "leased", "min_idle", "max_size", "created", "destroyed")
+    POOL_KEY_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    IDLE_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    MIN_IDLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    DESTROYED_FIELD_NUMBER: _ClassVar[int]
+    pool_key: str
+    workspace: str
+    image: str
+    backend: str
+    idle: int
+    leased: int
+    min_idle: int
+    max_size: int
+    created: int
+    destroyed: int
+    def __init__(self, pool_key: _Optional[str] = ..., workspace: _Optional[str] = ..., image: _Optional[str] = ..., backend: _Optional[str] = ..., idle: _Optional[int] = ..., leased: _Optional[int] = ..., min_idle: _Optional[int] = ..., max_size: _Optional[int] = ..., created: _Optional[int] = ..., destroyed: _Optional[int] = ...) -> None: ...
+
+class ListPoolsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+
+class DrainPoolRequest(_message.Message):
+    __slots__ = ("pool_key",)
+    POOL_KEY_FIELD_NUMBER: _ClassVar[int]
+    pool_key: str
+    def __init__(self, pool_key: _Optional[str] = ...) -> None: ...
+
+class DrainPoolResponse(_message.Message):
+    __slots__ = ("destroyed",)
+    DESTROYED_FIELD_NUMBER: _ClassVar[int]
+    destroyed: int
+    def __init__(self, destroyed: _Optional[int] = ...) -> None: ...

@@ -528,3 +528,205 @@ class AuditService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PoolServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AcquireSandbox = channel.unary_unary(
+                '/sandboxd.v1.PoolService/AcquireSandbox',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.AcquireSandboxRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.Lease.FromString,
+                _registered_method=True)
+        self.ReleaseSandbox = channel.unary_unary(
+                '/sandboxd.v1.PoolService/ReleaseSandbox',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReleaseSandboxRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReleaseSandboxResponse.FromString,
+                _registered_method=True)
+        self.ListPools = channel.unary_unary(
+                '/sandboxd.v1.PoolService/ListPools',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListPoolsRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListPoolsResponse.FromString,
+                _registered_method=True)
+        self.DrainPool = channel.unary_unary(
+                '/sandboxd.v1.PoolService/DrainPool',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DrainPoolRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DrainPoolResponse.FromString,
+                _registered_method=True)
+
+
+class PoolServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def AcquireSandbox(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseSandbox(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPools(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainPool(self, request, context):
+        """Admin only: destroys idle sandboxes now and leased ones when released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PoolServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AcquireSandbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireSandbox,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.AcquireSandboxRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.Lease.SerializeToString,
+            ),
+            'ReleaseSandbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSandbox,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReleaseSandboxRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReleaseSandboxResponse.SerializeToString,
+            ),
+            'ListPools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPools,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListPoolsRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListPoolsResponse.SerializeToString,
+            ),
+            'DrainPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainPool,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DrainPoolRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DrainPoolResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'sandboxd.v1.PoolService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('sandboxd.v1.PoolService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PoolService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def AcquireSandbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.PoolService/AcquireSandbox',
+            sandboxd_dot_v1_dot_sandboxd__pb2.AcquireSandboxRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSandbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.PoolService/ReleaseSandbox',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ReleaseSandboxRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ReleaseSandboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.PoolService/ListPools',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListPoolsRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListPoolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.PoolService/DrainPool',
+            sandboxd_dot_v1_dot_sandboxd__pb2.DrainPoolRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.DrainPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,497 @@
+"""Warm sandboxes and leases. A pool holds sandboxes for one (workspace, image, backend,
+policy class); each runs the shim's supervisor instead of a command. A lease hands one
+sandbox to one principal; Execute calls naming the lease run through the supervisor
+(LeaseBackend, the Backend protocol again), so each command still gets its own timeout,
+output caps, events and artifacts, and its leftover processes are killed when it ends.
+A released or expired lease's sandbox is destroyed, never handed to anyone else: the
+pool makes a fresh one. Pool sandboxes carry the daemon's labels, so a restart reaps
+them like any other."""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import events as ev
+from .backends import ExitStatus, ResourceUsage, SandboxHandle
+from .compile import CONTROL_SOCKET, Attachments, SandboxIdentity
+from .errors import Aborted, FailedPrecondition, InternalError, NotFound, ResourceExhausted, Unimplemented
+from .output import STDERR, STDOUT, OutputSpool
+from .policy import EffectivePolicy, canonical_json
+
+if TYPE_CHECKING:
+    from .executor import CallExecutor, Prepared
+    from .transport import Principal
+
+log = logging.getLogger("sandboxd.pools")
+READY_LINE = b"sandboxd-supervisor ready"
+READY_TIMEOUT_S = 30.0
+# Fields of a policy that each command brings itself; the rest fixes the sandbox.
+PER_COMMAND = ("cwd", "env", "timeoutMs", "maxStdoutBytes", "maxStderrBytes", "recordCommand", "recordFileAccess",
+               "recordNetworkAccess")
+
+
+def policy_class(policy: EffectivePolicy) -> dict[str, Any]:
+    return {k: v for k, v in policy.to_json_dict().items() if k not in PER_COMMAND}
+
+
+def pool_key(workspace: str, image: str, backend: str, uid: int, gid: int, policy: EffectivePolicy) -> str:
+    body = {"workspace": workspace, "image": image, "backend": backend, "uid": uid, "gid": gid,
+            "policy": policy_class(policy)}
+    return "pool-" + hashlib.sha256(canonical_json(body)).hexdigest()[:16]
+
+
+def _rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@dataclass
+class WarmSandbox:
+    sandbox_id: str
+    key: str
+    prepared: "Prepared"
+    handle: SandboxHandle
+    spool: OutputSpool
+    control: Path
+    created: float = field(default_factory=time.monotonic)
+    idle_since: float = field(default_factory=time.monotonic)
+    lease: "Lease | None" = None
+    busy: str = ""  # the tool_call_id running in it
+    dead: bool = False
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    principal: str
+    sandbox: WarmSandbox
+    expires: float  # wall clock
+    key: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"leaseId": self.lease_id, "sandboxId": self.sandbox.sandbox_id, "expiresAt": _rfc3339(self.expires),
+                "poolKey": self.key, "backend": self.sandbox.prepared.backend.name}
+
+
+@dataclass
+class Pool:
+    key: str
+    template: "Prepared"  # what a sandbox of this pool is made from
+    idle: list[WarmSandbox] = field(default_factory=list)
+    leased: dict[str, Lease] = field(default_factory=dict)
+    creating: int = 0
+    created: int = 0
+    destroyed: int = 0
+    draining: bool = False
+
+    @property
+    def size(self) -> int:
+        return len(self.idle) + len(self.leased) + self.creating
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """What a leased command is: the sandbox exists, so only the process is described."""
+
+    lease_id: str
+    sandbox_id: str
+    argv: tuple[str, ...]
+    cwd: str
+    env: dict[str, str]
+    timeout_ms: int
+    max_stdout_bytes: int
+    max_stderr_bytes: int
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class PoolManager:
+    def __init__(self, executor: "CallExecutor"):
+        self._ex = executor
+        self._settings = executor.settings.pools
+        self._cond = threading.Condition()
+        self._pools: dict[str, Pool] = {}
+        self._leases: dict[str, Lease] = {}
+        self._closing = False
+        self._thread = threading.Thread(target=self._maintain, name="pools", daemon=True)
+        self._thread.start()
+
+    # -- leases ------------------------------------------------------------------------
+    def acquire(self, template: "Prepared", caller: "Principal", lease_ms: int, wait_ms: int) -> Lease:
+        if template.policy.proxied or template.secrets:
+            raise Unimplemented("pooled sandboxes do not take the egress proxy or credentials yet; "
+                                "use egress 'none' or 'open' without credentialRefs", field="policy.network.egress")
+        s = self._settings
+        lease_s = min(lease_ms / 1000 if lease_ms else s.default_lease_s, s.max_lease_s)
+        key = pool_key(template.plan.workspace, template.image, template.backend.name, template.plan.uid,
+                       template.plan.gid, template.policy)
+        deadline = time.monotonic() + wait_ms / 1000
+        with self._cond:
+            pool = self._pools.get(key)
+            if pool is None or pool.draining:
+                pool = self._pools[key] = Pool(key, template)
+            while True:
+                if self._closing:
+                    raise FailedPrecondition("the daemon is shutting down")
+                while pool.idle:
+                    ws = pool.idle.pop()
+                    if not ws.dead:
+                        return self._lease(pool, ws, caller, lease_s)
+                    self._destroy_later(pool, ws)
+                if pool.size < s.max_size:
+                    pool.creating += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ResourceExhausted(f"the pool for this workspace and policy has its maximum of "
+                                            f"{s.max_size} sandboxes leased; retry, or ask to wait (waitMs)")
+                self._cond.wait(left)
+        try:
+            ws = self._create(pool)
+        except BaseException:
+            with self._cond:
+                pool.creating -= 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            pool.creating -= 1
+            pool.created += 1
+            return self._lease(pool, ws, caller, lease_s)
+
+    def _lease(self, pool: Pool, ws: WarmSandbox, caller: "Principal", lease_s: float) -> Lease:
+        lease = Lease("lease_" + ev.new_id("x")[2:], caller.name, ws, time.time() + lease_s, pool.key)
+        ws.lease = lease
+        pool.leased[lease.lease_id] = lease
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def release(self, lease_id: str, caller: "Principal") -> None:
+        with self._cond:
+            lease = self._owned(lease_id, caller)
+            self._end_lease(lease)
+
+    def _owned(self, lease_id: str, caller: "Principal") -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None or (lease.principal != caller.name and not caller.admin):
+            # Another tenant's lease reads exactly like one that does not exist.
+            raise NotFound(f"no lease {lease_id}", field="runtime.leaseId")
+        return lease
+
+    def _end_lease(self, lease: Lease) -> None:
+        """Under the lock. Its sandbox is destroyed (never reused): after the running
+        command, if there is one."""
+        self._leases.pop(lease.lease_id, None)
+        pool = self._pools.get(lease.key)
+        if pool is not None:
+            pool.leased.pop(lease.lease_id, None)
+        ws = lease.sandbox
+        ws.lease = None
+        ws.dead = True
+        if not ws.busy:
+            self._destroy_later(pool, ws)
+        self._cond.notify_all()
+
+    def sandbox_for(self, lease_id: str, caller: "Principal", call: "Prepared") -> WarmSandbox:
+        """The leased sandbox a call runs in, marked busy; the call's sandbox-fixing
+        policy must be the lease's."""
+        key = pool_key(call.plan.workspace, call.image, call.backend.name, call.plan.uid, call.plan.gid, call.policy)
+        with self._cond:
+            lease = self._owned(lease_id, caller)
+            if lease.expires <= time.time():
+                self._end_lease(lease)
+                raise NotFound(f"lease {lease_id} expired", field="runtime.leaseId")
+            if key != lease.key:
+                raise FailedPrecondition("the call's workspace, image, backend or sandbox policy differ from the "
+                                         "lease's: only timeout, output caps, cwd and env may change per command",
+                                         field="runtime.leaseId")
+            ws = lease.sandbox
+            if ws.busy:
+                raise Aborted(f"lease {lease_id} is running call {ws.busy}: one command at a time",
+                              field="runtime.leaseId")
+            if ws.dead:
+                raise FailedPrecondition(f"the sandbox of lease {lease_id} is gone; release it and acquire another",
+                                         field="runtime.leaseId")
+            ws.busy = "pending"
+            return ws
+
+    def claim(self, ws: WarmSandbox, tool_call_id: str) -> None:
+        with self._cond:
+            ws.busy = tool_call_id
+
+    def command_done(self, ws: WarmSandbox, healthy: bool) -> None:
+        with self._cond:
+            ws.busy = ""
+            if not healthy:
+                ws.dead = True
+            pool = self._pools.get(ws.key)
+            if ws.dead and ws.lease is None:
+                self._destroy_later(pool, ws)
+            self._cond.notify_all()
+
+    # -- sandboxes ------------------------------------------------------------------------
+    def _create(self, pool: Pool) -> WarmSandbox:
+        ex, t = self._ex, pool.template
+        sandbox_id = "sbx-" + ev.new_id("x")[2:]
+        control_dir = ex.settings.runtime_dir / "control" / sandbox_id
+        control_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+        os.chmod(control_dir.parent, 0o711)
+        control_dir.mkdir(mode=0o700)
+        os.chown(control_dir, t.plan.uid, t.plan.gid)
+        attachments = Attachments(ex.shim or "", control_host_dir=str(control_dir))
+        # The engine-side limit is the sandbox's whole life; each command has its own.
+        life_ms = int((self._settings.max_lease_s + self._settings.idle_ttl_s) * 1000)
+        policy = replace(t.policy, timeout_ms=life_ms)
+        spec = t.backend.compile(policy, t.plan, SandboxIdentity(ex.daemon_id, sandbox_id, f"pool:{pool.key}"),
+                                 argv=("supervisor",), image=t.image, stdin_open=False, attachments=attachments)
+        spool = OutputSpool(ex.settings.spool_dir / sandbox_id, {STDOUT: 64 * 1024, STDERR: 64 * 1024}, 4096)
+        ex.reserve_workspace(f"pool:{sandbox_id}", t.plan)
+        handle = None
+        try:
+            handle = t.backend.create(spec)
+            t.backend.start(handle, spool, b"")
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            control = control_dir / Path(CONTROL_SOCKET).name
+            while not (control.exists() and READY_LINE in spool.summary(STDOUT).preview.encode()):
+                if time.monotonic() > deadline or handle.output_closed.is_set():
+                    raise InternalError(f"the supervisor of {sandbox_id} did not come up: "
+                                        f"{spool.summary(STDERR).preview[-300:]!r}")
+                time.sleep(0.005)
+        except BaseException:
+            if handle is not None:
+                t.backend.destroy(handle)
+            spool.discard()
+            ex.release_workspace(f"pool:{sandbox_id}")
+            shutil.rmtree(control_dir, ignore_errors=True)
+            raise
+        prepared = replace(t, spec=spec, sandbox_id=sandbox_id, attachments=attachments)
+        log.info("warm sandbox %s ready for %s", sandbox_id, pool.key)
+        return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, control)
+
+    def _destroy_later(self, pool: Pool | None, ws: WarmSandbox) -> None:
+        """Under the lock: removal happens off the caller's thread."""
+        if pool is not None:
+            pool.destroyed += 1
+        threading.Thread(target=self._destroy, args=(ws,), daemon=True, name=f"destroy-{ws.sandbox_id}").start()
+
+    def _destroy(self, ws: WarmSandbox) -> None:
+        backend = ws.prepared.backend
+        try:
+            backend.kill(ws.handle)
+        except Exception:  # noqa: BLE001 - destroy below is what matters
+            pass
+        try:
+            backend.destroy(ws.handle)
+        except Exception:
+            log.exception("destroying warm sandbox %s failed", ws.sandbox_id)
+        ws.spool.discard()
+        shutil.rmtree(ws.control.parent, ignore_errors=True)
+        self._ex.release_workspace(f"pool:{ws.sandbox_id}")
+
+    # -- upkeep -------------------------------------------------------------------------
+    def _maintain(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait(0.5)
+                if self._closing:
+                    return
+                now, mono = time.time(), time.monotonic()
+                for lease in list(self._leases.values()):
+                    if lease.expires <= now:
+                        log.info("lease %s expired: its sandbox goes", lease.lease_id)
+                        self._end_lease(lease)
+                refill: list[Pool] = []
+                for pool in list(self._pools.values()):
+                    keep = []
+                    for ws in pool.idle:
+                        ended = ws.handle.output_closed.is_set()  # the supervisor is gone
+                        if ended or ws.dead or mono - ws.idle_since > self._settings.idle_ttl_s or pool.draining:
+                            self._destroy_later(pool, ws)
+                        else:
+                            keep.append(ws)
+                    pool.idle = keep
+                    if not pool.draining and len(pool.idle) + pool.creating < self._settings.min_idle \
+                            and pool.size < self._settings.max_size:
+                        pool.creating += 1
+                        refill.append(pool)
+                    if pool.draining and not pool.idle and not pool.leased and not pool.creating:
+                        del self._pools[pool.key]
+            for pool in refill:
+                try:
+                    ws = self._create(pool)
+                    with self._cond:
+                        pool.created += 1
+                        pool.idle.append(ws)
+                        self._cond.notify_all()
+                except Exception as exc:  # noqa: BLE001 - a pool that cannot refill waits
+                    log.warning("could not refill %s: %s", pool.key, exc)
+                finally:
+                    with self._cond:
+                        pool.creating -= 1
+
+    def list(self) -> list[dict[str, Any]]:
+        with self._cond:
+            return [{"poolKey": p.key, "workspace": p.template.plan.workspace, "image": p.template.image,
+                     "backend": p.template.backend.name, "idle": len(p.idle), "leased": len(p.leased),
+                     "minIdle": self._settings.min_idle, "maxSize": self._settings.max_size,
+                     "created": p.created, "destroyed": p.destroyed} for p in self._pools.values()]
+
+    def drain(self, key: str = "") -> int:
+        with self._cond:
+            n = 0
+            for pool in list(self._pools.values()):
+                if key and pool.key != key:
+                    continue
+                pool.draining = True
+                for ws in pool.idle:
+                    self._destroy_later(pool, ws)
+                    n += 1
+                pool.idle = []
+                for lease in list(pool.leased.values()):
+                    self._end_lease(lease)
+                    n += 1
+            return n
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self.drain()
+        self._thread.join(5)
+
+
+class LeaseBackend:
+    """The Backend protocol for one command in a leased sandbox, through its supervisor."""
+
+    def __init__(self, pools: PoolManager, ws: WarmSandbox):
+        self._pools = pools
+        self._ws = ws
+        self.name = ws.prepared.backend.name
+        self._conn: socket.socket | None = None
+        self._status: int | None = None
+        self._done = threading.Event()
+        self._healthy = True
+
+    def create(self, spec: CommandSpec) -> SandboxHandle:
+        return SandboxHandle(self._ws.sandbox_id, self._ws.handle.engine_id, spec)
+
+    def start(self, handle: SandboxHandle, sink: OutputSpool, stdin: bytes) -> None:
+        spec: CommandSpec = handle.spec
+        fields = [spec.cwd, str(len(spec.argv)), *spec.argv, str(len(spec.env)),
+                  *(f"{k}={v}" for k, v in spec.env.items())]
+        payload = b"\0".join(f.encode() for f in fields) + b"\0"
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * 1024 * 1024)
+            conn.connect(str(self._ws.control))
+            conn.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [in_r, out_w, err_w]))])
+            answer = conn.recv(256)
+        except OSError as exc:
+            conn.close()
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            self._healthy = False
+            raise InternalError(f"the sandbox's supervisor did not take the command: {exc}") from None
+        finally:
+            for fd in (in_r, out_w, err_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        if not answer.startswith(b"P "):
+            conn.close()
+            for fd in (in_w, out_r, err_r):
+                os.close(fd)
+            raise InternalError(f"the sandbox's supervisor refused the command: {answer[:200]!r}")
+        self._conn = conn
+        handle.reader = threading.Thread(target=_pump, args=(out_r, err_r, sink, handle), daemon=True,
+                                         name=f"pump-{handle.sandbox_id}")
+        handle.reader.start()
+        threading.Thread(target=_feed, args=(in_w, stdin), daemon=True).start()
+        threading.Thread(target=self._await_exit, daemon=True, name=f"exit-{handle.sandbox_id}").start()
+
+    def _await_exit(self) -> None:
+        assert self._conn is not None
+        try:
+            answer = self._conn.recv(256)
+            if answer.startswith(b"X "):
+                self._status = int(answer[2:])
+            else:
+                self._healthy = False
+        except OSError:
+            self._healthy = False
+        finally:
+            self._done.set()
+
+    def wait(self, handle: SandboxHandle, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s) and handle.output_closed.wait(max(0.0, 5.0))
+
+    def kill(self, handle: SandboxHandle) -> None:
+        if self._conn is not None and not self._done.is_set():
+            try:
+                self._conn.send(b"K")
+            except OSError:
+                self._healthy = False
+
+    def collect(self, handle: SandboxHandle) -> tuple[ExitStatus, ResourceUsage]:
+        status = self._status if self._status is not None else -1
+        if status < 0:
+            return ExitStatus(-1, "", False), ResourceUsage(0, 0)
+        code = os.waitstatus_to_exitcode(status)
+        sig = signal.Signals(-code).name if code < 0 else ""
+        return ExitStatus(128 - code if code < 0 else code, sig, False), ResourceUsage(0, 0)
+
+    def destroy(self, handle: SandboxHandle) -> None:
+        """The sandbox stays (it is the lease's); only this command's channel goes."""
+        if self._conn is not None:
+            self._conn.close()
+        self._pools.command_done(self._ws, self._healthy and self._done.is_set())
+
+
+def _pump(out_r: int, err_r: int, sink: OutputSpool, handle: SandboxHandle) -> None:
+    streams = {out_r: STDOUT, err_r: STDERR}
+    poller = select.poll()
+    for fd in streams:
+        poller.register(fd, select.POLLIN)
+    try:
+        while streams:
+            for fd, _ in poller.poll():
+                if fd not in streams:
+                    continue
+                data = os.read(fd, 1 << 20)
+                if data:
+                    sink.write(streams[fd], data)
+                else:
+                    poller.unregister(fd)
+                    os.close(fd)
+                    del streams[fd]
+    finally:
+        for fd in streams:
+            os.close(fd)
+        handle.output_closed.set()
+
+
+def _feed(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

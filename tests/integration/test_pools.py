@@ -1,0 +1,155 @@
+"""Warm sandboxes and leases for real: commands in a leased sandbox are each a call of
+their own (events, artifacts, timeout), nothing of one command's processes survives into
+the next, a lease is its principal's alone, a released or expired lease's sandbox is
+destroyed, and after a drain or a restart no sandbox remains."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from sandboxd_client import errors
+
+from .conftest import DAEMON_ENV, AdapterClient, call, leftover_sandboxes, sh, wait_for
+from .test_tenants import ALICE, BOB, client_as
+
+
+@pytest.fixture
+def pooled(spare_daemon):
+    return spare_daemon(principals={0: "root", ALICE: "alice", BOB: "bob"}, socket_mode=0o666,
+                        pools={"min_idle": 1, "max_size": 2}).start()
+
+
+def leased(ws, lease, argv, policy=None, adapter="docker"):
+    c = call(ws, argv, policy)
+    c["runtime"].update({"leaseId": lease.lease_id, "adapter": adapter})
+    return c
+
+
+@pytest.mark.parametrize("adapter", ["docker", "nsjail"])
+def test_commands_in_a_lease_are_calls_of_their_own_and_leave_nothing_running(pooled, adapter):
+    d = pooled
+    ws = d.new_workspace({"a.txt": "hello\n"})
+    with d.client() as c:
+        lease = c.acquire_sandbox(str(ws), adapter=adapter)
+        assert lease.lease_id.startswith("lease_") and lease.backend == adapter
+        first = c.run(leased(ws, lease, sh("cat /workspace/a.txt; sleep 300 & echo $! > /tmp/bg; echo started"),
+                             adapter=adapter))
+        assert first.result.status == "success" and first.stdout == b"hello\nstarted\n"
+        # The background sleep died with its command; the sandbox's tmp is the lease's.
+        second = c.run(leased(ws, lease, sh("kill -0 $(cat /tmp/bg) 2>/dev/null && echo alive || echo gone; "
+                                             "ls /proc | grep -c '^[0-9]'"), adapter=adapter))
+        lines = second.stdout.decode().split()
+        assert lines[0] == "gone", second.stdout
+        # init, the supervisor, the shell and ls (or its grep): nothing left over.
+        assert int(lines[1]) <= 5, second.stdout
+        for out in (first, second):
+            types = [e.type for e in c.get_trace(out.tool_call_id)]
+            assert types[:5] == ["ToolCallRequested", "ToolArgsValidated", "ToolPolicyChecked", "ToolSandboxPrepared",
+                                 "ToolCallStarted"]
+            assert c.list_artifacts(out.tool_call_id)
+        # Its own timeout, and the lease still works afterwards.
+        slow = c.run(leased(ws, lease, ["sleep", "30"], {"process": {"timeoutMs": 300}}, adapter=adapter))
+        assert slow.result.timed_out and slow.result.status == "error"
+        assert c.run(leased(ws, lease, ["echo", "still here"], adapter=adapter)).stdout == b"still here\n"
+        c.release_sandbox(lease.lease_id)
+        with pytest.raises(errors.NotFound):
+            c.run(leased(ws, lease, ["true"], adapter=adapter))
+
+
+def test_a_new_lease_gets_a_fresh_sandbox(pooled):
+    d = pooled
+    ws = d.new_workspace()
+    with d.client() as c:
+        one = c.acquire_sandbox(str(ws))
+        c.run(leased(ws, one, sh("echo secret-state > /tmp/left-behind")))
+        c.release_sandbox(one.lease_id)
+        two = c.acquire_sandbox(str(ws))
+        assert two.sandbox_id != one.sandbox_id
+        out = c.run(leased(ws, two, sh("cat /tmp/left-behind 2>/dev/null || echo clean")))
+        assert out.stdout == b"clean\n"
+        c.release_sandbox(two.lease_id)
+
+
+def test_a_lease_is_its_principals_alone(pooled):
+    d = pooled
+    ws = d.new_workspace(uid=ALICE)
+    with client_as(d, ALICE) as alice, client_as(d, BOB) as bob:
+        lease = alice.acquire_sandbox(str(ws))
+        for attempt in (lambda: bob.run(leased(ws, lease, ["true"])), lambda: bob.release_sandbox(lease.lease_id)):
+            with pytest.raises(errors.NotFound):
+                attempt()
+        assert alice.run(leased(ws, lease, ["true"])).result.status == "success"
+        alice.release_sandbox(lease.lease_id)
+
+
+def test_a_call_must_match_the_lease_sandbox_policy(pooled):
+    d = pooled
+    ws = d.new_workspace()
+    with d.client() as c:
+        lease = c.acquire_sandbox(str(ws), {"filesystem": {"writeRoots": ["/workspace"]}})
+        with pytest.raises(errors.FailedPrecondition) as exc:
+            c.run(leased(ws, lease, ["true"]))  # read-only policy: another sandbox
+        assert "runtime.leaseId" in exc.value.message
+        ok = c.run(leased(ws, lease, sh("echo x > /workspace/out.txt"), {"filesystem": {"writeRoots": ["/workspace"]},
+                                                                         "process": {"timeoutMs": 5000}}))
+        assert ok.result.status == "success" and (ws / "out.txt").read_text() == "x\n"
+        c.release_sandbox(lease.lease_id)
+
+
+def test_the_pool_never_exceeds_its_maximum_and_waiters_get_released_sandboxes(pooled):
+    d = pooled
+    ws = d.new_workspace()
+    with d.client() as c:
+        held = [c.acquire_sandbox(str(ws)) for _ in range(2)]
+        with pytest.raises(errors.ResourceExhausted):
+            c.acquire_sandbox(str(ws))
+        threading.Timer(0.5, c.release_sandbox, args=(held[0].lease_id,)).start()
+        waited = c.acquire_sandbox(str(ws), wait_ms=20_000)
+        assert waited.lease_id not in {h.lease_id for h in held}
+        [status] = c.list_pools()
+        assert status.leased == 2 and status.idle + status.leased <= 2
+        for lease in (held[1], waited):
+            c.release_sandbox(lease.lease_id)
+
+
+def test_an_expired_lease_is_reclaimed(pooled, docker_engine):
+    d = pooled
+    ws = d.new_workspace()
+    with d.client() as c:
+        lease = c.acquire_sandbox(str(ws), lease_ms=500)
+        gone = wait_for(lambda: not docker_engine.api.containers(
+            filters={"label": f"sandboxd.sandbox_id={lease.sandbox_id}"}), timeout_s=15)
+        assert gone
+        with pytest.raises(errors.NotFound):
+            c.run(leased(ws, lease, ["true"]))
+
+
+def test_drain_and_restart_leave_no_sandbox(spare_daemon, docker_engine):
+    d = spare_daemon(pools={"min_idle": 2, "max_size": 3}).start()
+    ws = d.new_workspace()
+    with d.client() as c:
+        c.acquire_sandbox(str(ws))
+        assert wait_for(lambda: c.list_pools() and c.list_pools()[0].idle == 2, timeout_s=20)
+        assert c.drain_pools() == 3
+    assert wait_for(lambda: not leftover_sandboxes(docker_engine, d), timeout_s=20)
+    with d.client() as c:
+        c.acquire_sandbox(str(ws))
+        assert leftover_sandboxes(docker_engine, d)
+    # A crash leaves them behind; the restarted daemon removes them by label.
+    d.stop(signal.SIGKILL)
+    assert leftover_sandboxes(docker_engine, d)
+    d.start()
+    assert wait_for(lambda: not _leased_containers(docker_engine, d), timeout_s=20)
+    d.stop()
+    assert not leftover_sandboxes(docker_engine, d)
+
+
+def _leased_containers(docker_engine, d) -> list:
+    """Containers of the earlier run: the new run's own warm sandboxes do not count."""
+    return [c for c in docker_engine.api.containers(all=True, filters={"label": f"sandboxd.daemon_id={d.daemon_id}"})
+            if c["Labels"].get("sandboxd.tool_call_id", "").startswith("pool:")
+            and c["Created"] < d.started_at]
