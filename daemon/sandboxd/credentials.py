@@ -105,29 +105,36 @@ class CredentialBroker:
                 st = os.stat(binding.file)
             except OSError:
                 raise FailedPrecondition(f"credential {binding_id!r}: its file is missing", field=field) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise FailedPrecondition(f"credential {binding_id!r}: its source is not a regular file", field=field)
             if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
                 raise FailedPrecondition(f"credential {binding_id!r}: its file must be the daemon's own and "
                                          "readable by nobody else (mode 0600 or stricter)", field=field)
             with open(binding.file, "rb") as f:
-                value = f.read(MAX_SECRET_BYTES + 1)
+                value = f.read(MAX_SECRET_BYTES + 3)
         elif binding.env is not None:
             if binding.env not in self._environment:
                 raise FailedPrecondition(f"credential {binding_id!r}: the daemon's environment has no "
                                          f"{binding.env}", field=field)
-            value = self._environment[binding.env].encode()
+            value = os.fsencode(self._environment[binding.env])
         else:
             assert binding.command is not None
+            failed = ""
             try:
                 done = subprocess.run(list(binding.command), capture_output=True, timeout=COMMAND_TIMEOUT_S,
                                       stdin=subprocess.DEVNULL, check=False)
             except (OSError, subprocess.TimeoutExpired) as exc:
-                raise FailedPrecondition(f"credential {binding_id!r}: its command failed to run "
-                                         f"({type(exc).__name__})", field=field) from None
+                failed = type(exc).__name__  # the exception holds partial output: it is not kept
+            if failed:
+                raise FailedPrecondition(f"credential {binding_id!r}: its command failed to run ({failed})",
+                                         field=field)
             if done.returncode != 0:
                 # Never its output: that could be the secret.
                 raise FailedPrecondition(f"credential {binding_id!r}: its command exited with {done.returncode}",
                                          field=field)
             value = done.stdout
+        if len(value) > MAX_SECRET_BYTES + 2:  # checked before a newline could hide the excess
+            raise FailedPrecondition(f"credential {binding_id!r} is larger than {MAX_SECRET_BYTES} bytes", field=field)
         if value.endswith(b"\r\n"):
             value = value[:-2]
         elif value.endswith(b"\n"):
@@ -155,6 +162,7 @@ class CredentialBroker:
         os.chmod(self._dir, 0o711)
         base = self.sandbox_dir(sandbox_id)
         base.mkdir(mode=0o711)
+        os.chmod(base, 0o711)  # whatever the daemon's umask: the sandbox user must traverse it
         for i, s in enumerate(secrets):
             path = base / str(i)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)

@@ -622,16 +622,7 @@ def test_expiry_uses_real_clock_by_default():
         check_admission(parse_call(call_dict(authorization={"status": "granted", "expiresAt": past})))
 
 
-@pytest.mark.parametrize("fields, field", [
-    ({"runtime": {"leaseId": "l"}}, "runtime.leaseId"),
-])
-def test_unsupported_features_are_unimplemented(fields, field):
-    exc = refused(Unimplemented, admit, **fields)
-    assert exc.field == field
-    assert exc.code == grpc.StatusCode.UNIMPLEMENTED
-
-
-def test_authorization_is_checked_before_unimplemented_features():
+def test_authorization_is_checked_first():
     exc = refused(PermissionDenied, admit, authorization={"status": "denied"}, runtime={"leaseId": "l"})
     assert exc.field == "authorization.status"
 
