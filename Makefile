@@ -53,6 +53,7 @@ bench: venv images native
 	$(PY) bench/stream_throughput.py
 	$(PY) bench/egress_proxy.py
 	$(PY) bench/audit_query.py
+	$(PY) bench/warm_exec.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -80,7 +80,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
         "workspace": os.path.abspath(args.workspace or os.getcwd()),
         "policy": policy,
         "authorization": {"status": "not_required"},
-        "runtime": {"image": args.image or ""},
+        "runtime": {"image": args.image or "", "adapter": args.adapter or "", "leaseId": args.lease or ""},
     }
     if args.cwd:
         call["cwd"] = args.cwd
@@ -212,6 +212,36 @@ def _shorten(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
+def cmd_pool(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        try:
+            if args.pool_command == "ls":
+                pools = client.list_pools()
+                if args.json:
+                    for p in pools:
+                        print(json.dumps(to_json(p), sort_keys=True))
+                    return 0
+                rows = [("POOL", "BACKEND", "IDLE", "LEASED", "MIN", "MAX", "CREATED", "DESTROYED", "WORKSPACE")]
+                rows += [(p.pool_key, p.backend, str(p.idle), str(p.leased), str(p.min_idle), str(p.max_size),
+                          str(p.created), str(p.destroyed), p.workspace) for p in pools]
+                widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+                for r in rows:
+                    print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+            elif args.pool_command == "acquire":
+                policy = load_policy(args.policy) if args.policy else None
+                lease = client.acquire_sandbox(os.path.abspath(args.workspace or os.getcwd()), policy,
+                                               image=args.image or "", adapter=args.adapter or "",
+                                               lease_ms=args.lease_ms, wait_ms=args.wait_ms)
+                print(json.dumps(to_json(lease), sort_keys=True) if args.json else lease.lease_id)
+            elif args.pool_command == "release":
+                client.release_sandbox(args.lease_id)
+            elif args.pool_command == "drain":
+                print(f"destroyed {client.drain_pools(args.pool_key or '')} sandboxes")
+        except SandboxdClientError as exc:
+            return _fail(f"{exc.code.name}: {exc.message}", 1)
+    return 0
+
+
 def network_line(p: dict) -> str:
     """One NetworkAccessObserved payload, for people."""
     if "dropped" in p:
@@ -323,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workspace", help="host workspace directory (default: the current directory)")
     p.add_argument("--policy", help="SandboxPolicy as JSON or YAML (camelCase names)")
     p.add_argument("--image")
+    p.add_argument("--adapter", help="docker (default) or nsjail")
+    p.add_argument("--lease", help="run in this leased warm sandbox (`sandboxctl pool acquire`)")
     p.add_argument("--cwd", help="working directory inside the sandbox")
     p.add_argument("--timeout-ms", type=int)
     p.add_argument("--memory-mb", type=int)
@@ -355,6 +387,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--call", help="export: only this call's events")
     p.add_argument("--after-seq", type=int, default=0, help="export: only events after this log position")
     p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("pool", help="warm sandboxes: `pool ls`, `pool acquire`, `pool release LEASE`, `pool drain`")
+    psub = p.add_subparsers(dest="pool_command", required=True)
+    pl = psub.add_parser("ls", help="pools and their sandboxes (admin)")
+    pl.add_argument("--json", action="store_true")
+    pa = psub.add_parser("acquire", help="lease a warm sandbox; prints the lease id")
+    pa.add_argument("--workspace", help="host workspace directory (default: the current directory)")
+    pa.add_argument("--policy", help="SandboxPolicy as JSON or YAML: the part that fixes the sandbox")
+    pa.add_argument("--image")
+    pa.add_argument("--adapter", help="docker (default) or nsjail")
+    pa.add_argument("--lease-ms", type=int, default=0)
+    pa.add_argument("--wait-ms", type=int, default=0, help="wait for a sandbox when the pool is full")
+    pa.add_argument("--json", action="store_true")
+    pr = psub.add_parser("release", help="end a lease (its sandbox is destroyed)")
+    pr.add_argument("lease_id")
+    pd = psub.add_parser("drain", help="destroy a pool's sandboxes (admin)")
+    pd.add_argument("pool_key", nargs="?")
+    for q in (pl, pa, pr, pd):
+        common(q)
+    p.set_defaults(func=cmd_pool)
 
     p = sub.add_parser("audit", help="forensic queries over recorded calls, newest first")
     p.add_argument("--command", help="substring of the command line")

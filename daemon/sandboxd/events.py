@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -165,11 +166,16 @@ class CheckpointFile:
     elsewhere). Removing events from the end of the log, or rewriting it wholesale and
     re-chaining, then no longer verifies."""
 
-    def __init__(self, path, log: EventLog):
+    def __init__(self, path, log: EventLog, min_interval_s: float = 1.0):
         self._path = path
         self._log = log
         self._lock = threading.Lock()
         self._last_seq = max((c.seq for c in self.read()), default=0)
+        # One fsynced line per call would cost every call a disk flush: at most one per
+        # interval (and always at shutdown), which bounds what an undetected truncation
+        # could remove to the last interval's events.
+        self._min_interval_s = min_interval_s
+        self._last_time = 0.0
 
     def read(self) -> list[Checkpoint]:
         try:
@@ -186,12 +192,16 @@ class CheckpointFile:
                 continue  # a torn last line (a crash mid-write) checks nothing
         return out
 
-    def checkpoint(self) -> Checkpoint | None:
-        """Writes the current head if it moved; returns it."""
+    def checkpoint(self, force: bool = False) -> Checkpoint | None:
+        """Writes the current head if it moved (and the interval passed); returns it."""
         with self._lock:
+            now = time.monotonic()
+            if not force and now - self._last_time < self._min_interval_s:
+                return None
             seq, h = self._log.head()
             if seq <= self._last_seq:
                 return None
+            self._last_time = now
             c = Checkpoint(seq, h, utc_now())
             fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:

@@ -675,7 +675,7 @@ class CallExecutor:
                     EventDraft(ev.FINISHED, {"interrupted": True, "exitCode": -1}, finished_id),
                     EventDraft(ev.RESULT_VALIDATED, {"result": result}, validated_id),
                 ] + [_persisted(r) for r in records])
-        self.checkpoint()
+        self.checkpoint(force=True)
         return len(rows)
 
     def _salvage_output(self, tool_call_id: str, sandbox_id: str) -> list[ArtifactRecord]:
@@ -729,10 +729,10 @@ class CallExecutor:
                 raise PermissionDenied(f"grant {grant_id} was already used by another call", field="authorization.grantId")
             self._pending_grants[grant_id] = tool_call_id
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, force: bool = False) -> None:
         if self.checkpoints is not None:
             try:
-                self.checkpoints.checkpoint()
+                self.checkpoints.checkpoint(force)
             except OSError:
                 log.exception("writing the log checkpoint failed")
 
@@ -828,7 +828,7 @@ class CallExecutor:
             r.cancel("the daemon is shutting down")
         for r in runs:
             r.join(max(0.0, deadline - time.monotonic()))
-        self.checkpoint()
+        self.checkpoint(force=True)
 
 
 def clean_spool(settings: DaemonSettings) -> None:

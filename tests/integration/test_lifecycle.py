@@ -175,9 +175,9 @@ def test_checkpoints_catch_a_truncated_or_rechained_log(spare_daemon):
         last = c.run(call(ws, ["echo", "two"]))
         report = c.verify_log()
         assert report.ok
+    d.stop()  # a graceful stop always writes the head down
     checkpoints = [json.loads(x) for x in (d.state_dir / "checkpoints.jsonl").read_text().splitlines()]
     assert checkpoints and checkpoints[-1]["hash"] == report.head_hash
-    d.stop()
     db = sqlite3.connect(d.state_dir / "sandboxd.db")
     saved = db.execute("SELECT * FROM events WHERE tool_call_id = ? ORDER BY seq", (last.tool_call_id,)).fetchall()
     db.execute("DELETE FROM events WHERE tool_call_id = ?", (last.tool_call_id,))

@@ -153,3 +153,19 @@ def _leased_containers(docker_engine, d) -> list:
     return [c for c in docker_engine.api.containers(all=True, filters={"label": f"sandboxd.daemon_id={d.daemon_id}"})
             if c["Labels"].get("sandboxd.tool_call_id", "").startswith("pool:")
             and c["Created"] < d.started_at]
+
+
+def test_sandboxctl_pool_and_exec_with_a_lease(pooled):
+    from .test_cli import ctl
+
+    d = pooled
+    ws = d.new_workspace()
+    lease_id = ctl(d, "pool", "acquire", "--workspace", str(ws)).stdout.decode().strip()
+    assert lease_id.startswith("lease_")
+    p = ctl(d, "exec", "--lease", lease_id, "--workspace", str(ws), "--", "sh", "-c", "echo warm; exit 3")
+    assert (p.returncode, p.stdout) == (3, b"warm\n")
+    table = ctl(d, "pool", "ls").stdout.decode().splitlines()
+    assert table[0].split()[:4] == ["POOL", "BACKEND", "IDLE", "LEASED"] and "docker" in table[1]
+    assert ctl(d, "pool", "release", lease_id).returncode == 0
+    assert ctl(d, "exec", "--lease", lease_id, "--workspace", str(ws), "--", "true").returncode == 125
+    assert b"destroyed" in ctl(d, "pool", "drain").stdout

@@ -1,0 +1,130 @@
+"""Warm exec: `true` in a leased warm sandbox, end to end through gRPC (acquire once,
+then run + collect the result), versus a cold call (a fresh sandbox per call) on the same
+backend, the Docker SDK's exec_run in a running container, and a bare subprocess, all
+measured in one run. Prints medians, p99 and the cold/warm ratio; then N concurrent
+agents each running M short commands in their own leases (errors, p99, daemon memory).
+
+    .venv/bin/python bench/warm_exec.py [-n 50] [--agents 20] [--commands 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
+
+import docker  # noqa: E402
+
+from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
+
+
+def timed(fn, n: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def p99(samples: list[float]) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(len(s) * 0.99))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=50)
+    ap.add_argument("--agents", type=int, default=20)
+    ap.add_argument("--commands", type=int, default=50)
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="sandboxd-bench-warm-", dir="/tmp"))
+    base.chmod(0o755)
+    d = make_daemon(base, max_concurrent_calls=64, quotas={"concurrent_calls": 64},
+                    pools={"min_idle": 1, "max_size": max(4, args.agents + 2)}).start()
+    rows: list[tuple[str, list[float]]] = []
+    try:
+        ws = d.new_workspace()
+        client = d.client()
+        for adapter in ("docker", "nsjail"):
+            lease = client.acquire_sandbox(str(ws), adapter=adapter)
+            warm_call = prepared_call(ws, ["true"], runtime={"adapter": adapter, "image": "sandboxd/default:latest",
+                                                             "leaseId": lease.lease_id})
+            rows.append((f"{adapter}: leased warm sandbox", timed(lambda: client.run(warm_call), args.n)))
+            cold_call = prepared_call(ws, ["true"], runtime={"adapter": adapter, "image": "sandboxd/default:latest"})
+            rows.append((f"{adapter}: cold call (fresh sandbox)", timed(lambda: client.run(cold_call), max(10, args.n // 5))))
+            client.release_sandbox(lease.lease_id)
+        engine = docker.from_env()
+        box = engine.containers.run("sandboxd/default:latest", ["sleep", "600"], detach=True, network_mode="none")
+        try:
+            rows.append(("docker SDK exec_run in a running container", timed(lambda: box.exec_run(["true"]), args.n)))
+        finally:
+            box.remove(force=True)
+        rows.append(("bare subprocess", timed(lambda: subprocess.run(["true"]), args.n)))
+
+        print(f"\nwarm exec, n={args.n}; times in ms\n")
+        print(f"| {'path':<44} | {'median':>8} | {'p99':>8} |")
+        print(f"|{'-' * 46}|{'-' * 10}|{'-' * 10}|")
+        for name, samples in rows:
+            print(f"| {name:<44} | {statistics.median(samples):8.2f} | {p99(samples):8.2f} |")
+        for adapter in ("docker", "nsjail"):
+            warm = statistics.median(dict(rows)[f"{adapter}: leased warm sandbox"])
+            cold = statistics.median(dict(rows)[f"{adapter}: cold call (fresh sandbox)"])
+            print(f"{adapter}: cold / warm = {cold / warm:.1f}x")
+
+        # Concurrent agents, each with its own lease and workspace.
+        latencies: list[float] = []
+        errors: list[str] = []
+        lock = threading.Lock()
+
+        def agent(i: int) -> None:
+            try:
+                aws = d.new_workspace()
+                c = d.client()
+                lease = c.acquire_sandbox(str(aws), wait_ms=60_000)
+                for _ in range(args.commands):
+                    call = prepared_call(aws, ["true"], runtime={"image": "sandboxd/default:latest",
+                                                                 "leaseId": lease.lease_id})
+                    t = time.perf_counter()
+                    out = c.run(call)
+                    ms = (time.perf_counter() - t) * 1000
+                    with lock:
+                        latencies.append(ms)
+                        if out.result.status != "success":
+                            errors.append(out.result.error.message)
+                c.release_sandbox(lease.lease_id)
+                c.close()
+            except Exception as exc:  # noqa: BLE001 - counted
+                with lock:
+                    errors.append(repr(exc))
+
+        threads = [threading.Thread(target=agent, args=(i,)) for i in range(args.agents)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        rss = 0
+        while any(t.is_alive() for t in threads):
+            rss = max(rss, int(Path(f"/proc/{d.proc.pid}/status").read_text().split("VmRSS:")[1].split()[0]))
+            time.sleep(0.2)
+        wall = time.perf_counter() - t0
+        print(f"\n{args.agents} agents x {args.commands} commands (docker leases): {len(latencies)} commands in "
+              f"{wall:.1f} s, errors {len(errors)}, median {statistics.median(latencies):.1f} ms, "
+              f"p99 {p99(latencies):.1f} ms, daemon peak RSS {rss // 1024} MiB")
+        if errors:
+            print("first error:", errors[0])
+    finally:
+        d.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
