@@ -140,6 +140,10 @@ class PoolManager:
                        template.plan.gid, template.policy)
         deadline = time.monotonic() + wait_ms / 1000
         with self._cond:
+            held = sum(1 for lease in self._leases.values() if lease.principal == caller.name)
+            quota = self._ex.settings.quotas.leases
+            if held >= quota:
+                raise ResourceExhausted(f"{caller.name} holds {held} leases, its quota; release one first")
             pool = self._pools.get(key)
             if pool is None or pool.draining:
                 pool = self._pools[key] = Pool(key, template)

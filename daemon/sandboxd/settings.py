@@ -164,6 +164,8 @@ class QuotaSettings(BaseModel):
     concurrent_calls: int = Field(default=16, ge=1)
     # principal -> its own concurrent-call limit.
     per_principal: dict[str, int] = Field(default_factory=dict)
+    # Warm sandboxes one principal may hold leased at once.
+    leases: int = Field(default=8, ge=0)
 
     def concurrent_calls_for(self, principal: str) -> int:
         return self.per_principal.get(principal, self.concurrent_calls)

@@ -169,3 +169,18 @@ def test_sandboxctl_pool_and_exec_with_a_lease(pooled):
     assert ctl(d, "pool", "release", lease_id).returncode == 0
     assert ctl(d, "exec", "--lease", lease_id, "--workspace", str(ws), "--", "true").returncode == 125
     assert b"destroyed" in ctl(d, "pool", "drain").stdout
+
+
+def test_a_principal_past_its_lease_quota_is_refused_without_hurting_others(spare_daemon):
+    d = spare_daemon(principals={0: "root", ALICE: "alice", BOB: "bob"}, socket_mode=0o666,
+                     pools={"min_idle": 0, "max_size": 4}, quotas={"leases": 1}).start()
+    alice_ws, bob_ws = d.new_workspace(uid=ALICE), d.new_workspace(uid=BOB)
+    with client_as(d, ALICE) as alice, client_as(d, BOB) as bob:
+        held = alice.acquire_sandbox(str(alice_ws))
+        with pytest.raises(errors.ResourceExhausted) as exc:
+            alice.acquire_sandbox(str(alice_ws))
+        assert "alice" in exc.value.message and "quota" in exc.value.message
+        theirs = bob.acquire_sandbox(str(bob_ws))
+        assert bob.run(leased(bob_ws, theirs, ["true"])).result.status == "success"
+        for c, lease in ((alice, held), (bob, theirs)):
+            c.release_sandbox(lease.lease_id)
