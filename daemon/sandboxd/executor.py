@@ -444,9 +444,11 @@ class CallExecutor:
         self._inheritable = {n: os.environ[n] for n in settings.inheritable_env if n in os.environ}
 
     # -- admission ------------------------------------------------------------------
-    def _prepare(self, call: PreparedToolCall, tool_call_id: str, principal: str | None = None) -> Prepared:
+    def _prepare(self, call: PreparedToolCall, tool_call_id: str, principal: str | None = None, *,
+                 sandbox: bool = True) -> Prepared:
         """Everything up to the compiled spec. `principal` None (ExplainPolicy) resolves
-        no credentials."""
+        no credentials. `sandbox` False (a command for a leased sandbox, which exists)
+        stops after the host checks: no image lookup, no spec."""
         check_admission(call)
         policy = resolve_policy(call, self.settings.limits, self._inheritable)
         argv_bytes = sum(len(a.encode()) + 1 for a in call.argv)
@@ -463,6 +465,8 @@ class CallExecutor:
         if not any(fnmatch.fnmatchcase(image, pat) for pat in self.settings.allowed_images):
             raise PermissionDenied(f"image {image!r} is not in the daemon's allowed images", field="runtime.image")
         plan = preflight(policy, call.workspace, self.settings)
+        if not sandbox:
+            return Prepared(call, policy, plan, image, "", backend, None, "")
         digest = backend.image_digest(image)
         sandbox_id = "sbx-" + ev.new_id("x")[2:]
         egress = None
@@ -486,7 +490,7 @@ class CallExecutor:
         sandbox (its policy class must match) and a command spec for its supervisor."""
         if call.credential_refs:
             raise Unimplemented("credentials in leased sandboxes are not supported yet", field="credentialRefs")
-        prepared = self._prepare(call, tool_call_id, None)
+        prepared = self._prepare(call, tool_call_id, None, sandbox=False)
         if self.pools is None:
             raise FailedPrecondition("this daemon keeps no pools", field="runtime.leaseId")
         ws = self.pools.sandbox_for(call.runtime.lease_id, caller, prepared)
@@ -495,7 +499,7 @@ class CallExecutor:
                                dict(prepared.policy.env), prepared.policy.timeout_ms,
                                prepared.policy.max_stdout_bytes, prepared.policy.max_stderr_bytes)
             return replace(prepared, backend=LeaseBackend(self.pools, ws), spec=spec, sandbox_id=ws.sandbox_id,
-                           attachments=Attachments(), lease=ws)
+                           image_digest=ws.prepared.image_digest, attachments=Attachments(), lease=ws)
         except BaseException:
             self.pools.command_done(ws, True)
             raise

@@ -126,6 +126,7 @@ class PoolManager:
         self._pools: dict[str, Pool] = {}
         self._leases: dict[str, Lease] = {}
         self._closing = False
+        self._destroyers: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._maintain, name="pools", daemon=True)
         self._thread.start()
 
@@ -173,6 +174,9 @@ class PoolManager:
         with self._cond:
             pool.creating -= 1
             pool.created += 1
+            if self._closing:
+                self._destroy_later(pool, ws)
+                raise FailedPrecondition("the daemon is shutting down")
             return self._lease(pool, ws, caller, lease_s)
 
     def _lease(self, pool: Pool, ws: WarmSandbox, caller: "Principal", lease_s: float) -> Lease:
@@ -288,7 +292,9 @@ class PoolManager:
         """Under the lock: removal happens off the caller's thread."""
         if pool is not None:
             pool.destroyed += 1
-        threading.Thread(target=self._destroy, args=(ws,), daemon=True, name=f"destroy-{ws.sandbox_id}").start()
+        t = threading.Thread(target=self._destroy, args=(ws,), daemon=True, name=f"destroy-{ws.sandbox_id}")
+        self._destroyers = [d for d in self._destroyers if d.is_alive()] + [t]
+        t.start()
 
     def _destroy(self, ws: WarmSandbox) -> None:
         backend = ws.prepared.backend
@@ -337,7 +343,10 @@ class PoolManager:
                     ws = self._create(pool)
                     with self._cond:
                         pool.created += 1
-                        pool.idle.append(ws)
+                        if self._closing or pool.draining:
+                            self._destroy_later(pool, ws)  # made while the pool was being emptied
+                        else:
+                            pool.idle.append(ws)
                         self._cond.notify_all()
                 except Exception as exc:  # noqa: BLE001 - a pool that cannot refill waits
                     log.warning("could not refill %s: %s", pool.key, exc)
@@ -368,12 +377,18 @@ class PoolManager:
                     n += 1
             return n
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Every warm sandbox is gone when this returns (up to the timeout)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        deadline = time.monotonic() + timeout_s
+        self._thread.join(timeout_s)  # a refill in progress finishes, and is destroyed
         self.drain()
-        self._thread.join(5)
+        with self._cond:
+            destroyers = list(self._destroyers)
+        for t in destroyers:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class LeaseBackend:

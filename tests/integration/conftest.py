@@ -72,6 +72,23 @@ def nsjail_leftovers(d: DaemonProcess) -> list[str]:
     return found
 
 
+def kill_nsjail_leftovers(d: DaemonProcess) -> None:
+    """After a daemon killed with SIGKILL: its jails' processes (a restart would reap them)."""
+    import signal as _signal
+
+    root = Path("/sys/fs/cgroup/pids/sandboxd-nsjail") / d.daemon_id
+    for cg in root.glob("*/"):
+        try:
+            pids = [int(p) for p in (cg / "cgroup.procs").read_text().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                os.kill(pid, _signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def leftover_sandboxes(docker_engine, d: DaemonProcess) -> list[str]:
     return [c.name for c in sandbox_containers(docker_engine, d.daemon_id)] + nsjail_leftovers(d)
 
@@ -107,6 +124,7 @@ def spare_daemon(docker_engine):
         if d.daemon_id:
             for c in sandbox_containers(docker_engine, d.daemon_id):
                 c.remove(force=True)
+            kill_nsjail_leftovers(d)
     shutil.rmtree(base, ignore_errors=True)
 
 

@@ -184,3 +184,15 @@ def test_a_principal_past_its_lease_quota_is_refused_without_hurting_others(spar
         assert bob.run(leased(bob_ws, theirs, ["true"])).result.status == "success"
         for c, lease in ((alice, held), (bob, theirs)):
             c.release_sandbox(lease.lease_id)
+
+
+def test_a_graceful_stop_leaves_no_warm_sandbox_on_either_backend(spare_daemon, docker_engine):
+    d = spare_daemon(pools={"min_idle": 2, "max_size": 3}).start()
+    ws = d.new_workspace()
+    with d.client() as c:
+        for adapter in ("docker", "nsjail"):
+            c.acquire_sandbox(str(ws), adapter=adapter)
+        # Refills are under way (min_idle 2) while the daemon stops.
+        wait_for(lambda: sum(p.idle for p in c.list_pools()) >= 1, timeout_s=20)
+    d.stop()
+    assert not leftover_sandboxes(docker_engine, d)
