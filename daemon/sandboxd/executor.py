@@ -771,6 +771,10 @@ class CallExecutor:
         return prepared, list(prepared.plan.notes)
 
     # -- running calls ----------------------------------------------------------------
+    def running_calls(self) -> list[str]:
+        with self._lock:
+            return list(self._runs)
+
     def get_run(self, tool_call_id: str) -> CallRun | None:
         with self._lock:
             return self._runs.get(tool_call_id)

@@ -32,6 +32,7 @@ from .errors import BackendUnavailable, SandboxdError
 from .credentials import CredentialBroker
 from .events import CheckpointFile, EventLog
 from .executor import CallExecutor, clean_spool
+from .metrics import MetricsServer, render
 from .pools import PoolManager
 from .proxy import EgressProxy
 from .service import (ArtifactServicer, AuditServicer, Authenticator, ErrorInterceptor, ExecutionServicer, PoolServicer,
@@ -86,6 +87,7 @@ class Daemon:
     daemon_id: str
     relay: PeerCredentialRelay
     proxy: EgressProxy | None = None
+    metrics: MetricsServer | None = None
 
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.grace_period_s if grace_s is None else grace_s
@@ -97,6 +99,8 @@ class Daemon:
         self.server.stop(grace=1).wait()
         if self.proxy is not None:
             self.proxy.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
         for backend in self.executor.backends.values():
             close = getattr(backend, "close", None)
             if close is not None:
@@ -247,7 +251,17 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
                                 settings.socket_ownership())
     relay.start()
     log.info("serving on %s (daemon %s, state %s)", settings.socket_path, daemon_id, settings.state_dir)
-    return Daemon(settings, server, executor, db, daemon_id, relay, proxy)
+    metrics = None
+    if settings.metrics_address:
+        metrics = MetricsServer(settings.metrics_address, lambda: _metrics_text(executor))
+        metrics.start()
+    return Daemon(settings, server, executor, db, daemon_id, relay, proxy, metrics)
+
+
+def _metrics_text(executor: CallExecutor) -> str:
+    running = len(executor.running_calls())
+    text = render([("sandboxd_calls_running", "gauge", "Calls running now", [f"sandboxd_calls_running {running}"])])
+    return text + (executor.pools.metrics() if executor.pools is not None else "")
 
 
 def main(argv: list[str] | None = None) -> int:

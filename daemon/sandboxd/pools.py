@@ -28,6 +28,7 @@ from . import events as ev
 from .backends import ExitStatus, ResourceUsage, SandboxHandle
 from .compile import CONTROL_SOCKET, Attachments, SandboxIdentity
 from .errors import Aborted, FailedPrecondition, InternalError, NotFound, ResourceExhausted, Unimplemented
+from .metrics import Histogram, render
 from .output import STDERR, STDOUT, OutputSpool
 from .policy import EffectivePolicy, canonical_json
 
@@ -127,11 +128,18 @@ class PoolManager:
         self._leases: dict[str, Lease] = {}
         self._closing = False
         self._destroyers: list[threading.Thread] = []
+        self.acquire_latency = Histogram()
         self._thread = threading.Thread(target=self._maintain, name="pools", daemon=True)
         self._thread.start()
 
     # -- leases ------------------------------------------------------------------------
     def acquire(self, template: "Prepared", caller: "Principal", lease_ms: int, wait_ms: int) -> Lease:
+        t0 = time.monotonic()
+        lease = self._acquire(template, caller, lease_ms, wait_ms)
+        self.acquire_latency.observe(time.monotonic() - t0)
+        return lease
+
+    def _acquire(self, template: "Prepared", caller: "Principal", lease_ms: int, wait_ms: int) -> Lease:
         if template.policy.proxied or template.secrets:
             raise Unimplemented("pooled sandboxes do not take the egress proxy or credentials yet; "
                                 "use egress 'none' or 'open' without credentialRefs", field="policy.network.egress")
@@ -360,6 +368,21 @@ class PoolManager:
                      "backend": p.template.backend.name, "idle": len(p.idle), "leased": len(p.leased),
                      "minIdle": self._settings.min_idle, "maxSize": self._settings.max_size,
                      "created": p.created, "destroyed": p.destroyed} for p in self._pools.values()]
+
+    def metrics(self) -> str:
+        """Prometheus exposition of every pool (by key and backend: no workspace paths)."""
+        pools = self.list()
+        families = []
+        for name, field_, kind, help_text in (
+                ("sandboxd_pool_idle_sandboxes", "idle", "gauge", "Warm sandboxes waiting for a lease"),
+                ("sandboxd_pool_leased_sandboxes", "leased", "gauge", "Warm sandboxes leased"),
+                ("sandboxd_pool_created_total", "created", "counter", "Warm sandboxes created"),
+                ("sandboxd_pool_destroyed_total", "destroyed", "counter", "Warm sandboxes destroyed")):
+            families.append((name, kind, help_text, [
+                f'{name}{{pool="{p["poolKey"]}",backend="{p["backend"]}"}} {p[field_]}' for p in pools]))
+        families.append(("sandboxd_pool_acquire_seconds", "histogram", "AcquireSandbox latency",
+                         self.acquire_latency.render("sandboxd_pool_acquire_seconds")))
+        return render(families)
 
     def drain(self, key: str = "") -> int:
         with self._cond:

@@ -232,6 +232,8 @@ class DaemonSettings(BaseModel):
     runtime_dir: Path = Path("/var/lib/sandboxd-runtime")
     quotas: QuotaSettings = Field(default_factory=QuotaSettings)
     pools: PoolSettings = Field(default_factory=PoolSettings)
+    # host:port of the Prometheus endpoint (GET /metrics); unset: none.
+    metrics_address: str | None = None
     # Peer uid on the Unix socket -> principal name; any other uid is refused.
     principals: dict[int, str] = Field(default_factory=lambda: {0: "root"})
     # Principals that may read every tenant's traces and artifacts.

@@ -47,6 +47,15 @@ def docker_engine():
 
 
 def sandbox_containers(client, daemon_id: str) -> list:
+    import docker
+
+    # The SDK inspects each listed container: one removed in between (a pool's
+    # sandbox being destroyed) is a 404 that only means "gone", so list again.
+    for _ in range(20):
+        try:
+            return client.containers.list(all=True, filters={"label": f"sandboxd.daemon_id={daemon_id}"})
+        except docker.errors.NotFound:
+            time.sleep(0.05)
     return client.containers.list(all=True, filters={"label": f"sandboxd.daemon_id={daemon_id}"})
 
 

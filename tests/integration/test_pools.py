@@ -196,3 +196,23 @@ def test_a_graceful_stop_leaves_no_warm_sandbox_on_either_backend(spare_daemon, 
         wait_for(lambda: sum(p.idle for p in c.list_pools()) >= 1, timeout_s=20)
     d.stop()
     assert not leftover_sandboxes(docker_engine, d)
+
+
+def test_pool_metrics_on_the_prometheus_endpoint(spare_daemon):
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = spare_daemon(pools={"min_idle": 1, "max_size": 2}, metrics_address=f"127.0.0.1:{port}").start()
+    ws = d.new_workspace()
+    with d.client() as c:
+        lease = c.acquire_sandbox(str(ws))
+        c.run(leased(ws, lease, ["true"]))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        c.release_sandbox(lease.lease_id)
+    assert f'sandboxd_pool_leased_sandboxes{{pool="{lease.pool_key}",backend="docker"}} 1' in text
+    assert 'sandboxd_pool_created_total{pool="' in text and "sandboxd_calls_running 0" in text
+    assert "sandboxd_pool_acquire_seconds_count 1" in text
+    assert str(ws) not in text  # pools are named by key: no workspace paths leave this way
