@@ -210,6 +210,14 @@ class CallRun:
             failure = SandboxdError("internal error while running the sandbox")
             log.exception("call %s: unexpected error: %s", self.tool_call_id, exc)
         finally:
+            dropped: int = 0
+            overflow: dict = {}
+            if p.lease is not None and handle is not None:
+                # Before the sandbox can take the lease's next command.
+                try:
+                    connections, dropped, overflow = backend.network_records()
+                except Exception:
+                    log.exception("reading the network records of %s failed", p.sandbox_id)
             if handle is not None:
                 try:
                     backend.destroy(handle)
@@ -220,6 +228,7 @@ class CallRun:
             if endpoint is not None:
                 try:
                     connections = self._executor.proxy.close_endpoint(endpoint)
+                    dropped, overflow = endpoint.dropped_records, dict(endpoint.overflow)
                 except Exception:
                     log.exception("closing the egress endpoint of %s failed", p.sandbox_id)
             if p.secrets:
@@ -229,8 +238,7 @@ class CallRun:
         with self._cond:
             cancel_reason = self._cancel_reason
         try:
-            self._finish(status, usage, latency_ms, timed_out, cancel_reason, failure, connections,
-                         endpoint.dropped_records if endpoint else 0, dict(endpoint.overflow) if endpoint else {})
+            self._finish(status, usage, latency_ms, timed_out, cancel_reason, failure, connections, dropped, overflow)
         except Exception:
             log.exception("recording the result of %s failed", self.tool_call_id)
             with self._cond:
@@ -495,8 +503,10 @@ class CallExecutor:
             raise FailedPrecondition("this daemon keeps no pools", field="runtime.leaseId")
         ws = self.pools.sandbox_for(call.runtime.lease_id, caller, prepared)
         try:
+            # The sandbox's own attachments (the proxy variables) apply to every command.
+            env = {**prepared.policy.env, **ws.prepared.attachments.env()}
             spec = CommandSpec(call.runtime.lease_id, ws.sandbox_id, tuple(call.argv), prepared.policy.cwd,
-                               dict(prepared.policy.env), prepared.policy.timeout_ms,
+                               env, prepared.policy.timeout_ms,
                                prepared.policy.max_stdout_bytes, prepared.policy.max_stderr_bytes)
             return replace(prepared, backend=LeaseBackend(self.pools, ws), spec=spec, sandbox_id=ws.sandbox_id,
                            image_digest=ws.prepared.image_digest, attachments=Attachments(), lease=ws)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import events as ev
 from .backends import ExitStatus, ResourceUsage, SandboxHandle
-from .compile import CONTROL_SOCKET, Attachments, SandboxIdentity
+from .compile import CONTROL_SOCKET, Attachments, EgressAttachment, SandboxIdentity
 from .errors import Aborted, FailedPrecondition, InternalError, NotFound, ResourceExhausted, Unimplemented
 from .metrics import Histogram, render
 from .output import STDERR, STDOUT, OutputSpool
@@ -71,6 +71,7 @@ class WarmSandbox:
     lease: "Lease | None" = None
     busy: str = ""  # the tool_call_id running in it
     dead: bool = False
+    endpoint: Any = None  # its egress proxy endpoint, for a proxied policy
 
 
 @dataclass
@@ -132,6 +133,10 @@ class PoolManager:
         self._thread = threading.Thread(target=self._maintain, name="pools", daemon=True)
         self._thread.start()
 
+    @property
+    def proxy(self):
+        return self._ex.proxy
+
     # -- leases ------------------------------------------------------------------------
     def acquire(self, template: "Prepared", caller: "Principal", lease_ms: int, wait_ms: int) -> Lease:
         t0 = time.monotonic()
@@ -140,9 +145,11 @@ class PoolManager:
         return lease
 
     def _acquire(self, template: "Prepared", caller: "Principal", lease_ms: int, wait_ms: int) -> Lease:
-        if template.policy.proxied or template.secrets:
-            raise Unimplemented("pooled sandboxes do not take the egress proxy or credentials yet; "
-                                "use egress 'none' or 'open' without credentialRefs", field="policy.network.egress")
+        if template.secrets:
+            raise Unimplemented("pooled sandboxes do not take credentials yet", field="credentialRefs")
+        if template.policy.proxied and self._ex.proxy is None:
+            raise FailedPrecondition("this policy needs the egress proxy, which is unavailable",
+                                     field="policy.network.egress")
         s = self._settings
         lease_s = min(lease_ms / 1000 if lease_ms else s.default_lease_s, s.max_lease_s)
         key = pool_key(template.plan.workspace, template.image, template.backend.name, template.plan.uid,
@@ -266,7 +273,16 @@ class PoolManager:
         os.chmod(control_dir.parent, 0o711)
         control_dir.mkdir(mode=0o700)
         os.chown(control_dir, t.plan.uid, t.plan.gid)
-        attachments = Attachments(ex.shim or "", control_host_dir=str(control_dir))
+        endpoint = None
+        egress = None
+        if t.policy.proxied:
+            proxy = ex.proxy
+            endpoint = proxy.open_endpoint(
+                sandbox_id, proxy.rules(t.policy.allow_domains, t.policy.deny_private_networks,
+                                        any_host=t.policy.egress == "open"),
+                uid=t.plan.uid, gid=t.plan.gid, record_allowed=t.policy.record_network_access)
+            egress = EgressAttachment(str(proxy.socket_path(sandbox_id)), ex.settings.egress.proxy_port)
+        attachments = Attachments(ex.shim or "", egress, control_host_dir=str(control_dir))
         # The engine-side limit is the sandbox's whole life; each command has its own.
         life_ms = int((self._settings.max_lease_s + self._settings.idle_ttl_s) * 1000)
         policy = replace(t.policy, timeout_ms=life_ms)
@@ -288,13 +304,15 @@ class PoolManager:
         except BaseException:
             if handle is not None:
                 t.backend.destroy(handle)
+            if endpoint is not None:
+                ex.proxy.close_endpoint(endpoint)
             spool.discard()
             ex.release_workspace(f"pool:{sandbox_id}")
             shutil.rmtree(control_dir, ignore_errors=True)
             raise
         prepared = replace(t, spec=spec, sandbox_id=sandbox_id, attachments=attachments)
         log.info("warm sandbox %s ready for %s", sandbox_id, pool.key)
-        return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, control)
+        return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, control, endpoint=endpoint)
 
     def _destroy_later(self, pool: Pool | None, ws: WarmSandbox) -> None:
         """Under the lock: removal happens off the caller's thread."""
@@ -314,6 +332,11 @@ class PoolManager:
             backend.destroy(ws.handle)
         except Exception:
             log.exception("destroying warm sandbox %s failed", ws.sandbox_id)
+        if ws.endpoint is not None:
+            try:
+                self._ex.proxy.close_endpoint(ws.endpoint)
+            except Exception:
+                log.exception("closing the egress endpoint of %s failed", ws.sandbox_id)
         ws.spool.discard()
         shutil.rmtree(ws.control.parent, ignore_errors=True)
         self._ex.release_workspace(f"pool:{ws.sandbox_id}")
@@ -429,8 +452,17 @@ class LeaseBackend:
     def create(self, spec: CommandSpec) -> SandboxHandle:
         return SandboxHandle(self._ws.sandbox_id, self._ws.handle.engine_id, spec)
 
+    def network_records(self):
+        """What this command's connections through the sandbox's proxy were (the
+        endpoint is emptied for the next command)."""
+        if self._ws.endpoint is None:
+            return [], 0, {}
+        return self._pools.proxy.take_records(self._ws.endpoint)
+
     def start(self, handle: SandboxHandle, sink: OutputSpool, stdin: bytes) -> None:
         spec: CommandSpec = handle.spec
+        if self._ws.endpoint is not None:
+            self.network_records()  # anything from before this command is nobody's
         fields = [spec.cwd, str(len(spec.argv)), *spec.argv, str(len(spec.env)),
                   *(f"{k}={v}" for k, v in spec.env.items())]
         payload = b"\0".join(f.encode() for f in fields) + b"\0"

@@ -407,6 +407,17 @@ class EgressProxy:
             log.error("closing the egress endpoint of %s timed out; its records so far are kept", ep.sandbox_id)
         return sorted(list(ep.records), key=lambda r: r.started_at)
 
+    def take_records(self, ep: EgressEndpoint, timeout_s: float = 10.0
+                     ) -> tuple[list[ConnectionRecord], int, dict[tuple[str, int, str], list[int]]]:
+        """The endpoint's records so far (and what was only counted), leaving it empty:
+        a warm sandbox's endpoint serves one command after another."""
+        async def swap():
+            out = (sorted(ep.records, key=lambda r: r.started_at), ep.dropped_records, dict(ep.overflow))
+            ep.records, ep.dropped_records, ep.nameless_records, ep.overflow = [], 0, 0, {}
+            return out
+
+        return asyncio.run_coroutine_threadsafe(swap(), self._loop).result(timeout_s)
+
     # -- on the loop ----------------------------------------------------------------
     async def _open(self, ep: EgressEndpoint, uid: int, gid: int) -> None:
         ep.socket_path.unlink(missing_ok=True)

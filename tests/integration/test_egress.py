@@ -594,3 +594,26 @@ def test_fifty_parallel_sandboxes_all_get_correct_decisions(egress_daemon, hosts
                                                                   (f"denied{i}.test", "denied")], i
     for c in clients.values():
         c.close()
+
+
+@pytest.mark.parametrize("adapter", ["docker", "nsjail"])
+def test_a_leased_sandbox_keeps_its_allowlist_and_records_each_commands_attempts(egress_daemon, hosts, adapter):
+    ws = egress_daemon.new_workspace()
+    with egress_daemon.client() as c:
+        lease = c.acquire_sandbox(str(ws), allowlist(), adapter=adapter)
+        runs = []
+        for url in ("http://allowed.test/", "http://denied.test/"):
+            cmd = call(ws, py(fetch_script(url)), allowlist())
+            cmd["runtime"].update({"leaseId": lease.lease_id, "adapter": adapter})
+            out = c.run(cmd)
+            assert out.result.status == "success", out.stderr
+            runs.append(out)
+        c.release_sandbox(lease.lease_id)
+    assert json.loads(runs[0].stdout) == [{"status": 200, "body": "allowed\n"}]
+    assert json.loads(runs[1].stdout)[0]["status"] == 403
+    # Each command's trace holds its own attempt only.
+    with egress_daemon.client() as c:
+        first, second = (network_events(c, r.tool_call_id) for r in runs)
+    assert [(r["host"], r["decision"]) for r in first] == [("allowed.test", "allowed")]
+    assert [(r["host"], r["decision"]) for r in second] == [("denied.test", "denied")]
+    assert list(runs[0].result.effects_observed.external_calls) == ["allowed.test:80"]
