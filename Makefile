@@ -48,7 +48,11 @@ integration: venv images native
 test: venv images native proto-check
 	$(VENV)/bin/pytest -q tests $(PYTEST_ARGS)
 
-bench: venv images native
+$(VENV)/.bench-stamp: pyproject.toml $(STAMP)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	touch $@
+
+bench: venv images native $(VENV)/.bench-stamp
 	$(PY) bench/cold_start.py
 	$(PY) bench/stream_throughput.py
 	$(PY) bench/egress_proxy.py

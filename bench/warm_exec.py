@@ -1,7 +1,8 @@
 """Warm exec: `true` in a leased warm sandbox, end to end through gRPC (acquire once,
 then run + collect the result), versus a cold call (a fresh sandbox per call) on the same
 backend, the Docker SDK's exec_run in a running container, and a bare subprocess, all
-measured in one run. Prints medians, p99 and the cold/warm ratio; then N concurrent
+and llm-sandbox's session exec (the peer baseline), measured in one run. Prints medians,
+p99 and the cold/warm ratio; then N concurrent
 agents each running M short commands in their own leases (errors, p99, daemon memory).
 
     .venv/bin/python bench/warm_exec.py [-n 50] [--agents 20] [--commands 50]
@@ -70,6 +71,16 @@ def main() -> int:
         finally:
             box.remove(force=True)
         rows.append(("bare subprocess", timed(lambda: subprocess.run(["true"]), args.n)))
+        try:
+            from llm_sandbox import SandboxSession
+        except ImportError:
+            print("llm-sandbox is not installed (make bench installs it): its row is missing")
+        else:
+            # The peer baseline: its session exec on the same local image, Docker backend.
+            with SandboxSession(lang="python", image="sandboxd/default:latest", keep_template=True,
+                                skip_environment_setup=True, verbose=False) as session:
+                rows.append(("llm-sandbox session execute_command", timed(lambda: session.execute_command("true"),
+                                                                          args.n)))
 
         print(f"\nwarm exec, n={args.n}; times in ms\n")
         print(f"| {'path':<44} | {'median':>8} | {'p99':>8} |")
