@@ -36,6 +36,10 @@ REJECTED = "ToolCallRejected"
 NETWORK_ACCESS = "NetworkAccessObserved"
 # A credential put into a sandbox: binding id, principal and target, never the value.
 CREDENTIAL_INJECTED = "CredentialInjected"
+# A warm sandbox leased to a principal, and the end of that lease (released, expired,
+# drained, or the daemon stopping). Their "call" id is the lease id.
+SANDBOX_LEASED = "SandboxLeased"
+SANDBOX_LEASE_ENDED = "SandboxLeaseEnded"
 # One access to a file under the sandbox's mounted roots.
 FILE_ACCESS = "FileAccessObserved"
 # A retry with an already accepted idempotency key, answered from the first call.

@@ -81,6 +81,7 @@ class Lease:
     sandbox: WarmSandbox
     expires: float  # wall clock
     key: str
+    last_event_id: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"leaseId": self.lease_id, "sandboxId": self.sandbox.sandbox_id, "expiresAt": _rfc3339(self.expires),
@@ -199,12 +200,21 @@ class PoolManager:
         ws.lease = lease
         pool.leased[lease.lease_id] = lease
         self._leases[lease.lease_id] = lease
+        # On the log, under the lease id: who held which sandbox, for how long.
+        with self._ex.db.transaction() as conn:
+            conn.execute("INSERT OR IGNORE INTO call_owners (tool_call_id, principal) VALUES (?,?)",
+                         (lease.lease_id, caller.name))
+            lease.last_event_id = self._ex.events.append(conn, lease.lease_id, "", [ev.EventDraft(
+                ev.SANDBOX_LEASED, {"principal": caller.name, "sandboxId": ws.sandbox_id, "poolKey": pool.key,
+                                    "backend": ws.prepared.backend.name, "workspace": ws.prepared.plan.workspace,
+                                    "image": ws.prepared.image, "imageDigest": ws.prepared.image_digest,
+                                    "expiresAt": _rfc3339(lease.expires)})])[-1].event_id
         return lease
 
     def release(self, lease_id: str, caller: "Principal") -> None:
         with self._cond:
             lease = self._owned(lease_id, caller)
-            self._end_lease(lease)
+            self._end_lease(lease, "released")
 
     def _owned(self, lease_id: str, caller: "Principal") -> Lease:
         lease = self._leases.get(lease_id)
@@ -213,10 +223,15 @@ class PoolManager:
             raise NotFound(f"no lease {lease_id}", field="runtime.leaseId")
         return lease
 
-    def _end_lease(self, lease: Lease) -> None:
+    def _end_lease(self, lease: Lease, why: str) -> None:
         """Under the lock. Its sandbox is destroyed (never reused): after the running
         command, if there is one."""
-        self._leases.pop(lease.lease_id, None)
+        if self._leases.pop(lease.lease_id, None) is not None:
+            try:
+                self._ex.events.record(lease.lease_id, lease.last_event_id, [ev.EventDraft(
+                    ev.SANDBOX_LEASE_ENDED, {"reason": why, "sandboxId": lease.sandbox.sandbox_id})])
+            except Exception:
+                log.exception("recording the end of lease %s failed", lease.lease_id)
         pool = self._pools.get(lease.key)
         if pool is not None:
             pool.leased.pop(lease.lease_id, None)
@@ -234,7 +249,7 @@ class PoolManager:
         with self._cond:
             lease = self._owned(lease_id, caller)
             if lease.expires <= time.time():
-                self._end_lease(lease)
+                self._end_lease(lease, "expired")
                 raise NotFound(f"lease {lease_id} expired", field="runtime.leaseId")
             if key != lease.key:
                 raise FailedPrecondition("the call's workspace, image, backend or sandbox policy differ from the "
@@ -352,7 +367,7 @@ class PoolManager:
                 for lease in list(self._leases.values()):
                     if lease.expires <= now:
                         log.info("lease %s expired: its sandbox goes", lease.lease_id)
-                        self._end_lease(lease)
+                        self._end_lease(lease, "expired")
                 refill: list[Pool] = []
                 for pool in list(self._pools.values()):
                     keep = []
@@ -419,7 +434,7 @@ class PoolManager:
                     n += 1
                 pool.idle = []
                 for lease in list(pool.leased.values()):
-                    self._end_lease(lease)
+                    self._end_lease(lease, "drained")
                     n += 1
             return n
 

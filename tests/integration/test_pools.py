@@ -84,6 +84,13 @@ def test_a_lease_is_its_principals_alone(pooled):
                 attempt()
         assert alice.run(leased(ws, lease, ["true"])).result.status == "success"
         alice.release_sandbox(lease.lease_id)
+        # The lease is on the log under its id: who held which sandbox, and how it ended.
+        trace = alice.get_trace(lease.lease_id)
+        assert [e.type for e in trace] == ["SandboxLeased", "SandboxLeaseEnded"]
+        assert '"principal":"alice"' in trace[0].payload_json and lease.sandbox_id in trace[0].payload_json
+        assert '"reason":"released"' in trace[1].payload_json
+        with pytest.raises(errors.NotFound):
+            bob.get_trace(lease.lease_id)
 
 
 def test_a_call_must_match_the_lease_sandbox_policy(pooled):
@@ -216,3 +223,44 @@ def test_pool_metrics_on_the_prometheus_endpoint(spare_daemon):
     assert 'sandboxd_pool_created_total{pool="' in text and "sandboxd_calls_running 0" in text
     assert "sandboxd_pool_acquire_seconds_count 1" in text
     assert str(ws) not in text  # pools are named by key: no workspace paths leave this way
+
+
+def test_a_crashed_warm_sandbox_is_replaced(spare_daemon, docker_engine):
+    d = spare_daemon(pools={"min_idle": 1, "max_size": 3}).start()
+    ws = d.new_workspace()
+    with d.client() as c:
+        lease = c.acquire_sandbox(str(ws))
+        assert wait_for(lambda: c.list_pools()[0].idle == 1, timeout_s=20)
+        [pool] = c.list_pools()
+        idle = [x for x in docker_engine.api.containers(filters={"label": f"sandboxd.daemon_id={d.daemon_id}"})
+                if x["Labels"]["sandboxd.sandbox_id"] != lease.sandbox_id]
+        assert len(idle) == 1
+        docker_engine.api.kill(idle[0]["Id"])  # the idle sandbox dies under the pool
+        assert wait_for(lambda: c.list_pools()[0].destroyed >= pool.destroyed + 1 and c.list_pools()[0].idle == 1,
+                        timeout_s=20)
+        # The leased one crashes too: the lease says so, and a new lease works.
+        docker_engine.api.kill([x for x in docker_engine.api.containers(
+            filters={"label": f"sandboxd.sandbox_id={lease.sandbox_id}"})][0]["Id"])
+        broken = c.run(leased(ws, lease, ["true"]))
+        assert broken.result.status == "error" and "supervisor" in broken.result.error.message
+        with pytest.raises(errors.FailedPrecondition) as exc:
+            c.run(leased(ws, lease, ["true"]))
+        assert "is gone" in exc.value.message
+        c.release_sandbox(lease.lease_id)
+        fresh = c.acquire_sandbox(str(ws))
+        assert c.run(leased(ws, fresh, ["echo", "ok"])).stdout == b"ok\n"
+        c.release_sandbox(fresh.lease_id)
+
+
+def test_a_lease_that_expires_mid_command_ends_after_the_command(pooled, docker_engine):
+    d = pooled
+    ws = d.new_workspace()
+    with d.client() as c:
+        lease = c.acquire_sandbox(str(ws), lease_ms=1000)
+        out = c.run(leased(ws, lease, sh("sleep 2; echo finished"), {"process": {"timeoutMs": 10_000}}))
+        # The command ran to its end (its own timeout governs it), then the sandbox went.
+        assert out.result.status == "success" and out.stdout == b"finished\n"
+        assert wait_for(lambda: not docker_engine.api.containers(
+            filters={"label": f"sandboxd.sandbox_id={lease.sandbox_id}"}), timeout_s=15)
+        with pytest.raises(errors.NotFound):
+            c.run(leased(ws, lease, ["true"]))
