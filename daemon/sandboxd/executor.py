@@ -175,22 +175,28 @@ class CallRun:
                                               any_host=p.policy.egress == "open"),
                     uid=p.plan.uid, gid=p.plan.gid, record_allowed=p.policy.record_network_access)
             if not cancelled_early and p.secrets:
-                self._executor.broker.materialize(p.sandbox_id, p.secrets, p.plan.uid, p.plan.gid)
+                if p.lease is None:  # a leased command gets its env secrets over the control socket
+                    self._executor.broker.materialize(p.sandbox_id, p.secrets, p.plan.uid, p.plan.gid)
                 self._record([EventDraft(ev.CREDENTIAL_INJECTED, {
                     "bindingId": s.binding_id, "principal": self._principal, "target": s.target}) for s in p.secrets])
             if not cancelled_early:
                 handle = backend.create(p.spec)
-                self._record([EventDraft(ev.SANDBOX_PREPARED, {
+                prepared_event = EventDraft(ev.SANDBOX_PREPARED, {
                     "sandboxId": p.sandbox_id, "engineId": handle.engine_id, "backend": backend.name,
                     "specDigest": "sha256:" + hashlib.sha256(canonical_json(p.spec.to_json_dict())).hexdigest(),
-                })])
+                    **({"leaseId": p.call.runtime.lease_id} if p.lease is not None else {}),
+                })
+                # A leased sandbox exists already: its two events share one commit.
+                if p.lease is None:
+                    self._record([prepared_event])
                 with self._cond:
                     self._handle = handle
                     cancelled_early = bool(self._cancel_reason)
             if not cancelled_early and handle is not None:
                 t0 = time.monotonic()
                 backend.start(handle, self.spool, p.call.stdin)
-                started = self._record([EventDraft(ev.STARTED, {"sandboxId": p.sandbox_id})])
+                started = self._record(([prepared_event] if p.lease is not None else [])
+                                       + [EventDraft(ev.STARTED, {"sandboxId": p.sandbox_id})])
                 with self._cond:
                     self._started_event_id = started[-1].event_id
                     self._cond.notify_all()
@@ -231,7 +237,7 @@ class CallRun:
                     dropped, overflow = endpoint.dropped_records, dict(endpoint.overflow)
                 except Exception:
                     log.exception("closing the egress endpoint of %s failed", p.sandbox_id)
-            if p.secrets:
+            if p.secrets and p.lease is None:
                 self._executor.broker.release(p.sandbox_id)
             self.spool.close()
         latency_ms = int((time.monotonic() - t0) * 1000)
@@ -496,20 +502,26 @@ class CallExecutor:
     def _prepare_leased(self, call: PreparedToolCall, tool_call_id: str, caller: Principal) -> Prepared:
         """A call in a leased sandbox: the same checks as any call, then the lease's
         sandbox (its policy class must match) and a command spec for its supervisor."""
-        if call.credential_refs:
-            raise Unimplemented("credentials in leased sandboxes are not supported yet", field="credentialRefs")
+        for i, ref in enumerate(call.credential_refs):
+            if ref.file_path:
+                raise Unimplemented("a leased sandbox takes credentials as environment variables only (its "
+                                    "mounts are fixed)", field=f"credentialRefs[{i}].filePath")
         prepared = self._prepare(call, tool_call_id, None, sandbox=False)
+        secrets = self.broker.resolve(call, prepared.policy, caller.name) if call.credential_refs else ()
         if self.pools is None:
             raise FailedPrecondition("this daemon keeps no pools", field="runtime.leaseId")
         ws = self.pools.sandbox_for(call.runtime.lease_id, caller, prepared)
         try:
-            # The sandbox's own attachments (the proxy variables) apply to every command.
+            # The sandbox's own attachments (the proxy variables) apply to every command;
+            # env secrets travel to the supervisor on its private socket, never in a spec.
             env = {**prepared.policy.env, **ws.prepared.attachments.env()}
+            secret_env = {s.env_name: s.value.decode("utf-8", "surrogateescape") for s in secrets}
             spec = CommandSpec(call.runtime.lease_id, ws.sandbox_id, tuple(call.argv), prepared.policy.cwd,
                                env, prepared.policy.timeout_ms,
                                prepared.policy.max_stdout_bytes, prepared.policy.max_stderr_bytes)
-            return replace(prepared, backend=LeaseBackend(self.pools, ws), spec=spec, sandbox_id=ws.sandbox_id,
-                           image_digest=ws.prepared.image_digest, attachments=Attachments(), lease=ws)
+            return replace(prepared, backend=LeaseBackend(self.pools, ws, secret_env), spec=spec,
+                           sandbox_id=ws.sandbox_id, image_digest=ws.prepared.image_digest, attachments=Attachments(),
+                           lease=ws, secrets=secrets)
         except BaseException:
             self.pools.command_done(ws, True)
             raise

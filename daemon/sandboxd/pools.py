@@ -455,9 +455,11 @@ class PoolManager:
 class LeaseBackend:
     """The Backend protocol for one command in a leased sandbox, through its supervisor."""
 
-    def __init__(self, pools: PoolManager, ws: WarmSandbox):
+    def __init__(self, pools: PoolManager, ws: WarmSandbox, secret_env: dict[str, str] | None = None):
         self._pools = pools
         self._ws = ws
+        # Credential values for the command's environment: sent to the supervisor only.
+        self._secret_env = dict(secret_env or {})
         self.name = ws.prepared.backend.name
         self._conn: socket.socket | None = None
         self._status: int | None = None
@@ -478,9 +480,9 @@ class LeaseBackend:
         spec: CommandSpec = handle.spec
         if self._ws.endpoint is not None:
             self.network_records()  # anything from before this command is nobody's
-        fields = [spec.cwd, str(len(spec.argv)), *spec.argv, str(len(spec.env)),
-                  *(f"{k}={v}" for k, v in spec.env.items())]
-        payload = b"\0".join(f.encode() for f in fields) + b"\0"
+        env = {**spec.env, **self._secret_env}
+        fields = [spec.cwd, str(len(spec.argv)), *spec.argv, str(len(env)), *(f"{k}={v}" for k, v in env.items())]
+        payload = b"\0".join(f.encode("utf-8", "surrogateescape") for f in fields) + b"\0"
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -508,27 +510,76 @@ class LeaseBackend:
                 os.close(fd)
             raise InternalError(f"the sandbox's supervisor refused the command: {answer[:200]!r}")
         self._conn = conn
-        handle.reader = threading.Thread(target=_pump, args=(out_r, err_r, sink, handle), daemon=True,
-                                         name=f"pump-{handle.sandbox_id}")
+        if not stdin:
+            os.close(in_w)
+            in_w = -1
+        # One thread per command: both output pipes, stdin and the supervisor's answer.
+        handle.reader = threading.Thread(target=self._serve, args=(out_r, err_r, in_w, stdin, sink, handle),
+                                         daemon=True, name=f"cmd-{handle.sandbox_id}")
         handle.reader.start()
-        threading.Thread(target=_feed, args=(in_w, stdin), daemon=True).start()
-        threading.Thread(target=self._await_exit, daemon=True, name=f"exit-{handle.sandbox_id}").start()
 
-    def _await_exit(self) -> None:
+    def _serve(self, out_r: int, err_r: int, in_w: int, stdin: bytes, sink: OutputSpool,
+               handle: SandboxHandle) -> None:
+        assert self._conn is not None
+        streams = {out_r: STDOUT, err_r: STDERR}
+        poller = select.poll()
+        for fd in streams:
+            poller.register(fd, select.POLLIN)
+        conn_fd = self._conn.fileno()
+        poller.register(conn_fd, select.POLLIN)
+        pending = memoryview(stdin)
+        if in_w >= 0:
+            os.set_blocking(in_w, False)
+            poller.register(in_w, select.POLLOUT)
+        try:
+            while streams or not self._done.is_set():
+                for fd, events in poller.poll():
+                    if fd == conn_fd:
+                        self._answer(poller, conn_fd)
+                    elif fd == in_w:
+                        try:
+                            pending = pending[os.write(in_w, pending):]
+                        except BlockingIOError:
+                            continue
+                        except OSError:
+                            pending = pending[:0]  # the command stopped reading
+                        if not pending:
+                            poller.unregister(in_w)
+                            os.close(in_w)
+                            in_w = -1
+                    elif fd in streams:
+                        data = os.read(fd, 1 << 20)
+                        if data:
+                            sink.write(streams[fd], data)
+                        else:
+                            poller.unregister(fd)
+                            os.close(fd)
+                            del streams[fd]
+        except OSError as exc:
+            log.warning("command channel of %s broke: %s", handle.sandbox_id, exc)
+            self._healthy = False
+        finally:
+            for fd in list(streams) + ([in_w] if in_w >= 0 else []):
+                os.close(fd)
+            handle.output_closed.set()
+            self._done.set()
+
+    def _answer(self, poller, conn_fd: int) -> None:
+        """The supervisor's "X <status>" (or its end: the sandbox broke)."""
         assert self._conn is not None
         try:
             answer = self._conn.recv(256)
-            if answer.startswith(b"X "):
-                self._status = int(answer[2:])
-            else:
-                self._healthy = False
         except OSError:
+            answer = b""
+        poller.unregister(conn_fd)
+        if answer.startswith(b"X "):
+            self._status = int(answer[2:])
+        else:
             self._healthy = False
-        finally:
-            self._done.set()
+        self._done.set()
 
     def wait(self, handle: SandboxHandle, timeout_s: float) -> bool:
-        return self._done.wait(timeout_s) and handle.output_closed.wait(max(0.0, 5.0))
+        return self._done.wait(timeout_s) and handle.output_closed.wait(5.0)
 
     def kill(self, handle: SandboxHandle) -> None:
         if self._conn is not None and not self._done.is_set():
@@ -552,35 +603,3 @@ class LeaseBackend:
         self._pools.command_done(self._ws, self._healthy and self._done.is_set())
 
 
-def _pump(out_r: int, err_r: int, sink: OutputSpool, handle: SandboxHandle) -> None:
-    streams = {out_r: STDOUT, err_r: STDERR}
-    poller = select.poll()
-    for fd in streams:
-        poller.register(fd, select.POLLIN)
-    try:
-        while streams:
-            for fd, _ in poller.poll():
-                if fd not in streams:
-                    continue
-                data = os.read(fd, 1 << 20)
-                if data:
-                    sink.write(streams[fd], data)
-                else:
-                    poller.unregister(fd)
-                    os.close(fd)
-                    del streams[fd]
-    finally:
-        for fd in streams:
-            os.close(fd)
-        handle.output_closed.set()
-
-
-def _feed(fd: int, data: bytes) -> None:
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

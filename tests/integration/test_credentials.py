@@ -195,3 +195,30 @@ def test_a_tool_the_binding_does_not_list_is_refused(broker_daemon):
     ws = broker_daemon.new_workspace()
     with broker_daemon.client() as c, pytest.raises(errors.PermissionDenied):
         c.run(with_refs(ws, ["true"], [{"bindingId": "gh", "envName": "T"}], tool_id="other.tool"))
+
+
+@pytest.mark.parametrize("adapter", ["docker", "nsjail"])
+def test_a_leased_sandbox_takes_env_credentials_per_command(broker_daemon, adapter):
+    ws = broker_daemon.new_workspace()
+    with broker_daemon.client() as c:
+        lease = c.acquire_sandbox(str(ws), {"environment": {"secretEnvAllowed": True}}, adapter=adapter)
+        cmd = with_refs(ws, py("""
+            import hashlib, os
+            print(hashlib.sha256(os.environ["GH_TOKEN"].encode()).hexdigest())
+            print("leak:", os.environ["GH_TOKEN"])
+        """), [{"bindingId": "gh", "envName": "GH_TOKEN"}])
+        cmd["runtime"].update({"leaseId": lease.lease_id, "adapter": adapter})
+        out = c.run(cmd)
+        assert out.result.status == "success", out.stderr
+        assert out.stdout.decode().split("\n")[:2] == [sha(FILE_SECRET), "leak: [REDACTED:gh]"]
+        # The next command of the lease does not inherit it.
+        plain = with_refs(ws, py("import os; print(os.environ.get('GH_TOKEN', 'absent'))"), [])
+        plain["runtime"].update({"leaseId": lease.lease_id, "adapter": adapter})
+        assert c.run(plain).stdout == b"absent\n"
+        as_file = with_refs(ws, ["true"], [{"bindingId": "gh", "filePath": "/tmp/t"}])
+        as_file["runtime"].update({"leaseId": lease.lease_id, "adapter": adapter})
+        with pytest.raises(errors.Unimplemented):
+            c.run(as_file)
+        injected = [json.loads(e.payload_json) for e in c.get_trace(out.tool_call_id) if e.type == "CredentialInjected"]
+        assert injected == [{"bindingId": "gh", "principal": "root", "target": {"env": "GH_TOKEN"}}]
+        c.release_sandbox(lease.lease_id)
