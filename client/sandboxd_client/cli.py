@@ -233,6 +233,11 @@ def cmd_pool(args: argparse.Namespace) -> int:
                                                image=args.image or "", adapter=args.adapter or "",
                                                lease_ms=args.lease_ms, wait_ms=args.wait_ms)
                 print(json.dumps(to_json(lease), sort_keys=True) if args.json else lease.lease_id)
+            elif args.pool_command == "create":
+                policy = load_policy(args.policy) if args.policy else None
+                status = client.create_pool(os.path.abspath(args.workspace or os.getcwd()), policy,
+                                            image=args.image or "", adapter=args.adapter or "")
+                print(json.dumps(to_json(status), sort_keys=True) if args.json else status.pool_key)
             elif args.pool_command == "release":
                 client.release_sandbox(args.lease_id)
             elif args.pool_command == "drain":
@@ -388,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--after-seq", type=int, default=0, help="export: only events after this log position")
     p.set_defaults(func=cmd_trace)
 
-    p = sub.add_parser("pool", help="warm sandboxes: `pool ls`, `pool acquire`, `pool release LEASE`, `pool drain`")
+    p = sub.add_parser("pool", help="warm sandboxes: `pool ls|create|acquire|release LEASE|drain`")
     psub = p.add_subparsers(dest="pool_command", required=True)
     pl = psub.add_parser("ls", help="pools and their sandboxes (admin)")
     pl.add_argument("--json", action="store_true")
@@ -400,11 +405,17 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--lease-ms", type=int, default=0)
     pa.add_argument("--wait-ms", type=int, default=0, help="wait for a sandbox when the pool is full")
     pa.add_argument("--json", action="store_true")
+    pc = psub.add_parser("create", help="make a pool and warm it, so that the first lease is warm too")
+    pc.add_argument("--workspace", help="host workspace directory (default: the current directory)")
+    pc.add_argument("--policy", help="SandboxPolicy as JSON or YAML: the part that fixes the sandbox")
+    pc.add_argument("--image")
+    pc.add_argument("--adapter", help="docker (default) or nsjail")
+    pc.add_argument("--json", action="store_true")
     pr = psub.add_parser("release", help="end a lease (its sandbox is destroyed)")
     pr.add_argument("lease_id")
     pd = psub.add_parser("drain", help="destroy a pool's sandboxes (admin)")
     pd.add_argument("pool_key", nargs="?")
-    for q in (pl, pa, pr, pd):
+    for q in (pl, pa, pc, pr, pd):
         common(q)
     p.set_defaults(func=cmd_pool)
 

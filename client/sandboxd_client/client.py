@@ -210,6 +210,18 @@ class SandboxdClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
+    def create_pool(self, workspace: str, policy: dict[str, Any] | None = None, *, image: str = "",
+                    adapter: str = "") -> pb.PoolStatus:
+        """Makes (and starts warming) the pool a later acquire_sandbox with the same
+        arguments leases from."""
+        sandbox = pb.AcquireSandboxRequest(workspace=workspace, runtime=pb.RuntimeSettings(image=image, adapter=adapter))
+        if policy is not None:
+            json_format.ParseDict(policy, sandbox.policy)
+        try:
+            return self._pools.CreatePool(pb.CreatePoolRequest(sandbox=sandbox))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
     def release_sandbox(self, lease_id: str) -> None:
         try:
             self._pools.ReleaseSandbox(pb.ReleaseSandboxRequest(lease_id=lease_id))

@@ -526,15 +526,20 @@ class CallExecutor:
             self.pools.command_done(ws, True)
             raise
 
-    def acquire(self, raw: Mapping[str, Any], caller: Principal, lease_ms: int, wait_ms: int):
-        """A lease on a warm sandbox for this workspace, image and policy."""
+    def _pool_template(self, raw: Mapping[str, Any], caller: Principal) -> Prepared:
         if self.pools is None:
             raise FailedPrecondition("this daemon keeps no pools")
-        call = parse_call(raw)
-        template = self._prepare(call, "pool", None)
+        template = self._prepare(parse_call(raw), "pool", None)
         if not caller.admin and template.plan.uid != caller.uid:
             raise PermissionDenied("the workspace belongs to another user", field="workspace")
-        return self.pools.acquire(template, caller, lease_ms, wait_ms)
+        return template
+
+    def acquire(self, raw: Mapping[str, Any], caller: Principal, lease_ms: int, wait_ms: int):
+        """A lease on a warm sandbox for this workspace, image and policy."""
+        return self.pools.acquire(self._pool_template(raw, caller), caller, lease_ms, wait_ms)
+
+    def create_pool(self, raw: Mapping[str, Any], caller: Principal) -> dict[str, Any]:
+        return self.pools.ensure(self._pool_template(raw, caller))
 
     def submit(self, raw: Mapping[str, Any], caller: Principal) -> "CallRun | AttachedRun | ReplayRun":
         """Verifies and starts a call. Refusals raise (after being recorded); an

@@ -195,6 +195,22 @@ class PoolManager:
                 raise FailedPrecondition("the daemon is shutting down")
             return self._lease(pool, ws, caller, lease_s)
 
+    def ensure(self, template: "Prepared") -> dict[str, Any]:
+        """The pool for this template, made if missing; the upkeep thread warms it."""
+        if template.secrets:
+            raise Unimplemented("pooled sandboxes do not take credentials at creation", field="credentialRefs")
+        if template.policy.proxied and self._ex.proxy is None:
+            raise FailedPrecondition("this policy needs the egress proxy, which is unavailable",
+                                     field="policy.network.egress")
+        key = pool_key(template.plan.workspace, template.image, template.backend.name, template.plan.uid,
+                       template.plan.gid, template.policy)
+        with self._cond:
+            pool = self._pools.get(key)
+            if pool is None or pool.draining:
+                pool = self._pools[key] = Pool(key, template)
+            self._cond.notify_all()
+        return next(p for p in self.list() if p["poolKey"] == key)
+
     def _lease(self, pool: Pool, ws: WarmSandbox, caller: "Principal", lease_s: float) -> Lease:
         lease = Lease("lease_" + ev.new_id("x")[2:], caller.name, ws, time.time() + lease_s, pool.key)
         ws.lease = lease

@@ -360,8 +360,8 @@ class PoolServicer(pb_grpc.PoolServiceServicer):
         self._executor = executor
         self._authenticate = authenticate
 
-    def AcquireSandbox(self, request: pb.AcquireSandboxRequest, context) -> pb.Lease:
-        caller = self._authenticate(context)
+    @staticmethod
+    def _template(request: pb.AcquireSandboxRequest) -> dict[str, Any]:
         raw: dict[str, Any] = {"toolId": "sandboxd.pool", "argv": ["supervisor"], "workspace": request.workspace,
                                "authorization": {"status": "not_required"}}
         if request.HasField("policy"):
@@ -371,7 +371,16 @@ class PoolServicer(pb_grpc.PoolServiceServicer):
             runtime.pop("leaseId", None)
             runtime.pop("idempotencyKey", None)
             raw["runtime"] = runtime
-        lease = self._executor.acquire(raw, caller, request.lease_ms, request.wait_ms)
+        return raw
+
+    def CreatePool(self, request: pb.CreatePoolRequest, context) -> pb.PoolStatus:
+        caller = self._authenticate(context)
+        status = self._executor.create_pool(self._template(request.sandbox), caller)
+        return json_format.ParseDict(status, pb.PoolStatus())
+
+    def AcquireSandbox(self, request: pb.AcquireSandboxRequest, context) -> pb.Lease:
+        caller = self._authenticate(context)
+        lease = self._executor.acquire(self._template(request), caller, request.lease_ms, request.wait_ms)
         return json_format.ParseDict(lease.to_json(), pb.Lease())
 
     def ReleaseSandbox(self, request: pb.ReleaseSandboxRequest, context) -> pb.ReleaseSandboxResponse:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,6 +177,23 @@ def test_sandboxctl_pool_and_exec_with_a_lease(pooled):
     assert ctl(d, "pool", "release", lease_id).returncode == 0
     assert ctl(d, "exec", "--lease", lease_id, "--workspace", str(ws), "--", "true").returncode == 125
     assert b"destroyed" in ctl(d, "pool", "drain").stdout
+
+
+def test_a_created_pool_is_warm_before_its_first_lease(pooled):
+    from .test_cli import ctl
+
+    d = pooled
+    ws = d.new_workspace()
+    key = ctl(d, "pool", "create", "--workspace", str(ws), "--adapter", "nsjail").stdout.decode().strip()
+    assert key.startswith("pool-")
+    with d.client() as c:
+        assert wait_for(lambda: [p.idle for p in c.list_pools() if p.pool_key == key] == [1], timeout_s=20)
+        jails = Path("/sys/fs/cgroup/pids/sandboxd-nsjail") / d.daemon_id
+        warm = {p.name for p in jails.glob("sbx-*")}
+        lease = c.acquire_sandbox(str(ws), adapter="nsjail")
+        # The lease got the sandbox that was already warm, not a new one.
+        assert lease.pool_key == key and lease.sandbox_id in warm
+        c.release_sandbox(lease.lease_id)
 
 
 def test_a_principal_past_its_lease_quota_is_refused_without_hurting_others(spare_daemon):

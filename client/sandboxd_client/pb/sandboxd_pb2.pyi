@@ -612,3 +612,9 @@ class DrainPoolResponse(_message.Message):
     DESTROYED_FIELD_NUMBER: _ClassVar[int]
     destroyed: int
     def __init__(self, destroyed: _Optional[int] = ...) -> None: ...
+
+class CreatePoolRequest(_message.Message):
+    __slots__ = ("sandbox",)
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
+    sandbox: AcquireSandboxRequest
+    def __init__(self, sandbox: _Optional[_Union[AcquireSandboxRequest, _Mapping]] = ...) -> None: ...

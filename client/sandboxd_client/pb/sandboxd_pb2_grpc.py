@@ -539,6 +539,11 @@ class PoolServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.CreatePool = channel.unary_unary(
+                '/sandboxd.v1.PoolService/CreatePool',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.CreatePoolRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.PoolStatus.FromString,
+                _registered_method=True)
         self.AcquireSandbox = channel.unary_unary(
                 '/sandboxd.v1.PoolService/AcquireSandbox',
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.AcquireSandboxRequest.SerializeToString,
@@ -563,6 +568,14 @@ class PoolServiceStub:
 
 class PoolServiceServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def CreatePool(self, request, context):
+        """Makes the pool for this workspace, image, backend and policy (if it is not there) and
+        warms its min_idle sandboxes in the background, so that the first lease is warm too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def AcquireSandbox(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -592,6 +605,11 @@ class PoolServiceServicer:
 
 def add_PoolServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'CreatePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreatePool,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.CreatePoolRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.PoolStatus.SerializeToString,
+            ),
             'AcquireSandbox': grpc.unary_unary_rpc_method_handler(
                     servicer.AcquireSandbox,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.AcquireSandboxRequest.FromString,
@@ -622,6 +640,33 @@ def add_PoolServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class PoolService:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def CreatePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.PoolService/CreatePool',
+            sandboxd_dot_v1_dot_sandboxd__pb2.CreatePoolRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.PoolStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def AcquireSandbox(request,
