@@ -22,7 +22,9 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
                     # A client's identity is its connection (the daemon reads the peer's
                     # uid when it connects): never share one with another client object.
-                    ("grpc.use_local_subchannel_pool", 1)]
+                    ("grpc.use_local_subchannel_pool", 1),
+                    ("grpc.http2.max_frame_size", 4 * 1024 * 1024),
+                    ("grpc.http2.lookahead_bytes", 64 * 1024 * 1024)]
 
 
 def default_socket() -> str:

@@ -218,7 +218,8 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
         futures.ThreadPoolExecutor(max_workers=settings.max_concurrent_calls * 2 + 8, thread_name_prefix="rpc"),
         interceptors=[ErrorInterceptor()],
         options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                 ("grpc.max_send_message_length", 64 * 1024 * 1024)],
+                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                 ("grpc.http2.max_frame_size", 4 * 1024 * 1024)],
     )
     authenticate = Authenticator(settings)
     add_execution_service(ExecutionServicer(executor, authenticate), server)
