@@ -17,13 +17,16 @@
  * Then it execs ARGV in its own place, so ARGV stays the init's direct child and its
  * exit status is the sandbox's.
  *
- * --supervise CONTROL keeps a warm sandbox instead: it listens on the SOCK_SEQPACKET
- * socket CONTROL (in a directory the daemon bound in) and runs one command per
- * connection. The daemon sends one message: the command's stdin, stdout and stderr as
- * SCM_RIGHTS descriptors, and "cwd\0argc\0argv...\0envc\0env...\0". The supervisor
- * answers "P <pid>" once the command runs and "X <wait status>" when it is over; "K"
- * from the daemon kills it. Before "X" every other process of the sandbox but init and
- * the supervisor is killed: a command's background children never outlive it.
+ * --supervise CONTROL keeps a warm sandbox instead: it connects to the daemon's
+ * SOCK_SEQPACKET socket CONTROL (bound in read-only; the daemon accepts that one
+ * connection and no other, so nothing a command does can stand in for the supervisor),
+ * says "R", and runs one command per request on that connection. A request is one
+ * message: the command's stdin, stdout and stderr as SCM_RIGHTS descriptors, and
+ * "cwd\0argc\0argv...\0envc\0env...\0". The supervisor answers "P <pid>" once the
+ * command runs and "X <wait status>" when it is over; "K" from the daemon kills it.
+ * Before "X" every other process of the sandbox but init, the supervisor (and the
+ * egress forwarder) is killed: a command's background children never outlive it. The
+ * supervisor is not dumpable, so a command (same uid) cannot take its descriptors.
  *
  * The listeners exist before ARGV starts: a command that connects at once never races
  * the forwarder. The forwarder is double-forked, so it is the init's child, not ARGV's:
@@ -45,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -327,23 +331,31 @@ static void reply(int conn, const char *text) {
     send(conn, text, strlen(text), MSG_NOSIGNAL);
 }
 
-/* One command: spawn, report, wait (or kill on request), clean up, report. */
-static void run_one(int conn) {
+/* One command: spawn, report, wait (or kill on request), clean up, report. Returns
+ * 0 when the daemon is gone (its connection closed). */
+static int run_one(int conn) {
+    int alive = 1;
     static char buf[MAX_REQUEST + 1];
     char control[CMSG_SPACE(3 * sizeof(int))];
     struct iovec iov = {.iov_base = buf, .iov_len = MAX_REQUEST};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
     ssize_t n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
-    if (n <= 0 || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+    if (n == 0 || (n < 0 && errno != EINTR))
+        return 0;
+    if (n < 0)
+        return 1;
+    if (n == 1 && buf[0] == 'K' && msg.msg_controllen == 0)
+        return 1; /* a kill that crossed the last command's end: nothing runs, no answer */
+    if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
         reply(conn, "E bad request");
-        return;
+        return 1;
     }
     buf[n] = 0;
     int fds[3] = {-1, -1, -1};
     struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
     if (!c || c->cmsg_type != SCM_RIGHTS || c->cmsg_len != CMSG_LEN(3 * sizeof(int))) {
         reply(conn, "E need three descriptors");
-        return;
+        return 1;
     }
     memcpy(fds, CMSG_DATA(c), sizeof fds);
     /* Fields: cwd, argc, argv..., envc, env... (each NUL-terminated). */
@@ -403,7 +415,7 @@ static void run_one(int conn) {
         reply(conn, "E fork failed");
         close(sfd);
         sigprocmask(SIG_UNBLOCK, &chld, NULL);
-        return;
+        return 1;
     }
     char line[64];
     snprintf(line, sizeof line, "P %d", (int)pid);
@@ -432,6 +444,7 @@ static void run_one(int conn) {
                 if (r <= 0) { /* the daemon went away: nobody to tell */
                     while (!cmd_reaped && errno != ECHILD)
                         reap(0);
+                    alive = 0;
                     break;
                 }
             }
@@ -441,37 +454,34 @@ static void run_one(int conn) {
     close(sfd);
     sigprocmask(SIG_UNBLOCK, &chld, NULL);
     cmd_pid = 0;
-    snprintf(line, sizeof line, "X %d", cmd_status);
-    reply(conn, line);
+    if (alive) {
+        snprintf(line, sizeof line, "X %d", cmd_status);
+        reply(conn, line);
+    }
 out:
     for (int k = 0; k < 3; k++)
         if (fds[k] >= 0)
             close(fds[k]);
+    return alive;
 }
 
 static void supervise(const char *path) {
-    int l = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    if (l < 0)
+    /* Not dumpable: a command of the same uid cannot open /proc/<us>/fd or pidfd_getfd. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    int conn = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (conn < 0)
         die("socket");
     struct sockaddr_un a = {.sun_family = AF_UNIX};
     strncpy(a.sun_path, path, sizeof a.sun_path - 1);
-    unlink(path);
-    if (bind(l, (struct sockaddr *)&a, sizeof a) < 0 || listen(l, 16) < 0)
-        die("listen on the control socket");
-    /* Ready: the daemon waits for this line before it hands the sandbox out. */
-    printf("sandboxd-supervisor ready\n");
-    fflush(stdout);
+    if (connect(conn, (struct sockaddr *)&a, sizeof a) < 0)
+        die("connect to the daemon's control socket");
     signal(SIGPIPE, SIG_IGN);
-    for (;;) {
-        int conn = accept4(l, NULL, NULL, SOCK_CLOEXEC);
-        if (conn < 0) {
-            if (errno == EINTR)
-                continue;
-            die("accept");
-        }
-        run_one(conn);
-        close(conn);
-    }
+    reply(conn, "R");
+    while (run_one(conn))
+        ;
+    /* The daemon is gone: so is this sandbox. */
+    kill_others(0);
+    exit(0);
 }
 
 static void usage(void) {

@@ -74,9 +74,9 @@ class DockerSpec:
 SHIM_PATH = "/dev/sandboxd/shim"
 EGRESS_SOCKET_PATH = "/dev/sandboxd/egress.sock"
 SECRETS_DIR = "/dev/sandboxd/secrets"
-# A warm sandbox's supervisor listens here (a host directory bound read-write).
-CONTROL_DIR = "/dev/sandboxd/control"
-CONTROL_SOCKET = CONTROL_DIR + "/supervisor.sock"
+# A warm sandbox's supervisor connects to the daemon here (a socket the daemon listens
+# on, bound read-only; the daemon takes exactly one connection, the supervisor's).
+CONTROL_SOCKET = "/dev/sandboxd/control.sock"
 
 
 @dataclass(frozen=True)
@@ -119,13 +119,13 @@ class Attachments:
     shim_host_path: str = ""
     egress: EgressAttachment | None = None
     secrets: tuple[SecretMount, ...] = ()
-    # Set for a warm (pool) sandbox: the host directory of its supervisor's socket. The
+    # Set for a warm (pool) sandbox: the daemon's control socket for its supervisor. The
     # sandbox then runs the supervisor, not a command.
-    control_host_dir: str = ""
+    control_host_socket: str = ""
 
     @property
     def needs_shim(self) -> bool:
-        return self.egress is not None or any(s.env_name for s in self.secrets) or bool(self.control_host_dir)
+        return self.egress is not None or any(s.env_name for s in self.secrets) or bool(self.control_host_socket)
 
     def wrap(self, argv: tuple[str, ...]) -> tuple[str, ...]:
         if not self.needs_shim:
@@ -138,7 +138,7 @@ class Attachments:
         for s in self.secrets:
             if s.env_name:
                 out += ["--env", f"{s.env_name}={s.sandbox_path}"]
-        if self.control_host_dir:
+        if self.control_host_socket:
             return (*out, "--supervise", CONTROL_SOCKET)
         return (*out, "--", *argv)
 
@@ -153,6 +153,8 @@ class Attachments:
         if self.egress is not None:
             out.append((EGRESS_SOCKET_PATH, self.egress.socket_host_path))
         out += [(s.sandbox_path, s.host_path) for s in self.secrets]
+        if self.control_host_socket:
+            out.append((CONTROL_SOCKET, self.control_host_socket))
         return out
 
 
@@ -186,8 +188,6 @@ def _mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str,
             attachments: Attachments) -> tuple[MountSpec, ...]:
     mounts: list[MountSpec] = [MountSpec("bind", target, source=source, read_only=True)
                                for target, source in attachments.binds()]
-    if attachments.control_host_dir:
-        mounts.append(MountSpec("bind", CONTROL_DIR, source=attachments.control_host_dir, read_only=False))
     bound = {b.sandbox_path for b in plan.binds}
     if WORKSPACE not in bound:
         # Only parts of the workspace are visible: /workspace itself is an empty,

@@ -26,7 +26,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .compile import (CONTROL_DIR, LABEL_PREFIX, MASK_DIR_TMPFS_BYTES, MAX_OPEN_FILES, SHIM_PATH, WORKSPACE_BASE_TMPFS_BYTES,
+from .compile import (LABEL_PREFIX, MASK_DIR_TMPFS_BYTES, MAX_OPEN_FILES, SHIM_PATH, WORKSPACE_BASE_TMPFS_BYTES,
                       Attachments, SandboxIdentity, _mounts, require_egress)
 from .errors import FailedPrecondition, Unimplemented
 from .policy import WORKSPACE, EffectivePolicy
@@ -215,9 +215,6 @@ def compile_nsjail(
     # The shim and secrets: read-only file binds; the proxy socket cannot be executed.
     attached = [NsjailMount(dst=target, src=source, is_bind=True, rw=False, is_dir=False, nosuid=True, nodev=True,
                             noexec=target != SHIM_PATH) for target, source in attachments.binds()]
-    if attachments.control_host_dir:
-        attached.append(NsjailMount(dst=CONTROL_DIR, src=attachments.control_host_dir, is_bind=True, rw=True,
-                                    is_dir=True, nosuid=True, nodev=True, noexec=True))
     if plan.uid == 0 or plan.gid == 0:
         raise FailedPrecondition("the nsjail backend never runs a sandbox as root, inside or outside", field="workspace")
     _check_name(identity.daemon_id, "daemon id")

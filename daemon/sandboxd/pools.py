@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import events as ev
 from .backends import ExitStatus, ResourceUsage, SandboxHandle
-from .compile import CONTROL_SOCKET, Attachments, EgressAttachment, SandboxIdentity
+from .compile import Attachments, EgressAttachment, SandboxIdentity
 from .errors import Aborted, FailedPrecondition, InternalError, NotFound, ResourceExhausted, Unimplemented
 from .metrics import Histogram, render
 from .output import STDERR, STDOUT, OutputSpool
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from .transport import Principal
 
 log = logging.getLogger("sandboxd.pools")
-READY_LINE = b"sandboxd-supervisor ready"
 READY_TIMEOUT_S = 30.0
 # Fields of a policy that each command brings itself; the rest fixes the sandbox.
 PER_COMMAND = ("cwd", "env", "timeoutMs", "maxStdoutBytes", "maxStderrBytes", "recordCommand", "recordFileAccess",
@@ -65,7 +64,7 @@ class WarmSandbox:
     prepared: "Prepared"
     handle: SandboxHandle
     spool: OutputSpool
-    control: Path
+    control: socket.socket  # the supervisor's connection: the only way to it
     created: float = field(default_factory=time.monotonic)
     idle_since: float = field(default_factory=time.monotonic)
     lease: "Lease | None" = None
@@ -299,51 +298,73 @@ class PoolManager:
     def _create(self, pool: Pool) -> WarmSandbox:
         ex, t = self._ex, pool.template
         sandbox_id = "sbx-" + ev.new_id("x")[2:]
-        control_dir = ex.settings.runtime_dir / "control" / sandbox_id
-        control_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
-        os.chmod(control_dir.parent, 0o711)
-        control_dir.mkdir(mode=0o700)
-        os.chown(control_dir, t.plan.uid, t.plan.gid)
+        # The supervisor calls in: a socket only the sandbox's user may reach, accepted
+        # once (before any command exists) and then removed, so no command can ever
+        # stand in for the supervisor or open a second channel.
+        control_dir = ex.settings.runtime_dir / "control"
+        control_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+        os.chmod(control_dir, 0o711)
+        control_path = control_dir / f"{sandbox_id}.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            listener.bind(str(control_path))
+            os.chown(control_path, t.plan.uid, t.plan.gid)
+            os.chmod(control_path, 0o600)
+            listener.listen(1)
+        except BaseException:
+            listener.close()
+            control_path.unlink(missing_ok=True)
+            raise
         endpoint = None
         egress = None
-        if t.policy.proxied:
-            proxy = ex.proxy
-            endpoint = proxy.open_endpoint(
-                sandbox_id, proxy.rules(t.policy.allow_domains, t.policy.deny_private_networks,
-                                        any_host=t.policy.egress == "open"),
-                uid=t.plan.uid, gid=t.plan.gid, record_allowed=t.policy.record_network_access)
-            egress = EgressAttachment(str(proxy.socket_path(sandbox_id)), ex.settings.egress.proxy_port)
-        attachments = Attachments(ex.shim or "", egress, control_host_dir=str(control_dir))
-        # The engine-side limit is the sandbox's whole life; each command has its own.
-        life_ms = int((self._settings.max_lease_s + self._settings.idle_ttl_s) * 1000)
-        policy = replace(t.policy, timeout_ms=life_ms)
-        spec = t.backend.compile(policy, t.plan, SandboxIdentity(ex.daemon_id, sandbox_id, f"pool:{pool.key}"),
-                                 argv=("supervisor",), image=t.image, stdin_open=False, attachments=attachments)
-        spool = OutputSpool(ex.settings.spool_dir / sandbox_id, {STDOUT: 64 * 1024, STDERR: 64 * 1024}, 4096)
-        ex.reserve_workspace(f"pool:{sandbox_id}", t.plan)
         handle = None
+        spool = OutputSpool(ex.settings.spool_dir / sandbox_id, {STDOUT: 64 * 1024, STDERR: 64 * 1024}, 4096)
+        reserved = False
         try:
+            if t.policy.proxied:
+                proxy = ex.proxy
+                endpoint = proxy.open_endpoint(
+                    sandbox_id, proxy.rules(t.policy.allow_domains, t.policy.deny_private_networks,
+                                            any_host=t.policy.egress == "open"),
+                    uid=t.plan.uid, gid=t.plan.gid, record_allowed=t.policy.record_network_access)
+                egress = EgressAttachment(str(proxy.socket_path(sandbox_id)), ex.settings.egress.proxy_port)
+            attachments = Attachments(ex.shim or "", egress, control_host_socket=str(control_path))
+            # The engine-side limit is the sandbox's whole life; each command has its own.
+            life_ms = int((self._settings.max_lease_s + self._settings.idle_ttl_s) * 1000)
+            policy = replace(t.policy, timeout_ms=life_ms)
+            spec = t.backend.compile(policy, t.plan, SandboxIdentity(ex.daemon_id, sandbox_id, f"pool:{pool.key}"),
+                                     argv=("supervisor",), image=t.image, stdin_open=False, attachments=attachments)
+            ex.reserve_workspace(f"pool:{sandbox_id}", t.plan)
+            reserved = True
             handle = t.backend.create(spec)
             t.backend.start(handle, spool, b"")
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            control = control_dir / Path(CONTROL_SOCKET).name
-            while not (control.exists() and READY_LINE in spool.summary(STDOUT).preview.encode()):
-                if time.monotonic() > deadline or handle.output_closed.is_set():
-                    raise InternalError(f"the supervisor of {sandbox_id} did not come up: "
-                                        f"{spool.summary(STDERR).preview[-300:]!r}")
-                time.sleep(0.005)
+            listener.settimeout(READY_TIMEOUT_S)
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                raise InternalError(f"the supervisor of {sandbox_id} did not call in: "
+                                    f"{spool.summary(STDERR).preview[-300:]!r}") from None
+            conn.settimeout(READY_TIMEOUT_S)
+            if conn.recv(16) != b"R":
+                conn.close()
+                raise InternalError(f"the supervisor of {sandbox_id} did not say it was ready")
+            conn.settimeout(None)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * 1024 * 1024)  # argv and env in one message
         except BaseException:
             if handle is not None:
                 t.backend.destroy(handle)
             if endpoint is not None:
                 ex.proxy.close_endpoint(endpoint)
             spool.discard()
-            ex.release_workspace(f"pool:{sandbox_id}")
-            shutil.rmtree(control_dir, ignore_errors=True)
+            if reserved:
+                ex.release_workspace(f"pool:{sandbox_id}")
             raise
+        finally:
+            listener.close()
+            control_path.unlink(missing_ok=True)
         prepared = replace(t, spec=spec, sandbox_id=sandbox_id, attachments=attachments)
         log.info("warm sandbox %s ready for %s", sandbox_id, pool.key)
-        return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, control, endpoint=endpoint)
+        return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, conn, endpoint=endpoint)
 
     def _destroy_later(self, pool: Pool | None, ws: WarmSandbox) -> None:
         """Under the lock: removal happens off the caller's thread."""
@@ -369,7 +390,7 @@ class PoolManager:
             except Exception:
                 log.exception("closing the egress endpoint of %s failed", ws.sandbox_id)
         ws.spool.discard()
-        shutil.rmtree(ws.control.parent, ignore_errors=True)
+        ws.control.close()
         self._ex.release_workspace(f"pool:{ws.sandbox_id}")
 
     # -- upkeep -------------------------------------------------------------------------
@@ -502,15 +523,12 @@ class LeaseBackend:
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn = self._ws.control  # the supervisor's own connection: one command at a time
         try:
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * 1024 * 1024)
-            conn.connect(str(self._ws.control))
             conn.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [in_r, out_w, err_w]))])
             answer = conn.recv(256)
         except OSError as exc:
-            conn.close()
-            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+            for fd in (in_w, out_r, err_r):
                 os.close(fd)
             self._healthy = False
             raise InternalError(f"the sandbox's supervisor did not take the command: {exc}") from None
@@ -521,9 +539,10 @@ class LeaseBackend:
                 except OSError:
                     pass
         if not answer.startswith(b"P "):
-            conn.close()
             for fd in (in_w, out_r, err_r):
                 os.close(fd)
+            if not answer:
+                self._healthy = False  # the supervisor is gone
             raise InternalError(f"the sandbox's supervisor refused the command: {answer[:200]!r}")
         self._conn = conn
         if not stdin:
@@ -613,9 +632,7 @@ class LeaseBackend:
         return ExitStatus(128 - code if code < 0 else code, sig, False), ResourceUsage(0, 0)
 
     def destroy(self, handle: SandboxHandle) -> None:
-        """The sandbox stays (it is the lease's); only this command's channel goes."""
-        if self._conn is not None:
-            self._conn.close()
+        """The sandbox stays (it is the lease's): it is ready for the next command."""
         self._pools.command_done(self._ws, self._healthy and self._done.is_set())
 
 

@@ -282,3 +282,49 @@ def test_a_lease_that_expires_mid_command_ends_after_the_command(pooled, docker_
             filters={"label": f"sandboxd.sandbox_id={lease.sandbox_id}"}), timeout_s=15)
         with pytest.raises(errors.NotFound):
             c.run(leased(ws, lease, ["true"]))
+
+
+@pytest.mark.parametrize("adapter", ["docker", "nsjail"])
+def test_a_command_cannot_reach_or_impersonate_its_supervisor(pooled, adapter):
+    """The supervisor's channel was accepted once, before any command ran: a command
+    cannot connect a second one, cannot take the supervisor's descriptors, and whatever
+    it tries, the next command still runs under the real supervisor."""
+    d = pooled
+    ws = d.new_workspace()
+    with d.client() as c:
+        lease = c.acquire_sandbox(str(ws), adapter=adapter)
+        out = c.run(leased(ws, lease, ["python3", "-c", """
+import os, socket
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+try:
+    s.connect("/dev/sandboxd/control.sock"); print("connected")
+except OSError as e:
+    print("connect", type(e).__name__)
+def comm(p):
+    try:
+        return open(f"/proc/{p}/comm").read().strip()
+    except OSError:
+        return ""
+sup = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != 1 and comm(p) == "shim"]
+print("supervisors", len(sup))
+for pid in sup:
+    try:
+        print("fds", os.listdir(f"/proc/{pid}/fd"))
+    except OSError as e:
+        print("fds", type(e).__name__)
+    try:
+        os.unlink("/dev/sandboxd/control.sock"); print("unlinked")
+    except OSError as e:
+        print("unlink", type(e).__name__)
+"""], adapter=adapter))
+        lines = out.stdout.decode().split("\n")
+        assert lines[0] == "connect ConnectionRefusedError", (out.stdout, out.stderr)
+        # Docker's /proc shows the supervisor but not its descriptors; nsjail's (hidepid)
+        # does not even show it.
+        assert lines[1] in ("supervisors 1", "supervisors 0"), out.stdout
+        if lines[1] == "supervisors 1":
+            assert lines[2] == "fds PermissionError", out.stdout
+            assert lines[3].startswith("unlink ") and lines[3] != "unlinked"
+        after = c.run(leased(ws, lease, ["echo", "real supervisor"], adapter=adapter))
+        assert after.stdout == b"real supervisor\n" and after.result.exit_code == 0
+        c.release_sandbox(lease.lease_id)
