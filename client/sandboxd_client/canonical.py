@@ -53,3 +53,20 @@ def verify_chain(events: Iterable[Any], prev_hash: str = GENESIS_HASH, prev_seq:
             return ChainReport(False, n, ev.seq, "content does not match its hash (event edited)")
         prev_hash, prev_seq = ev.hash, ev.seq
     return ChainReport(True, n, head_hash=prev_hash)
+
+
+def check_checkpoints(hashes: dict[int, str], last_seq: int, events_checked: int,
+                      checkpoints: Iterable[Any]) -> ChainReport | None:
+    """Holds a verified chain (`hashes`: seq -> hash of the checkpointed seqs it has,
+    `last_seq`: its end) against checkpoints (objects with seq, hash, time). A chain
+    that ends before a checkpoint was truncated; one whose event differs from a
+    checkpoint was rewritten (even if re-chained). None when all hold."""
+    for c in sorted(checkpoints, key=lambda c: c.seq):
+        if c.seq > last_seq:
+            return ChainReport(False, events_checked, last_seq + 1,
+                               f"the log ends at seq {last_seq}, but a checkpoint taken at {c.time} "
+                               f"recorded seq {c.seq}: events were removed from its end")
+        if c.seq in hashes and hashes[c.seq] != c.hash:
+            return ChainReport(False, events_checked, c.seq,
+                               f"event {c.seq} differs from the checkpoint taken at {c.time}: the log was rewritten")
+    return None

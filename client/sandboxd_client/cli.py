@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .canonical import GENESIS_HASH, event_hash, verify_chain
+from .canonical import GENESIS_HASH, check_checkpoints, event_hash, verify_chain
 from .client import SandboxdClient, TlsFiles, default_socket, to_json
 from .errors import SandboxdClientError
 from .pb import sandboxd_pb2 as pb
@@ -269,6 +269,14 @@ def _trace_verify(args: argparse.Namespace) -> int:
             events = [SimpleNamespace(**_export_fields(json.loads(line))) for line in f if line.strip()]
         first = events[0] if events else None
         report = verify_chain(events, first.prev_hash if first else GENESIS_HASH, first.seq - 1 if first else 0)
+        if report.ok and args.checkpoints:
+            # The daemon's checkpoints.jsonl (or a copy shipped elsewhere): the export
+            # must reach, and agree with, every head the daemon wrote down.
+            with open(args.checkpoints, encoding="utf-8") as f:
+                marks = [SimpleNamespace(**json.loads(line)) for line in f if line.strip()]
+            last = events[-1].seq if events else 0
+            report = check_checkpoints({e.seq: e.hash for e in events}, last, report.events_checked,
+                                       [m for m in marks if not events or m.seq >= events[0].seq]) or report
     else:
         with connect(args) as client:
             try:
@@ -388,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per event (JSONL)")
     p.add_argument("-v", "--verbose", action="store_true", help="show payloads")
     p.add_argument("--file", help="verify: check this exported JSONL file offline instead of the daemon's log")
+    p.add_argument("--checkpoints", help="verify --file: also hold it against this checkpoints.jsonl")
     p.add_argument("-o", "--output", help="export: write JSONL here (default: stdout)")
     p.add_argument("--call", help="export: only this call's events")
     p.add_argument("--after-seq", type=int, default=0, help="export: only events after this log position")

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sandboxd_client.canonical import GENESIS_HASH, ChainReport, canonical_json, event_hash, verify_chain
+from sandboxd_client.canonical import (GENESIS_HASH, ChainReport, canonical_json, check_checkpoints, event_hash,
+                                       verify_chain)
 
 from .store import Database
 
@@ -146,15 +147,8 @@ class EventLog:
             total += report.events_checked
             seen.update((e.seq, e.hash) for e in batch if e.seq in wanted)
             prev_hash, prev_seq = batch[-1].hash, batch[-1].seq
-        for c in sorted(checkpoints, key=lambda c: c.seq):
-            if c.seq > prev_seq:
-                return ChainReport(False, total, prev_seq + 1,
-                                   f"the log ends at seq {prev_seq}, but a checkpoint taken at {c.time} "
-                                   f"recorded seq {c.seq}: events were removed from its end")
-            if seen.get(c.seq) != c.hash:
-                return ChainReport(False, total, c.seq, f"event {c.seq} differs from the checkpoint taken at {c.time}: "
-                                   "the log was rewritten")
-        return ChainReport(True, total, head_hash=prev_hash if total else "")
+        broken = check_checkpoints({c.seq: seen.get(c.seq, "") for c in checkpoints}, prev_seq, total, checkpoints)
+        return broken or ChainReport(True, total, head_hash=prev_hash if total else "")
 
 
 @dataclass(frozen=True)

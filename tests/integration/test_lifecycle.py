@@ -186,6 +186,19 @@ def test_checkpoints_catch_a_truncated_or_rechained_log(spare_daemon):
     with d.client() as c:
         report = c.verify_log()
     assert not report.ok and "removed from its end" in report.reason and report.first_bad_seq == saved[0][0]
+    # Offline too: a truncated export does not reach the last checkpoint.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ctl = [str(Path(sys.executable).with_name("sandboxctl"))]
+    export = d.base / "truncated.jsonl"
+    assert subprocess.run(ctl + ["--socket", str(d.socket), "trace", "export", "-o", str(export)]).returncode == 0
+    offline = subprocess.run(ctl + ["trace", "verify", "--file", str(export), "--checkpoints",
+                                    str(d.state_dir / "checkpoints.jsonl"), "--json"], capture_output=True)
+    assert offline.returncode == 1 and "removed from its end" in json.loads(offline.stdout)["reason"]
+    plain = subprocess.run(ctl + ["trace", "verify", "--file", str(export)], capture_output=True)
+    assert plain.returncode == 0  # the chain alone cannot tell: that is what checkpoints are for
 
     # Put them back, then rewrite the first call's exit code and re-chain everything after it.
     d.stop()
