@@ -111,8 +111,9 @@ class EventLog:
             self._on_append(conn, out)
         return out
 
-    def record(self, tool_call_id: str, parent_event_id: str, drafts: Sequence[EventDraft]) -> list[Event]:
-        with self._db.transaction() as conn:
+    def record(self, tool_call_id: str, parent_event_id: str, drafts: Sequence[EventDraft],
+               durable: bool = True) -> list[Event]:
+        with self._db.transaction(durable) as conn:
             return self.append(conn, tool_call_id, parent_event_id, drafts)
 
     def for_call(self, tool_call_id: str) -> list[Event]:

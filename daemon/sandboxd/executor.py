@@ -148,8 +148,8 @@ class CallRun:
         yield finished
 
     # -- the run ------------------------------------------------------------------
-    def _record(self, drafts: list[EventDraft]) -> list[ev.Event]:
-        out = self._executor.events.record(self.tool_call_id, self._last_event_id, drafts)
+    def _record(self, drafts: list[EventDraft], durable: bool = True) -> list[ev.Event]:
+        out = self._executor.events.record(self.tool_call_id, self._last_event_id, drafts, durable)
         self._last_event_id = out[-1].event_id
         return out
 
@@ -195,8 +195,10 @@ class CallRun:
             if not cancelled_early and handle is not None:
                 t0 = time.monotonic()
                 backend.start(handle, self.spool, p.call.stdin)
+                # Not fsynced on its own: the accept before it and the result after it are,
+                # and a crash in between ends as INTERRUPTED either way.
                 started = self._record(([prepared_event] if p.lease is not None else [])
-                                       + [EventDraft(ev.STARTED, {"sandboxId": p.sandbox_id})])
+                                       + [EventDraft(ev.STARTED, {"sandboxId": p.sandbox_id})], durable=False)
                 with self._cond:
                     self._started_event_id = started[-1].event_id
                     self._cond.notify_all()

@@ -65,16 +65,24 @@ class Database:
             self._conn.executescript(SCHEMA)
 
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """Serialized write transaction; durable when the block returns."""
+    def transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """Serialized write transaction; durable (fsynced) when the block returns, unless
+        `durable` is False: then it is atomic and ordered but reaches the disk with the
+        next durable commit (WAL keeps the log whole either way)."""
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
+            if not durable:
+                self._conn.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+                self._conn.execute("COMMIT")
+            finally:
+                if not durable:
+                    self._conn.execute("PRAGMA synchronous=FULL")
 
     def ensure_schema(self, sql: str) -> None:
         """Runs CREATE ... IF NOT EXISTS statements (a module's own tables)."""
