@@ -58,6 +58,7 @@ bench: venv images native $(VENV)/.bench-stamp
 	$(PY) bench/egress_proxy.py
 	$(PY) bench/audit_query.py
 	$(PY) bench/warm_exec.py
+	$(PY) bench/file_access.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,6 +14,10 @@
  *                  that relays every accepted connection to the Unix socket SOCKET (the
  *                  daemon's per-sandbox proxy, bind-mounted in).
  *
+ * --gate FIFO      waits until the daemon writes a byte into FIFO before the command
+ *                  runs (the daemon first attaches its file-access watch to the
+ *                  sandbox's mounts, which exist only once the sandbox does).
+ *
  * Then it execs ARGV in its own place, so ARGV stays the init's direct child and its
  * exit status is the sandbox's.
  *
@@ -484,6 +488,21 @@ static void supervise(const char *path) {
     exit(0);
 }
 
+static void wait_at_gate(const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        die("open the gate");
+    char b;
+    ssize_t n;
+    while ((n = read(fd, &b, 1)) < 0 && errno == EINTR)
+        ;
+    close(fd);
+    if (n != 1) {
+        fprintf(stderr, "sandboxd: the daemon did not open the gate\n");
+        exit(125);
+    }
+}
+
 static void usage(void) {
     fprintf(stderr, "usage: sandbox-shim [--egress SOCKET PORT] [--env NAME=FILE]... (-- ARGV... | --supervise CONTROL)\n");
     exit(2);
@@ -491,10 +510,12 @@ static void usage(void) {
 
 int main(int argc, char **argv) {
     int i = 1;
-    const char *egress_sock = NULL, *egress_port = NULL, *control = NULL;
+    const char *egress_sock = NULL, *egress_port = NULL, *control = NULL, *gate = NULL;
     for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
         if (strcmp(argv[i], "--supervise") == 0 && i + 1 < argc) {
             control = argv[++i];
+        } else if (strcmp(argv[i], "--gate") == 0 && i + 1 < argc) {
+            gate = argv[++i];
         } else if (strcmp(argv[i], "--egress") == 0 && i + 2 < argc) {
             egress_sock = argv[++i];
             egress_port = argv[++i];
@@ -516,6 +537,8 @@ int main(int argc, char **argv) {
     char **cmd = &argv[i + 1];
     if (egress_sock)
         start_egress(egress_sock, egress_port);
+    if (gate)
+        wait_at_gate(gate);
     execvp(cmd[0], cmd);
     fprintf(stderr, "sandboxd: cannot run %s: %s\n", cmd[0], strerror(errno));
     return errno == ENOENT ? 127 : 126;

@@ -114,12 +114,16 @@ def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
                 " VALUES (?,?,?,?,?,?,?)",
                 [(e.seq, call_seq, e.tool_call_id, str(a["host"]), str(a["host"])[::-1], int(a.get("port", 0)),
                   str(a.get("decision", ""))) for a in attempts])
-    elif e.type == ev.FILE_ACCESS and "path" in p:
+    elif e.type == ev.FILE_ACCESS and ("path" in p or "accesses" in p):
         call_seq = _call_seq(conn, e.tool_call_id)
         if call_seq is not None:
-            rows = [(str(p["path"]), str(p.get("operation", "")))]
-            if p.get("renamedTo"):
-                rows.append((str(p["renamedTo"]), "rename"))
+            # One access, or a batch of them.
+            listed = [p] if "path" in p else [a for a in p["accesses"] if isinstance(a, dict) and "path" in a]
+            rows = []
+            for a in listed:
+                rows.append((str(a["path"]), str(a.get("operation", ""))))
+                if a.get("renamedTo"):
+                    rows.append((str(a["renamedTo"]), "rename"))
             conn.executemany("INSERT OR IGNORE INTO audit_paths (event_seq, call_seq, tool_call_id, path, op)"
                              " VALUES (?,?,?,?,?)", [(e.seq, call_seq, e.tool_call_id, path, op) for path, op in rows])
 

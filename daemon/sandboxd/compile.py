@@ -74,6 +74,8 @@ class DockerSpec:
 SHIM_PATH = "/dev/sandboxd/shim"
 EGRESS_SOCKET_PATH = "/dev/sandboxd/egress.sock"
 SECRETS_DIR = "/dev/sandboxd/secrets"
+# The shim waits here until the daemon's file-access watch is attached.
+GATE_PATH = "/dev/sandboxd/gate"
 # A warm sandbox's supervisor connects to the daemon here (a socket the daemon listens
 # on, bound read-only; the daemon takes exactly one connection, the supervisor's).
 CONTROL_SOCKET = "/dev/sandboxd/control.sock"
@@ -122,10 +124,13 @@ class Attachments:
     # Set for a warm (pool) sandbox: the daemon's control socket for its supervisor. The
     # sandbox then runs the supervisor, not a command.
     control_host_socket: str = ""
+    # Set when the call's file accesses are recorded: the FIFO the shim waits on.
+    gate_host_path: str = ""
 
     @property
     def needs_shim(self) -> bool:
-        return self.egress is not None or any(s.env_name for s in self.secrets) or bool(self.control_host_socket)
+        return (self.egress is not None or any(s.env_name for s in self.secrets) or bool(self.control_host_socket)
+                or bool(self.gate_host_path))
 
     def wrap(self, argv: tuple[str, ...]) -> tuple[str, ...]:
         if not self.needs_shim:
@@ -140,6 +145,8 @@ class Attachments:
                 out += ["--env", f"{s.env_name}={s.sandbox_path}"]
         if self.control_host_socket:
             return (*out, "--supervise", CONTROL_SOCKET)
+        if self.gate_host_path:
+            out += ["--gate", GATE_PATH]
         return (*out, "--", *argv)
 
     def env(self) -> dict[str, str]:
@@ -155,6 +162,8 @@ class Attachments:
         out += [(s.sandbox_path, s.host_path) for s in self.secrets]
         if self.control_host_socket:
             out.append((CONTROL_SOCKET, self.control_host_socket))
+        if self.gate_host_path:
+            out.append((GATE_PATH, self.gate_host_path))
         return out
 
 

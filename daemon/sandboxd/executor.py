@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from . import events as ev
@@ -24,6 +25,7 @@ from .compile import Attachments, EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
                      PermissionDenied, ResourceExhausted, SandboxdError, Unimplemented)
 from .events import CheckpointFile, EventDraft, EventLog
+from .filewatch import Access, FileWatch, FileWatchError
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
 from .redact import Redactor
 from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_admission, parse_call, request_digest,
@@ -39,6 +41,12 @@ from .transport import Principal
 log = logging.getLogger("sandboxd.executor")
 # After a kill, how long the engine gets to end the process tree before we give up.
 KILL_GRACE_S = 10.0
+# How long a started sandbox may take to show a process the file watch can attach to.
+GATE_TIMEOUT_S = 10.0
+# Paths listed in ToolResult.effectsObserved per kind (the events hold all of them).
+MAX_EFFECT_PATHS = 1000
+# File accesses per FileAccessObserved event.
+FILE_EVENTS_PER_BATCH = 500
 
 
 @dataclass
@@ -164,6 +172,9 @@ class CallRun:
         handle: SandboxHandle | None = None
         endpoint: EgressEndpoint | None = None
         connections: list[ConnectionRecord] = []
+        watch: FileWatch | None = None
+        gate_fd = -1
+        accesses: list[Access] = []
         try:
             with self._cond:
                 cancelled_early = bool(self._cancel_reason)
@@ -179,6 +190,8 @@ class CallRun:
                     self._executor.broker.materialize(p.sandbox_id, p.secrets, p.plan.uid, p.plan.gid)
                 self._record([EventDraft(ev.CREDENTIAL_INJECTED, {
                     "bindingId": s.binding_id, "principal": self._principal, "target": s.target}) for s in p.secrets])
+            if not cancelled_early and p.attachments.gate_host_path:
+                _make_gate(Path(p.attachments.gate_host_path), p.plan.uid, p.plan.gid)
             if not cancelled_early:
                 handle = backend.create(p.spec)
                 prepared_event = EventDraft(ev.SANDBOX_PREPARED, {
@@ -195,6 +208,9 @@ class CallRun:
             if not cancelled_early and handle is not None:
                 t0 = time.monotonic()
                 backend.start(handle, self.spool, p.call.stdin)
+                if p.attachments.gate_host_path:
+                    # The command waits at the gate until its mounts are watched.
+                    watch, gate_fd = self._watch_and_open_gate(handle)
                 # Not fsynced on its own: the accept before it and the result after it are,
                 # and a crash in between ends as INTERRUPTED either way.
                 started = self._record(([prepared_event] if p.lease is not None else [])
@@ -218,6 +234,15 @@ class CallRun:
             failure = SandboxdError("internal error while running the sandbox")
             log.exception("call %s: unexpected error: %s", self.tool_call_id, exc)
         finally:
+            if watch is not None:
+                try:
+                    accesses = watch.stop()
+                except Exception:
+                    log.exception("stopping the file watch of %s failed", p.sandbox_id)
+            if gate_fd >= 0:
+                os.close(gate_fd)
+            if p.attachments.gate_host_path:
+                Path(p.attachments.gate_host_path).unlink(missing_ok=True)
             dropped: int = 0
             overflow: dict = {}
             if p.lease is not None and handle is not None:
@@ -246,7 +271,8 @@ class CallRun:
         with self._cond:
             cancel_reason = self._cancel_reason
         try:
-            self._finish(status, usage, latency_ms, timed_out, cancel_reason, failure, connections, dropped, overflow)
+            self._finish(status, usage, latency_ms, timed_out, cancel_reason, failure, connections, dropped, overflow,
+                         accesses)
         except Exception:
             log.exception("recording the result of %s failed", self.tool_call_id)
             with self._cond:
@@ -256,9 +282,43 @@ class CallRun:
             self._executor._forget(self)
             self._executor.checkpoint()
 
+    def _watch_and_open_gate(self, handle: SandboxHandle) -> tuple[FileWatch, int]:
+        """Attaches a fanotify watch to the call's own mounts, then lets the command go.
+        A watch that cannot be attached fails the call: it never runs unrecorded."""
+        p = self.prepared
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        pid = 0
+        while not pid and time.monotonic() < deadline:
+            pid = p.backend.sandbox_pid(handle)
+            if not pid:
+                time.sleep(0.002)
+        if not pid:
+            raise FailedPrecondition("the sandbox never came up to be watched")
+        watch = FileWatch(pid, tuple(b.sandbox_path for b in p.plan.binds))
+        try:
+            watch.start()
+        except FileWatchError as exc:
+            raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
+        fd = os.open(p.attachments.gate_host_path, os.O_RDWR | os.O_CLOEXEC)  # never blocks on a FIFO
+        os.write(fd, b"1")
+        return watch, fd
+
+    def _access_event(self, a: Access) -> dict[str, Any]:
+        """One path the call touched; for a write, the content hash it left behind."""
+        event: dict[str, Any] = {"path": a.path, "operation": a.operation, "opens": a.opens, "writes": a.writes}
+        if a.operation == "write":
+            host = _host_path(self.prepared.plan, a.path)
+            if host is not None:
+                try:
+                    with open(host, "rb") as f:
+                        event["sha256After"] = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+                except OSError:
+                    event["sha256After"] = ""  # deleted or replaced since
+        return event
+
     def _finish(self, status: ExitStatus | None, usage: ResourceUsage, latency_ms: int, timed_out: bool,
                 cancel_reason: str, failure: SandboxdError | None, connections: list[ConnectionRecord],
-                dropped_connections: int, overflow: dict) -> None:
+                dropped_connections: int, overflow: dict, accesses: list[Access] = ()) -> None:
         ex = self._executor
         out, err = self.spool.summary(STDOUT), self.spool.summary(STDERR)
         now = ev.utc_now()
@@ -305,7 +365,9 @@ class CallRun:
             "stdoutPreview": out.preview,
             "stderrPreview": err.preview,
             "artifacts": [_artifact_json(r) for r in records],
-            "effectsObserved": {"reads": [], "writes": [], "deletes": [],
+            "effectsObserved": {"reads": [a.path for a in accesses if a.operation == "read"][:MAX_EFFECT_PATHS],
+                                "writes": [a.path for a in accesses if a.operation == "write"][:MAX_EFFECT_PATHS],
+                                "deletes": [],
                                 "externalCalls": summarize_external_calls(connections, overflow)},
             "usage": {"latencyMs": latency_ms, "cpuMs": usage.cpu_ms, "peakMemoryBytes": usage.peak_memory_bytes,
                       "outputBytes": out.produced_bytes + err.produced_bytes},
@@ -313,7 +375,12 @@ class CallRun:
         }
         if error:
             result["error"] = error
-        drafts = [EventDraft(ev.NETWORK_ACCESS, c.to_event()) for c in connections]
+        # Accesses go in batches: a test run touches thousands of files, and one event
+        # per path would cost the log more than the run.
+        listed = [self._access_event(a) for a in accesses]
+        drafts = [EventDraft(ev.FILE_ACCESS, {"accesses": listed[i:i + FILE_EVENTS_PER_BATCH]})
+                  for i in range(0, len(listed), FILE_EVENTS_PER_BATCH)]
+        drafts += [EventDraft(ev.NETWORK_ACCESS, c.to_event()) for c in connections]
         if dropped_connections:
             drafts.append(EventDraft(ev.NETWORK_ACCESS, {
                 "dropped": dropped_connections,
@@ -341,6 +408,23 @@ class CallRun:
             self._result = result
             self._result_event_id = finished_id
             self._cond.notify_all()
+
+
+def _make_gate(path: Path, uid: int, gid: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+    os.chmod(path.parent, 0o711)
+    path.unlink(missing_ok=True)
+    os.mkfifo(path, 0o600)
+    os.chown(path, uid, gid)
+
+
+def _host_path(plan: HostPlan, sandbox_path: str) -> str | None:
+    """The host file behind a sandbox path, through the plan's binds (deepest first)."""
+    for b in sorted(plan.binds, key=lambda b: len(b.sandbox_path), reverse=True):
+        if sandbox_path == b.sandbox_path or sandbox_path.startswith(b.sandbox_path.rstrip("/") + "/"):
+            rest = sandbox_path[len(b.sandbox_path):].lstrip("/")
+            return os.path.join(b.host_path, rest) if rest else b.host_path
+    return None
 
 
 def _artifact_json(r: ArtifactRecord) -> dict[str, Any]:
@@ -492,7 +576,11 @@ class CallExecutor:
                                          f"{self._no_proxy_reason}", field="policy.network.egress")
             egress = EgressAttachment(str(self.proxy.socket_path(sandbox_id)), self.settings.egress.proxy_port)
         secrets = self.broker.resolve(call, policy, principal) if principal is not None else ()
-        attachments = Attachments(self.shim or "", egress, self.broker.mounts(sandbox_id, secrets))
+        gate = ""
+        if policy.record_file_access and self.settings.file_watch and plan.binds:
+            gate = str(self.settings.runtime_dir / "gates" / sandbox_id)
+        attachments = Attachments(self.shim or "", egress, self.broker.mounts(sandbox_id, secrets),
+                                  gate_host_path=gate)
         if attachments.needs_shim and not self.shim:
             raise BackendUnavailable(f"this call needs the sandbox shim, which is unavailable: {self._no_shim_reason}",
                                      field="policy.network.egress" if egress else "credentialRefs")

@@ -232,6 +232,8 @@ class DaemonSettings(BaseModel):
     runtime_dir: Path = Path("/var/lib/sandboxd-runtime")
     quotas: QuotaSettings = Field(default_factory=QuotaSettings)
     pools: PoolSettings = Field(default_factory=PoolSettings)
+    # Record file accesses (fanotify) of calls whose audit.recordFileAccess is true.
+    file_watch: bool = True
     # host:port of the Prometheus endpoint (GET /metrics); unset: none.
     metrics_address: str | None = None
     # Peer uid on the Unix socket -> principal name; any other uid is refused.

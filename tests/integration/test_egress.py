@@ -454,7 +454,7 @@ def test_sandbox_cannot_reach_daemon_socket_docker_api_or_another_sandbox(ec, ws
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "daemon FileNotFoundError"
     assert lines[1] == "docker FileNotFoundError FileNotFoundError"
-    assert lines[2] == "dev ['egress.sock', 'shim']"
+    assert lines[2] == "dev ['egress.sock', 'gate', 'shim']"
     assert lines[3] == "peer ConnectionRefusedError"
     # NO_PROXY keeps loopback direct, and the sandbox's own loopback has nothing there.
     assert lines[4] == "0 0"
@@ -569,7 +569,8 @@ def test_explain_shows_the_network_plan(egress_daemon, ws):
     assert plan["egress"] == "allowlist" and plan["proxy"] == "http://127.0.0.1:3128"
     assert plan["allowDomains"] == ["pypi.test", "*.files.test"]
     spec = json.loads(resp.spec_json)
-    assert spec["argv"][:5] == ["/dev/sandboxd/shim", "--egress", "/dev/sandboxd/egress.sock", "3128", "--"]
+    assert spec["argv"][:4] == ["/dev/sandboxd/shim", "--egress", "/dev/sandboxd/egress.sock", "3128"]
+    assert spec["argv"][4:7] == ["--gate", "/dev/sandboxd/gate", "--"]  # file accesses recorded (the default)
 
 
 def test_fifty_parallel_sandboxes_all_get_correct_decisions(egress_daemon, hosts):

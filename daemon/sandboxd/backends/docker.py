@@ -274,6 +274,11 @@ class DockerBackend:
         return handle.output_closed.wait(max(0.0, timeout_s))
 
     @_engine_errors_are_unavailable
+    @_engine_errors_are_unavailable
+    def sandbox_pid(self, handle: SandboxHandle) -> int:
+        """A host pid inside the sandbox (its init), 0 while there is none."""
+        return int(self._api.inspect_container(handle.engine_id)["State"]["Pid"] or 0)
+
     def kill(self, handle: SandboxHandle) -> None:
         # SIGKILL to the container's init ends its whole PID namespace.
         try:

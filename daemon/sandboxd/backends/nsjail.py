@@ -522,6 +522,24 @@ class NsjailBackend:
             return False  # the streams closed early, the processes still run
         return True
 
+    def sandbox_pid(self, handle: SandboxHandle) -> int:
+        """A host pid inside the finished jail (its init, once nsjail's child has exec'd
+        it: every mount is in place by then), 0 while there is none."""
+        jail = self._jail(handle)
+        if jail.proc is None:
+            return 0
+        try:
+            with open(f"/proc/{jail.proc.pid}/task/{jail.proc.pid}/children") as f:
+                children = f.read().split()
+            if not children:
+                return 0
+            with open(f"/proc/{children[0]}/comm") as f:
+                if f.read().strip() == "nsjail":
+                    return 0  # still setting the jail up
+        except OSError:
+            return 0
+        return int(children[0])
+
     def kill(self, handle: SandboxHandle) -> None:
         # The jail's PID 1 dying ends its whole PID namespace; nsjail is in the same
         # cgroup, and the jail gets SIGKILL when nsjail dies (PR_SET_PDEATHSIG).

@@ -1,0 +1,91 @@
+"""File-access recording overhead: a file-heavy workload with audit.recordFileAccess on
+versus off, in one run (alternating), on Docker and nsjail. The workspace is a git
+repository of N small files; the workloads are `git status` and a "test run" that
+imports every module of the tree. Times are the whole call, end to end through gRPC.
+
+    .venv/bin/python bench/file_access.py [-n 7] [--files 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
+
+from sandboxd.testing import WORKSPACE_UID, make_daemon, prepared_call  # noqa: E402
+
+TEST_RUN = """
+import importlib.util, pathlib, sys
+n = 0
+for p in sorted(pathlib.Path("/workspace/pkg").rglob("*.py")):
+    spec = importlib.util.spec_from_file_location(p.stem, p)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    n += 1
+print(n, "modules ran")
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=7)
+    ap.add_argument("--files", type=int, default=3000)
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="sandboxd-bench-fa-", dir="/tmp"))
+    base.chmod(0o755)
+    d = make_daemon(base).start()
+    try:
+        files = {f"pkg/m{i // 100}/mod{i}.py": f"VALUE_{i} = {i}\n" for i in range(args.files)}
+        files.update({f"pkg/m{i}/__init__.py": "" for i in range(args.files // 100 + 1)})
+        ws = d.new_workspace(files)
+        env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b",
+               "GIT_COMMITTER_EMAIL": "b@b"}
+        for cmd in (["git", "init", "-q"], ["git", "-c", "safe.directory=*", "add", "-A"],
+                    ["git", "-c", "safe.directory=*", "commit", "-qm", "x"]):
+            subprocess.run(cmd, cwd=ws, check=True, env=env, capture_output=True)
+        for dirpath, dirnames, filenames in os.walk(ws):
+            for name in dirnames + filenames:
+                os.lchown(os.path.join(dirpath, name), WORKSPACE_UID, WORKSPACE_UID)
+        client = d.client()
+        workloads = {"git status": ["git", "-c", "safe.directory=*", "status", "--short"],
+                     "test run (import every module)": ["python3", "-c", TEST_RUN]}
+        rows = []
+        for adapter in ("docker", "nsjail"):
+            for name, argv in workloads.items():
+                times = {True: [], False: []}
+                events = {True: 0, False: 0}
+                for i in range(args.n + 1):
+                    for record in (True, False) if i % 2 else (False, True):
+                        call = prepared_call(ws, argv, {"audit": {"recordFileAccess": record}},
+                                             runtime={"adapter": adapter, "image": "sandboxd/default:latest"})
+                        t = time.perf_counter()
+                        out = client.run(call)
+                        ms = (time.perf_counter() - t) * 1000
+                        if out.result.status != "success":
+                            raise RuntimeError(out.stderr.decode()[-500:])
+                        if i:  # the first round warms caches
+                            times[record].append(ms)
+                        events[record] = sum(len(json.loads(e.payload_json)["accesses"])
+                                             for e in client.get_trace(out.tool_call_id)
+                                             if e.type == "FileAccessObserved")
+                on, off = statistics.median(times[True]), statistics.median(times[False])
+                rows.append((f"{adapter}: {name}", off, on, on / off, events[True]))
+        print(f"\nfile-access recording overhead, {args.files} files, n={args.n}; call times in ms\n")
+        print(f"| {'workload':<44} | {'off':>8} | {'on':>8} | {'on/off':>7} | {'paths':>6} |")
+        print(f"|{'-' * 46}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 8}|")
+        for name, off, on, ratio, n_events in rows:
+            print(f"| {name:<44} | {off:8.1f} | {on:8.1f} | {ratio:6.2f}x | {n_events:6d} |")
+    finally:
+        d.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

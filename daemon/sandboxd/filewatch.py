@@ -1,0 +1,140 @@
+"""File-access recording with fanotify: one notification group per call, marking only
+that call's own bind mounts (reached through /proc/<pid>/root inside the sandbox's mount
+namespace). Every event of the group is therefore the call's: no attribution by pid, no
+mixing with other sandboxes on the same files. readlink of an event's descriptor gives
+the path as the sandbox sees it (/workspace/...).
+
+Recorded: opens (reported as "read" unless the file was also closed after being opened
+for writing: "write"), per path with counts (lower bounds: the kernel merges repeats of
+an event that is still queued). Not recorded here: creations, deletions,
+renames and mode changes (a mount mark does not carry directory-entry events), opens of
+directories, and anything outside the marked mounts (tempDir is a private tmpfs)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import select
+import struct
+import threading
+from dataclasses import dataclass, field
+
+log = logging.getLogger("sandboxd.filewatch")
+
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+_libc.fanotify_init.argtypes = [ctypes.c_uint, ctypes.c_uint]
+_libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
+
+FAN_CLASS_NOTIF = 0x0
+FAN_CLOEXEC = 0x1
+FAN_NONBLOCK = 0x2
+FAN_UNLIMITED_QUEUE = 0x10
+FAN_MARK_ADD = 0x1
+FAN_MARK_MOUNT = 0x10
+FAN_MODIFY = 0x2
+FAN_CLOSE_WRITE = 0x8
+FAN_OPEN = 0x20
+FAN_Q_OVERFLOW = 0x4000
+AT_FDCWD = -100
+_EVENT = struct.Struct("IBBHQii")  # fanotify_event_metadata
+MAX_PATHS = 10_000
+
+
+class FileWatchError(Exception):
+    pass
+
+
+@dataclass
+class Access:
+    path: str
+    opens: int = 0
+    writes: int = 0
+
+    @property
+    def operation(self) -> str:
+        return "write" if self.writes else "read"
+
+
+@dataclass
+class FileWatch:
+    pid: int  # any process inside the sandbox
+    mounts: tuple[str, ...]  # sandbox paths of the call's bind mounts
+    accesses: dict[str, Access] = field(default_factory=dict)
+    dropped: int = 0
+    overflowed: bool = False
+
+    def start(self) -> None:
+        flags = FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK | FAN_UNLIMITED_QUEUE
+        fd = _libc.fanotify_init(flags, os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC)
+        if fd < 0:
+            raise FileWatchError(f"fanotify_init: {os.strerror(ctypes.get_errno())}")
+        self._fd = fd
+        try:
+            for mount in self.mounts:
+                path = f"/proc/{self.pid}/root{mount}".encode()
+                # Opens, and closes of files opened for writing: FAN_MODIFY would add one
+                # event per write() of a write-heavy command for nothing more.
+                if _libc.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN | FAN_CLOSE_WRITE,
+                                       AT_FDCWD, path) < 0:
+                    raise FileWatchError(f"fanotify_mark {mount}: {os.strerror(ctypes.get_errno())}")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._read, daemon=True, name=f"filewatch-{self.pid}")
+        self._thread.start()
+
+    def stop(self) -> list[Access]:
+        """What the call touched, in path order (the queue drained first)."""
+        os.write(self._stop_w, b"x")
+        self._thread.join(10)
+        for fd in (self._fd, self._stop_r, self._stop_w):
+            os.close(fd)
+        return [self.accesses[p] for p in sorted(self.accesses)]
+
+    def _read(self) -> None:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        stopping = False
+        while True:
+            ready = {fd for fd, _ in poller.poll(None if not stopping else 0)}
+            if self._stop_r in ready:
+                stopping = True
+            if self._fd in ready or stopping:
+                if not self._drain() and stopping:
+                    return
+
+    def _drain(self) -> bool:
+        """Reads what is queued; False when nothing was."""
+        try:
+            buf = os.read(self._fd, 256 * 1024)
+        except BlockingIOError:
+            return False
+        i = 0
+        while i + _EVENT.size <= len(buf):
+            event_len, _vers, _res, _meta, mask, fd, _pid = _EVENT.unpack_from(buf, i)
+            if mask & FAN_Q_OVERFLOW:
+                self.overflowed = True
+            if fd >= 0:
+                try:
+                    self._note(os.readlink(f"/proc/self/fd/{fd}"), mask)
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+            i += event_len or _EVENT.size
+        return True
+
+    def _note(self, path: str, mask: int) -> None:
+        access = self.accesses.get(path)
+        if access is None:
+            if len(self.accesses) >= MAX_PATHS:
+                self.dropped += 1
+                return
+            access = self.accesses[path] = Access(path)
+        if mask & FAN_OPEN:
+            access.opens += 1
+        if mask & (FAN_MODIFY | FAN_CLOSE_WRITE):
+            access.writes += 1

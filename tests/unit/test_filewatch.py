@@ -1,0 +1,45 @@
+"""Pure parts of file-access recording: how accesses are classified, how a sandbox path
+maps back to the host file, and how the gate shows up in a spec."""
+
+from __future__ import annotations
+
+from sandboxd.compile import GATE_PATH, SHIM_PATH, Attachments
+from sandboxd.executor import _host_path
+from sandboxd.filewatch import FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN, MAX_PATHS, Access, FileWatch
+from sandboxd.preflight import Bind, HostPlan
+
+
+def test_an_access_is_a_write_once_anything_modified_it():
+    assert Access("/workspace/a", opens=3).operation == "read"
+    assert Access("/workspace/a", opens=1, writes=1).operation == "write"
+
+
+def test_events_are_counted_per_path_and_capped():
+    w = FileWatch(1, ("/workspace",))
+    w._note("/workspace/a", FAN_OPEN)
+    w._note("/workspace/a", FAN_OPEN)
+    w._note("/workspace/b", FAN_OPEN | FAN_MODIFY)
+    w._note("/workspace/b", FAN_CLOSE_WRITE)
+    assert (w.accesses["/workspace/a"].opens, w.accesses["/workspace/a"].writes) == (2, 0)
+    assert (w.accesses["/workspace/b"].opens, w.accesses["/workspace/b"].writes) == (1, 2)
+    for i in range(MAX_PATHS):
+        w._note(f"/workspace/many/{i}", FAN_OPEN)
+    assert len(w.accesses) == MAX_PATHS and w.dropped == 2
+
+
+def test_sandbox_paths_map_to_host_files_through_the_deepest_bind():
+    plan = HostPlan(workspace="/srv/ws", uid=1000, gid=1000, masks=(),
+                    binds=(Bind("/workspace", "/srv/ws", True), Bind("/workspace/out", "/srv/ws/build/out", False)))
+    assert _host_path(plan, "/workspace/src/a.py") == "/srv/ws/src/a.py"
+    assert _host_path(plan, "/workspace/out/r.txt") == "/srv/ws/build/out/r.txt"
+    assert _host_path(plan, "/workspace/output.txt") == "/srv/ws/output.txt"  # not under /workspace/out
+    assert _host_path(plan, "/workspace/out") == "/srv/ws/build/out"
+    assert _host_path(plan, "/tmp/x") is None
+
+
+def test_the_gate_holds_the_command_until_the_watch_is_on():
+    att = Attachments("/rt/sandbox-shim", gate_host_path="/rt/gates/sbx-1")
+    assert att.needs_shim
+    assert att.wrap(("cat", "f")) == (SHIM_PATH, "--gate", GATE_PATH, "--", "cat", "f")
+    assert (GATE_PATH, "/rt/gates/sbx-1") in att.binds()
+    assert Attachments().wrap(("cat", "f")) == ("cat", "f")
