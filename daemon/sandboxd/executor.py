@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import events as ev
+from . import snapshot
 from .artifacts import ArtifactRecord, FileArtifactStore
 from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle
 from .compile import Attachments, EgressAttachment, SandboxIdentity
@@ -175,6 +176,12 @@ class CallRun:
         watch: FileWatch | None = None
         gate_fd = -1
         accesses: list[Access] = []
+        # What mount marks cannot see (creations, deletions, renames, chmods) comes
+        # from a before/after walk of the writable mounts.
+        writable = [(b.sandbox_path, b.host_path) for b in p.plan.binds if not b.read_only]
+        before: dict | None = None
+        complete_before = True
+        changes: list[dict[str, str]] = []
         try:
             with self._cond:
                 cancelled_early = bool(self._cancel_reason)
@@ -192,6 +199,8 @@ class CallRun:
                     "bindingId": s.binding_id, "principal": self._principal, "target": s.target}) for s in p.secrets])
             if not cancelled_early and p.attachments.gate_host_path:
                 _make_gate(Path(p.attachments.gate_host_path), p.plan.uid, p.plan.gid)
+                if writable:
+                    before, complete_before = snapshot.take(writable)
             if not cancelled_early:
                 handle = backend.create(p.spec)
                 prepared_event = EventDraft(ev.SANDBOX_PREPARED, {
@@ -239,6 +248,12 @@ class CallRun:
                     accesses = watch.stop()
                 except Exception:
                     log.exception("stopping the file watch of %s failed", p.sandbox_id)
+            if before is not None and watch is not None:
+                try:
+                    after, complete_after = snapshot.take(writable)
+                    changes = snapshot.diff(before, after) if complete_before and complete_after else []
+                except Exception:
+                    log.exception("comparing the write roots of %s failed", p.sandbox_id)
             if gate_fd >= 0:
                 os.close(gate_fd)
             if p.attachments.gate_host_path:
@@ -272,7 +287,7 @@ class CallRun:
             cancel_reason = self._cancel_reason
         try:
             self._finish(status, usage, latency_ms, timed_out, cancel_reason, failure, connections, dropped, overflow,
-                         accesses)
+                         accesses, changes)
         except Exception:
             log.exception("recording the result of %s failed", self.tool_call_id)
             with self._cond:
@@ -318,7 +333,8 @@ class CallRun:
 
     def _finish(self, status: ExitStatus | None, usage: ResourceUsage, latency_ms: int, timed_out: bool,
                 cancel_reason: str, failure: SandboxdError | None, connections: list[ConnectionRecord],
-                dropped_connections: int, overflow: dict, accesses: list[Access] = ()) -> None:
+                dropped_connections: int, overflow: dict, accesses: list[Access] = (),
+                changes: list[dict[str, str]] = ()) -> None:
         ex = self._executor
         out, err = self.spool.summary(STDOUT), self.spool.summary(STDERR)
         now = ev.utc_now()
@@ -367,7 +383,7 @@ class CallRun:
             "artifacts": [_artifact_json(r) for r in records],
             "effectsObserved": {"reads": [a.path for a in accesses if a.operation == "read"][:MAX_EFFECT_PATHS],
                                 "writes": [a.path for a in accesses if a.operation == "write"][:MAX_EFFECT_PATHS],
-                                "deletes": [],
+                                "deletes": [c["path"] for c in changes if c["operation"] == "delete"][:MAX_EFFECT_PATHS],
                                 "externalCalls": summarize_external_calls(connections, overflow)},
             "usage": {"latencyMs": latency_ms, "cpuMs": usage.cpu_ms, "peakMemoryBytes": usage.peak_memory_bytes,
                       "outputBytes": out.produced_bytes + err.produced_bytes},
@@ -377,7 +393,7 @@ class CallRun:
             result["error"] = error
         # Accesses go in batches: a test run touches thousands of files, and one event
         # per path would cost the log more than the run.
-        listed = [self._access_event(a) for a in accesses]
+        listed = [self._access_event(a) for a in accesses] + list(changes)
         drafts = [EventDraft(ev.FILE_ACCESS, {"accesses": listed[i:i + FILE_EVENTS_PER_BATCH]})
                   for i in range(0, len(listed), FILE_EVENTS_PER_BATCH)]
         drafts += [EventDraft(ev.NETWORK_ACCESS, c.to_event()) for c in connections]

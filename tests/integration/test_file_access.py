@@ -22,8 +22,11 @@ def test_reads_and_writes_are_recorded_with_the_hash_left_behind(client, daemon)
                                  "cat /workspace/src/app.py > /tmp/copy.py; ls /workspace > /dev/null"),
                           {"filesystem": {"writeRoots": ["/workspace"]}}, ))
     assert out.result.status == "success", out.stderr
-    seen = {a["path"]: a for a in accesses(client, out.tool_call_id)}
+    recorded = accesses(client, out.tool_call_id)
+    seen = {a["path"]: a for a in recorded if a["operation"] in ("read", "write")}
     assert set(seen) == {"/workspace/secrets.yaml", "/workspace/result.txt", "/workspace/src/app.py"}
+    # The new file was also created (from the write root's before/after walk).
+    assert {"path": "/workspace/result.txt", "operation": "create"} in recorded
     assert seen["/workspace/secrets.yaml"]["operation"] == "read"
     assert seen["/workspace/src/app.py"]["operation"] == "read"
     written = seen["/workspace/result.txt"]
@@ -70,3 +73,24 @@ def test_record_file_access_false_records_nothing_and_adds_no_gate(client, daemo
     assert out.result.status == "success"
     assert accesses(client, out.tool_call_id) == []
     assert list(out.result.effects_observed.reads) == []
+
+
+def test_creates_deletes_renames_and_chmods_in_write_roots_are_recorded(client, daemon):
+    ws = daemon.new_workspace({"old.txt": "o\n", "doomed.txt": "d\n", "script.sh": "echo\n", "keep.txt": "k\n"})
+    out = client.run(call(ws, sh("mv /workspace/old.txt /workspace/new.txt; rm /workspace/doomed.txt; "
+                                 "chmod 755 /workspace/script.sh; echo fresh > /workspace/fresh.txt"),
+                          {"filesystem": {"writeRoots": ["/workspace"]}}))
+    assert out.result.status == "success", out.stderr
+    got = {(a["path"], a["operation"]) for a in accesses(client, out.tool_call_id)}
+    assert ("/workspace/old.txt", "rename") in got
+    assert ("/workspace/doomed.txt", "delete") in got
+    assert ("/workspace/script.sh", "chmod") in got
+    assert ("/workspace/fresh.txt", "create") in got
+    assert not any(p == "/workspace/keep.txt" for p, _ in got)
+    renamed = [a for a in accesses(client, out.tool_call_id) if a["operation"] == "rename"]
+    assert renamed[0]["renamedTo"] == "/workspace/new.txt"
+    assert list(out.result.effects_observed.deletes) == ["/workspace/doomed.txt"]
+    # The forensic index knows both names of the renamed file.
+    for path in ("old.txt", "new.txt"):
+        found = [c.tool_call_id for c in client.query_calls(path=path, path_operation="rename").calls]
+        assert out.tool_call_id in found, path

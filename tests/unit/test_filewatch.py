@@ -43,3 +43,41 @@ def test_the_gate_holds_the_command_until_the_watch_is_on():
     assert att.wrap(("cat", "f")) == (SHIM_PATH, "--gate", GATE_PATH, "--", "cat", "f")
     assert (GATE_PATH, "/rt/gates/sbx-1") in att.binds()
     assert Attachments().wrap(("cat", "f")) == ("cat", "f")
+
+
+def _e(inode, mode=0o100644, size=1, mtime=1):
+    from sandboxd.snapshot import Entry
+
+    return Entry(inode, mode, size, mtime)
+
+
+def test_snapshot_diff_tells_creates_deletes_renames_and_chmods_apart():
+    from sandboxd.snapshot import diff
+
+    before = {"/w/a": _e(1), "/w/b": _e(2), "/w/c": _e(3), "/w/d": _e(4, 0o100644)}
+    after = {"/w/a2": _e(1), "/w/c": _e(3), "/w/d": _e(4, 0o100755), "/w/new": _e(9)}
+    assert diff(before, after) == [
+        {"path": "/w/a", "operation": "rename", "renamedTo": "/w/a2"},
+        {"path": "/w/b", "operation": "delete"},
+        {"path": "/w/d", "operation": "chmod"},
+        {"path": "/w/new", "operation": "create"},
+    ]
+
+
+def test_a_file_created_in_a_deleted_ones_inode_is_not_a_rename():
+    from sandboxd.snapshot import diff
+
+    before = {"/w/doomed": _e(7, size=2, mtime=10)}
+    after = {"/w/fresh": _e(7, size=6, mtime=20)}  # the inode number was reused
+    assert diff(before, after) == [{"path": "/w/doomed", "operation": "delete"},
+                                   {"path": "/w/fresh", "operation": "create"}]
+
+
+def test_snapshot_take_walks_the_writable_binds(tmp_path):
+    from sandboxd.snapshot import take
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "f").write_text("x")
+    (tmp_path / "g").write_text("y")
+    entries, complete = take([("/workspace", str(tmp_path))])
+    assert complete and set(entries) == {"/workspace/sub", "/workspace/sub/f", "/workspace/g"}
