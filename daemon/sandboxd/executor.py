@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -303,7 +304,7 @@ class CallRun:
         p = self.prepared
         deadline = time.monotonic() + GATE_TIMEOUT_S
         pid = 0
-        while not pid and time.monotonic() < deadline:
+        while not pid and time.monotonic() < deadline and not handle.output_closed.is_set():
             pid = p.backend.sandbox_pid(handle)
             if not pid:
                 time.sleep(0.002)
@@ -322,13 +323,7 @@ class CallRun:
         """One path the call touched; for a write, the content hash it left behind."""
         event: dict[str, Any] = {"path": a.path, "operation": a.operation, "opens": a.opens, "writes": a.writes}
         if a.operation == "write":
-            host = _host_path(self.prepared.plan, a.path)
-            if host is not None:
-                try:
-                    with open(host, "rb") as f:
-                        event["sha256After"] = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
-                except OSError:
-                    event["sha256After"] = ""  # deleted or replaced since
+            event["sha256After"] = _hash_left_behind(self.prepared.plan, a.path)
         return event
 
     def _finish(self, status: ExitStatus | None, usage: ResourceUsage, latency_ms: int, timed_out: bool,
@@ -432,6 +427,32 @@ def _make_gate(path: Path, uid: int, gid: int) -> None:
     path.unlink(missing_ok=True)
     os.mkfifo(path, 0o600)
     os.chown(path, uid, gid)
+
+
+def _hash_left_behind(plan: HostPlan, sandbox_path: str) -> str:
+    """sha256 of the regular file a write left at `sandbox_path`, read on the host once
+    the sandbox is gone; "" when it is not a regular file inside its bind any more (a
+    symlink, a FIFO, removed): the daemon never follows what the sandbox left there."""
+    host = _host_path(plan, sandbox_path)
+    bind = next((b for b in sorted(plan.binds, key=lambda b: len(b.sandbox_path), reverse=True)
+                 if sandbox_path == b.sandbox_path or sandbox_path.startswith(b.sandbox_path.rstrip("/") + "/")),
+                None)
+    if host is None or bind is None:
+        return ""
+    root = os.path.realpath(bind.host_path)
+    if os.path.realpath(host) != os.path.normpath(host) or not (host == root or host.startswith(root + os.sep)):
+        return ""  # a symlink somewhere on the way
+    try:
+        fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+    finally:
+        os.close(fd)
 
 
 def _host_path(plan: HostPlan, sandbox_path: str) -> str | None:

@@ -81,3 +81,24 @@ def test_snapshot_take_walks_the_writable_binds(tmp_path):
     (tmp_path / "g").write_text("y")
     entries, complete = take([("/workspace", str(tmp_path))])
     assert complete and set(entries) == {"/workspace/sub", "/workspace/sub/f", "/workspace/g"}
+
+
+def test_the_hash_left_behind_never_follows_what_the_sandbox_left(tmp_path):
+    import hashlib as _h
+    import os as _os
+
+    from sandboxd.executor import _hash_left_behind
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "real.txt").write_text("data")
+    (tmp_path / "outside.txt").write_text("host secret")
+    _os.symlink(tmp_path / "outside.txt", ws / "link.txt")
+    _os.symlink(tmp_path, ws / "dirlink")
+    _os.mkfifo(ws / "fifo")
+    plan = HostPlan(workspace=str(ws), uid=1000, gid=1000, masks=(), binds=(Bind("/workspace", str(ws), False),))
+    assert _hash_left_behind(plan, "/workspace/real.txt") == "sha256:" + _h.sha256(b"data").hexdigest()
+    assert _hash_left_behind(plan, "/workspace/link.txt") == ""
+    assert _hash_left_behind(plan, "/workspace/dirlink/outside.txt") == ""
+    assert _hash_left_behind(plan, "/workspace/fifo") == ""  # and it did not block
+    assert _hash_left_behind(plan, "/workspace/gone.txt") == ""
