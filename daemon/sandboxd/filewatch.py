@@ -70,9 +70,21 @@ class FileWatch:
         if fd < 0:
             raise FileWatchError(f"fanotify_init: {os.strerror(ctypes.get_errno())}")
         self._fd = fd
+        # mount id -> sandbox path of each marked mount: once a sandbox's mount
+        # namespace is gone (nsjail ends with its command), readlink gives a path relative
+        # to the mount's own root, which this puts back under the mount's sandbox path.
+        self._mount_paths: dict[int, str] = {}
         try:
             for mount in self.mounts:
                 path = f"/proc/{self.pid}/root{mount}".encode()
+                try:
+                    probe = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                    try:
+                        self._mount_paths[_mount_id(probe)] = mount
+                    finally:
+                        os.close(probe)
+                except OSError as exc:
+                    raise FileWatchError(f"{mount}: {exc}") from None
                 # Opens, and closes of files opened for writing: FAN_MODIFY would add one
                 # event per write() of a write-heavy command for nothing more.
                 if _libc.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN | FAN_CLOSE_WRITE,
@@ -119,13 +131,22 @@ class FileWatch:
                 self.overflowed = True
             if fd >= 0:
                 try:
-                    self._note(os.readlink(f"/proc/self/fd/{fd}"), mask)
+                    self._note(self._sandbox_path(fd), mask)
                 except OSError:
                     pass
                 finally:
                     os.close(fd)
             i += event_len or _EVENT.size
         return True
+
+    def _sandbox_path(self, fd: int) -> str:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        mount = self._mount_paths.get(_mount_id(fd))
+        if mount is None or mount == "/":
+            return path
+        if path == mount or path.startswith(mount.rstrip("/") + "/"):
+            return path  # the sandbox's namespace is still there: the full path
+        return mount.rstrip("/") + ("" if path == "/" else path)  # relative to the mount's root
 
     def _note(self, path: str, mask: int) -> None:
         access = self.accesses.get(path)
@@ -138,3 +159,11 @@ class FileWatch:
             access.opens += 1
         if mask & (FAN_MODIFY | FAN_CLOSE_WRITE):
             access.writes += 1
+
+
+def _mount_id(fd: int) -> int:
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    return -1

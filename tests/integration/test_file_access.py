@@ -64,7 +64,8 @@ def test_the_audit_query_for_a_path_finds_the_call_that_touched_it(client, daemo
     touched = client.run(call(ws, ["cat", "/workspace/vault/key.pem"]))
     elsewhere = client.run(call(ws, ["cat", "/workspace/other.txt"]))
     found = [c.tool_call_id for c in client.query_calls(path=str("vault"), path_operation="read").calls]
-    assert touched.tool_call_id in found and elsewhere.tool_call_id not in found
+    assert touched.tool_call_id in found and elsewhere.tool_call_id not in found, (
+        found, accesses(client, touched.tool_call_id), touched.stdout, touched.stderr)
 
 
 def test_record_file_access_false_records_nothing_and_adds_no_gate(client, daemon):
