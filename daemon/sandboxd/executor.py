@@ -712,6 +712,7 @@ class CallExecutor:
             if key:
                 self._pending_keys[key] = tool_call_id
         grant_id = ""
+        prepared = None
         try:
             try:
                 approved = verify_authorization(raw, call, self.settings.approvals)
@@ -741,7 +742,9 @@ class CallExecutor:
                 self._reject(tool_call_id, raw, principal, "verification", internal)
                 raise internal from None
             # Before the call is recorded as accepted: once it is, it must get a result.
-            spool = OutputSpool(self.settings.spool_dir / prepared.sandbox_id,
+            # A leased command's spool is its own (the warm sandbox's spool is not).
+            spool_name = prepared.sandbox_id if prepared.lease is None else f"{prepared.sandbox_id}.{tool_call_id}"
+            spool = OutputSpool(self.settings.spool_dir / spool_name,
                                 {STDOUT: prepared.policy.max_stdout_bytes, STDERR: prepared.policy.max_stderr_bytes},
                                 self.settings.limits.preview_bytes,
                                 redactor=Redactor({s.binding_id: s.value for s in prepared.secrets}))
@@ -769,6 +772,8 @@ class CallExecutor:
                 ])
             run = CallRun(self, tool_call_id, prepared, spool, recorded[-1].event_id, principal)
         except BaseException:
+            if prepared is not None and prepared.lease is not None and self.pools is not None:
+                self.pools.command_done(prepared.lease, True)  # the lease's sandbox is free again
             with self._lock:
                 self._pending_grants.pop(grant_id, None)
                 if self._runs.get(tool_call_id) is placeholder:

@@ -66,7 +66,9 @@ class FileWatch:
 
     def start(self) -> None:
         flags = FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK | FAN_UNLIMITED_QUEUE
-        fd = _libc.fanotify_init(flags, os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC)
+        # The descriptors of events open non-blocking: a FIFO in the workspace must not
+        # stall the reader (and with it the recording).
+        fd = _libc.fanotify_init(flags, os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC | os.O_NONBLOCK)
         if fd < 0:
             raise FileWatchError(f"fanotify_init: {os.strerror(ctypes.get_errno())}")
         self._fd = fd
@@ -101,8 +103,13 @@ class FileWatch:
         """What the call touched, in path order (the queue drained first)."""
         os.write(self._stop_w, b"x")
         self._thread.join(10)
-        for fd in (self._fd, self._stop_r, self._stop_w):
-            os.close(fd)
+        if self._thread.is_alive():
+            # Never close descriptors under a thread that still uses them: leak them.
+            log.error("the file watch of pid %d did not stop; its records may be incomplete", self.pid)
+            self.overflowed = True
+        else:
+            for fd in (self._fd, self._stop_r, self._stop_w):
+                os.close(fd)
         return [self.accesses[p] for p in sorted(self.accesses)]
 
     def _read(self) -> None:

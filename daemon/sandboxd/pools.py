@@ -71,6 +71,7 @@ class WarmSandbox:
     busy: str = ""  # the tool_call_id running in it
     dead: bool = False
     endpoint: Any = None  # its egress proxy endpoint, for a proxied policy
+    baseline_pids: set[int] | None = None  # processes of the idle sandbox (init, supervisor, ...)
 
 
 @dataclass
@@ -364,7 +365,8 @@ class PoolManager:
             control_path.unlink(missing_ok=True)
         prepared = replace(t, spec=spec, sandbox_id=sandbox_id, attachments=attachments)
         log.info("warm sandbox %s ready for %s", sandbox_id, pool.key)
-        return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, conn, endpoint=endpoint)
+        return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, conn, endpoint=endpoint,
+                           baseline_pids=sandbox_processes(spec))
 
     def _destroy_later(self, pool: Pool | None, ws: WarmSandbox) -> None:
         """Under the lock: removal happens off the caller's thread."""
@@ -609,9 +611,22 @@ class LeaseBackend:
         poller.unregister(conn_fd)
         if answer.startswith(b"X "):
             self._status = int(answer[2:])
+            self._kill_leftovers()
         else:
             self._healthy = False
         self._done.set()
+
+    def _kill_leftovers(self) -> None:
+        """What the supervisor could not see (nsjail's hidepid hides non-dumpable
+        processes) is still in the sandbox's cgroup: killed from outside, by host pid."""
+        baseline = self._ws.baseline_pids
+        if baseline is None:
+            return
+        for pid in (sandbox_processes(self._ws.prepared.spec) or set()) - baseline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def wait(self, handle: SandboxHandle, timeout_s: float) -> bool:
         return self._done.wait(timeout_s) and handle.output_closed.wait(5.0)
@@ -632,7 +647,39 @@ class LeaseBackend:
         return ExitStatus(128 - code if code < 0 else code, sig, False), ResourceUsage(0, 0)
 
     def destroy(self, handle: SandboxHandle) -> None:
-        """The sandbox stays (it is the lease's): it is ready for the next command."""
+        """The sandbox stays (it is the lease's) if nothing of the command is left in it.
+        The supervisor kills what it can see; a process it cannot see (nsjail's /proc
+        hides non-dumpable ones) still counts in the sandbox's cgroup, and then the
+        sandbox is retired rather than handed the next command."""
+        if self._healthy and self._ws.baseline_pids is not None:
+            deadline = time.monotonic() + 0.5
+            while True:
+                left = (sandbox_processes(self._ws.prepared.spec) or set()) - self._ws.baseline_pids
+                if not left:
+                    break
+                if time.monotonic() > deadline:
+                    log.warning("command left %d process(es) in %s: the sandbox is retired", len(left),
+                                self._ws.sandbox_id)
+                    self._healthy = False
+                    break
+                time.sleep(0.01)
         self._pools.command_done(self._ws, self._healthy and self._done.is_set())
 
 
+def sandbox_processes(spec: Any) -> set[int] | None:
+    """Host pids in the sandbox's cgroup subtree (pids controller), None if unknown."""
+    rel = getattr(spec, "cgroup_parent", None) or getattr(spec, "cgroup", None)
+    if not rel:
+        return None
+    root = Path("/sys/fs/cgroup/pids") / str(rel).strip("/")
+    if not root.is_dir():
+        return None
+    pids: set[int] = set()
+    for dirpath, _dirnames, filenames in os.walk(root):
+        if "cgroup.procs" in filenames:
+            try:
+                with open(os.path.join(dirpath, "cgroup.procs")) as f:
+                    pids |= {int(line) for line in f if line.strip()}
+            except OSError:
+                pass
+    return pids

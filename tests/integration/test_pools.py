@@ -328,3 +328,41 @@ for pid in sup:
         after = c.run(leased(ws, lease, ["echo", "real supervisor"], adapter=adapter))
         assert after.stdout == b"real supervisor\n" and after.result.exit_code == 0
         c.release_sandbox(lease.lease_id)
+
+
+@pytest.mark.parametrize("adapter", ["docker", "nsjail"])
+def test_a_process_hidden_from_the_supervisor_never_reaches_the_next_command(pooled, adapter):
+    import os as _os
+
+    d = pooled
+    ws = d.new_workspace()
+    marker = f"hide-and-seek-{adapter}"
+    with d.client() as c:
+        lease = c.acquire_sandbox(str(ws), adapter=adapter)
+        c.run(leased(ws, lease, ["python3", "-c", f"""
+import ctypes, os, time, sys
+if os.fork() == 0:
+    os.setsid()
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: invisible under hidepid
+    sys.argv[0] = "{marker}"
+    time.sleep(60)
+"""], adapter=adapter))
+
+        def sleeper_alive() -> bool:
+            for pid in filter(str.isdigit, _os.listdir("/proc")):
+                try:
+                    if marker.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                        return True
+                except OSError:
+                    pass
+            return False
+
+        try:
+            after = c.run(leased(ws, lease, ["true"], adapter=adapter))
+            # Ran: then the leftover was killed first (by the supervisor, or by the daemon
+            # from the sandbox's cgroup when the supervisor could not see it).
+            assert after.result.status == "success" and not sleeper_alive()
+        except errors.FailedPrecondition as exc:
+            # Or the sandbox was retired because the leftover survived its scan.
+            assert "is gone" in exc.message
+        c.release_sandbox(lease.lease_id)
