@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sandboxd.pools")
 READY_TIMEOUT_S = 30.0
+# How long the supervisor may take to start a command ("P <pid>").
+START_TIMEOUT_S = 10.0
 # Fields of a policy that each command brings itself; the rest fixes the sandbox.
 PER_COMMAND = ("cwd", "env", "timeoutMs", "maxStdoutBytes", "maxStderrBytes", "recordCommand", "recordFileAccess",
                "recordNetworkAccess")
@@ -527,8 +529,13 @@ class LeaseBackend:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         conn = self._ws.control  # the supervisor's own connection: one command at a time
         try:
-            conn.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [in_r, out_w, err_w]))])
-            answer = conn.recv(256)
+            conn.settimeout(START_TIMEOUT_S)  # a supervisor that does not answer is a dead sandbox
+            try:
+                conn.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                          array.array("i", [in_r, out_w, err_w]))])
+                answer = conn.recv(256)
+            finally:
+                conn.settimeout(None)
         except OSError as exc:
             for fd in (in_w, out_r, err_r):
                 os.close(fd)
