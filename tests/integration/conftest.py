@@ -131,8 +131,15 @@ def spare_daemon(docker_engine):
     for d in made:
         d.stop(signal.SIGKILL)
         if d.daemon_id:
-            for c in sandbox_containers(docker_engine, d.daemon_id):
-                c.remove(force=True)
+            # A create the killed daemon had in flight may still land in dockerd: look
+            # until two looks in a row find nothing.
+            quiet = 0
+            while quiet < 2:
+                found = sandbox_containers(docker_engine, d.daemon_id)
+                for c in found:
+                    c.remove(force=True)
+                quiet = 0 if found else quiet + 1
+                time.sleep(0.3)
             kill_nsjail_leftovers(d)
     shutil.rmtree(base, ignore_errors=True)
 
