@@ -29,7 +29,15 @@ SANDBOX_UID = 1000
 SANDBOX_GID = 1001
 ENV_OK = {"environment": {"secretEnvAllowed": True}}
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
+@pytest.fixture
+def running_as_root():
+    # The daemon runs as root and chowns secrets to the sandbox user: so must these
+    # tests. Never a skip (CI runs as root; anywhere else this is a failure to see).
+    if os.geteuid() != 0:
+        pytest.fail("these tests chown files: run them as root, as the daemon and CI do")
+
+
+needs_root = pytest.mark.usefixtures("running_as_root")
 
 
 def make(refs: list[dict], policy: dict | None = None, tool_id: str = TOOL, inheritable: dict | None = None):
