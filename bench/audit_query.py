@@ -27,6 +27,7 @@ from sandboxd import audit  # noqa: E402
 from sandboxd import events as ev  # noqa: E402
 from sandboxd.events import EventDraft, EventLog  # noqa: E402
 from sandboxd.store import Database  # noqa: E402
+from sandboxd.testing import timed_ms  # noqa: E402
 
 COMMANDS = [["pytest", "-q", "tests/"], ["git", "status"], ["ls", "-la"], ["grep", "-rn", "TODO", "src"],
             ["pip", "install", "-r", "requirements.txt"], ["python3", "-m", "build"], ["make", "test"]]
@@ -85,14 +86,6 @@ SCANS = {
 }
 
 
-def timed(fn, n: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1000)
-    return out
 
 
 def main() -> int:
@@ -135,9 +128,9 @@ def main() -> int:
     print(f"| {'query':<38} | {'index':>8} | {'log scan':>9} | {'scan/index':>10} |")
     print(f"|{'-' * 40}|{'-' * 10}|{'-' * 11}|{'-' * 12}|")
     for name, indexed, scanned in cases:
-        mi = statistics.median(timed(indexed, args.n))
+        mi = statistics.median(timed_ms(indexed, args.n, warmup=1))
         if scanned is not None:
-            ms = statistics.median(timed(scanned, max(3, args.n // 5)))
+            ms = statistics.median(timed_ms(scanned, max(3, args.n // 5), warmup=1))
             print(f"| {name:<38} | {mi:8.2f} | {ms:9.1f} | {ms / mi:9.0f}x |")
         else:
             print(f"| {name:<38} | {mi:8.2f} | {'-':>9} | {'-':>10} |")

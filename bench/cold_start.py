@@ -14,7 +14,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
@@ -24,17 +23,9 @@ import docker  # noqa: E402
 from sandboxd.backends.nsjail import find_nsjail_binary  # noqa: E402
 from sandboxd.settings import NsjailSettings  # noqa: E402
 from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
+from sandboxd.testing import timed_ms  # noqa: E402
 
 
-def timed(fn, n: int, warmup: int = 2) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1000)
-    return out
 
 
 def row(name: str, samples: list[float], baseline: float | None) -> str:
@@ -74,11 +65,11 @@ def main() -> int:
                        "-g", "1000:1000:1", "--", "/bin/true"]
         docker_cmd = ["docker", "run", "--rm", "--pull", "never", "--network", "none", args.image, "true"]
         results = {
-            "bare subprocess `true`": timed(lambda: subprocess.run(["true"], check=True), args.n),
-            "bare nsjail binary (chroot, userns)": timed(lambda: subprocess.run(bare_nsjail, check=True), args.n),
-            "sandboxd Execute on nsjail (gRPC)": timed(through_daemon("nsjail"), args.n),
-            "docker run --rm (CLI)": timed(lambda: subprocess.run(docker_cmd, check=True), args.n),
-            "sandboxd Execute on docker (gRPC)": timed(through_daemon("docker"), args.n),
+            "bare subprocess `true`": timed_ms(lambda: subprocess.run(["true"], check=True), args.n),
+            "bare nsjail binary (chroot, userns)": timed_ms(lambda: subprocess.run(bare_nsjail, check=True), args.n),
+            "sandboxd Execute on nsjail (gRPC)": timed_ms(through_daemon("nsjail"), args.n),
+            "docker run --rm (CLI)": timed_ms(lambda: subprocess.run(docker_cmd, check=True), args.n),
+            "sandboxd Execute on docker (gRPC)": timed_ms(through_daemon("docker"), args.n),
         }
         client.close()
     finally:

@@ -24,17 +24,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon",
 import docker  # noqa: E402
 
 from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
+from sandboxd.testing import timed_ms  # noqa: E402
 
 
-def timed(fn, n: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1000)
-    return out
 
 
 def p99(samples: list[float]) -> float:
@@ -66,18 +58,21 @@ def main() -> int:
                 time.sleep(0.05)
             warm_call = prepared_call(ws, ["true"], runtime={"adapter": adapter, "image": "sandboxd/default:latest",
                                                              "leaseId": lease.lease_id})
-            rows.append((f"{adapter}: leased warm sandbox", timed(lambda: client.run(warm_call), args.n)))
+            rows.append((f"{adapter}: leased warm sandbox",
+                         timed_ms(lambda: client.run(warm_call), args.n, warmup=3)))
             cold_call = prepared_call(ws, ["true"], runtime={"adapter": adapter, "image": "sandboxd/default:latest"})
-            rows.append((f"{adapter}: cold call (fresh sandbox)", timed(lambda: client.run(cold_call), max(10, args.n // 5))))
+            rows.append((f"{adapter}: cold call (fresh sandbox)",
+                         timed_ms(lambda: client.run(cold_call), max(10, args.n // 5), warmup=3)))
             client.release_sandbox(lease.lease_id)
             time.sleep(2)  # the released sandbox's removal, off the next measurement
         engine = docker.from_env()
         box = engine.containers.run("sandboxd/default:latest", ["sleep", "600"], detach=True, network_mode="none")
         try:
-            rows.append(("docker SDK exec_run in a running container", timed(lambda: box.exec_run(["true"]), args.n)))
+            rows.append(("docker SDK exec_run in a running container",
+                         timed_ms(lambda: box.exec_run(["true"]), args.n, warmup=3)))
         finally:
             box.remove(force=True)
-        rows.append(("bare subprocess", timed(lambda: subprocess.run(["true"]), args.n)))
+        rows.append(("bare subprocess", timed_ms(lambda: subprocess.run(["true"]), args.n, warmup=3)))
         try:
             from llm_sandbox import SandboxSession
         except ImportError:
@@ -86,8 +81,8 @@ def main() -> int:
             # The peer baseline: its session exec on the same local image, Docker backend.
             with SandboxSession(lang="python", image="sandboxd/default:latest", keep_template=True,
                                 skip_environment_setup=True, verbose=False) as session:
-                rows.append(("llm-sandbox session execute_command", timed(lambda: session.execute_command("true"),
-                                                                          args.n)))
+                rows.append(("llm-sandbox session execute_command", timed_ms(lambda: session.execute_command("true"),
+                                                                          args.n, warmup=3)))
 
         print(f"\nwarm exec, n={args.n}; times in ms\n")
         print(f"| {'path':<44} | {'median':>8} | {'p99':>8} |")

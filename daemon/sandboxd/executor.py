@@ -748,6 +748,7 @@ class CallExecutor:
                                 {STDOUT: prepared.policy.max_stdout_bytes, STDERR: prepared.policy.max_stderr_bytes},
                                 self.settings.limits.preview_bytes,
                                 redactor=Redactor({s.binding_id: s.value for s in prepared.secrets}))
+            policy_digest = prepared.policy.digest()
             with self.db.transaction() as conn:
                 conn.execute("INSERT INTO call_owners (tool_call_id, principal) VALUES (?,?)", (tool_call_id, principal))
                 if grant_id:
@@ -758,7 +759,7 @@ class CallExecutor:
                 recorded = self.events.append(conn, tool_call_id, call.parent_event_id, [
                 EventDraft(ev.REQUESTED, self._requested_payload(raw, call, principal, digest)),
                 EventDraft(ev.ARGS_VALIDATED, {
-                    "effectivePolicy": prepared.policy.to_json_dict(), "policyDigest": prepared.policy.digest()}),
+                    "effectivePolicy": prepared.policy.to_json_dict(), "policyDigest": policy_digest}),
                 EventDraft(ev.POLICY_CHECKED, {
                     "decision": "allowed", "backend": prepared.backend.name, "image": prepared.image,
                     "authorization": ({"grantId": call.authorization.grant_id, "approvalDigest": approved,
@@ -767,7 +768,8 @@ class CallExecutor:
                     "workspace": prepared.plan.workspace,
                     "binds": [[b.sandbox_path, "ro" if b.read_only else "rw"] for b in prepared.plan.binds],
                     "masks": [m.sandbox_path for m in prepared.plan.masks], "notes": list(prepared.plan.notes),
-                    **({"command": self._command_record(prepared, principal)} if prepared.policy.record_command else {}),
+                    **({"command": self._command_record(prepared, principal, policy_digest)}
+                       if prepared.policy.record_command else {}),
                 }),
                 ])
             run = CallRun(self, tool_call_id, prepared, spool, recorded[-1].event_id, principal)
@@ -873,13 +875,13 @@ class CallExecutor:
         return payload
 
     @staticmethod
-    def _command_record(prepared: Prepared, principal: str) -> dict[str, Any]:
+    def _command_record(prepared: Prepared, principal: str, policy_digest: str) -> dict[str, Any]:
         """audit.recordCommand: what ran, where, as whom. Environment names only: values
         may be secrets, and the policy digest already pins them."""
         return {
             "argv": list(prepared.call.argv), "cwd": prepared.policy.cwd, "envNames": sorted(prepared.policy.env),
             "image": prepared.image, "imageDigest": prepared.image_digest, "backend": prepared.backend.name,
-            "policyDigest": prepared.policy.digest(), "principal": principal, "workspace": prepared.plan.workspace,
+            "policyDigest": policy_digest, "principal": principal, "workspace": prepared.plan.workspace,
             "sandboxUser": f"{prepared.plan.uid}:{prepared.plan.gid}",
         }
 

@@ -14,7 +14,6 @@ import hashlib
 import logging
 import os
 import select
-import shutil
 import signal
 import socket
 import threading

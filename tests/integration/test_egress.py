@@ -95,6 +95,19 @@ def fetch(url):
 """
 
 
+# A CONNECT tunnel through the proxy, from inside a sandbox: (socket, status line).
+TUNNEL = """
+import socket, ssl, time
+def tunnel(target):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    s.sendall(f"CONNECT {target} HTTP/1.1\\r\\nHost: {target}\\r\\n\\r\\n".encode())
+    head = b""
+    while b"\\r\\n\\r\\n" not in head:
+        head += s.recv(1)
+    return s, head.split(b"\\r\\n")[0].decode()
+"""
+
+
 def fetch_script(*urls: str) -> str:
     return FETCH + f"print(json.dumps([fetch(u) for u in {list(urls)!r}]))\n"
 
@@ -248,15 +261,7 @@ def test_direct_connections_and_dns_fail_fast_and_reach_nothing(ec, ws, hosts):
 def test_sni_or_host_that_disagrees_with_connect_never_reaches_the_other_host(ec, egress_daemon, hosts):
     ws = with_cert(egress_daemon, hosts)
     before = len(hosts.entries())
-    out = run(ec, ws, """
-        import socket, ssl, time
-        def tunnel(target):
-            s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
-            s.sendall(f"CONNECT {target} HTTP/1.1\\r\\nHost: {target}\\r\\n\\r\\n".encode())
-            head = b""
-            while b"\\r\\n\\r\\n" not in head:
-                head += s.recv(1)
-            return s, head.split(b"\\r\\n")[0].decode()
+    out = run(ec, ws, TUNNEL + textwrap.dedent("""
         s, status = tunnel("allowed.test:443")
         ctx = ssl.create_default_context(cafile="/workspace/cert.pem")
         try:
@@ -282,7 +287,7 @@ def test_sni_or_host_that_disagrees_with_connect_never_reaches_the_other_host(ec
         s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
         s.sendall(b"GET http://allowed.test/ HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n")
         print("absolute", s.recv(200).split(b"\\r\\n")[0].decode())
-    """)
+    """))
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("sni HTTP/1.1 200") and "failed" in lines[0]
     assert lines[1] == "split HTTP/1.1 200 Connection established b''"
@@ -299,15 +304,7 @@ def test_sni_or_host_that_disagrees_with_connect_never_reaches_the_other_host(ec
 def test_delayed_split_or_disguised_names_inside_a_tunnel_are_refused(ec, egress_daemon, hosts):
     ws = with_cert(egress_daemon, hosts)
     before = len(hosts.entries())
-    out = run(ec, ws, """
-        import socket, ssl, time
-        def tunnel(target):
-            s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
-            s.sendall(f"CONNECT {target} HTTP/1.1\\r\\n\\r\\n".encode())
-            head = b""
-            while b"\\r\\n\\r\\n" not in head:
-                head += s.recv(1)
-            return s
+    out = run(ec, ws, TUNNEL + textwrap.dedent("""
         def answer(s):
             try:
                 return s.recv(100)
@@ -321,16 +318,16 @@ def test_delayed_split_or_disguised_names_inside_a_tunnel_are_refused(ec, egress
         except ssl.SSLWantReadError:
             pass
         hello = outg.read()
-        s = tunnel("allowed.test:443"); time.sleep(1.5); s.sendall(hello)
+        s, _ = tunnel("allowed.test:443"); time.sleep(1.5); s.sendall(hello)
         print("delayed", answer(s))
-        s = tunnel("allowed.test:80"); s.sendall(b"\\r\\nGET / HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n")
+        s, _ = tunnel("allowed.test:80"); s.sendall(b"\\r\\nGET / HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n")
         print("crlf", answer(s))
-        s = tunnel("allowed.test:80"); s.sendall(b"GET http://other.test/ HTTP/1.1\\r\\nHost: allowed.test\\r\\n\\r\\n")
+        s, _ = tunnel("allowed.test:80"); s.sendall(b"GET http://other.test/ HTTP/1.1\\r\\nHost: allowed.test\\r\\n\\r\\n")
         print("absolute", answer(s))
-        s = tunnel("allowed.test:80")
+        s, _ = tunnel("allowed.test:80")
         s.sendall(b"GET / HTTP/1.1\\r\\nHost: allowed.test\\r\\nHost: other.test\\r\\n\\r\\n")
         print("two-hosts", answer(s))
-    """)
+    """))
     assert out.stdout.split() == ["delayed", "b''", "crlf", "b''", "absolute", "b''", "two-hosts", "b''"]
     seen = hosts.entries()[before:]
     assert not [e for e in seen if e.get("server") == "other"]

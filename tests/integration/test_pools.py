@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from sandboxd_client import errors
 
-from .conftest import DAEMON_ENV, AdapterClient, call, leftover_sandboxes, sh, wait_for
+from .conftest import call, leftover_sandboxes, sh, wait_for
 from .test_tenants import ALICE, BOB, client_as
 
 

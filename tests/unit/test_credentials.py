@@ -32,7 +32,7 @@ ENV_OK = {"environment": {"secretEnvAllowed": True}}
 @pytest.fixture
 def running_as_root():
     # The daemon runs as root and chowns secrets to the sandbox user: so must these
-    # tests. Never a skip (CI runs as root; anywhere else this is a failure to see).
+    # tests. CI runs as root; anywhere else a non-root run is a failure to see.
     if os.geteuid() != 0:
         pytest.fail("these tests chown files: run them as root, as the daemon and CI do")
 
