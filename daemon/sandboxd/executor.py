@@ -11,11 +11,10 @@ import hashlib
 import logging
 import os
 import shutil
-import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from .compile import Attachments, EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
                      PermissionDenied, ResourceExhausted, SandboxdError, Unimplemented)
 from .events import CheckpointFile, EventDraft, EventLog
-from .filewatch import Access, FileWatch, FileWatchError
+from .filewatch import MAX_PATHS as MAX_WATCHED_PATHS, Access, FileWatch, FileWatchError
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
 from .redact import Redactor
 from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_admission, parse_call, request_digest,
@@ -177,12 +176,14 @@ class CallRun:
         watch: FileWatch | None = None
         gate_fd = -1
         accesses: list[Access] = []
-        # What mount marks cannot see (creations, deletions, renames, chmods) comes
-        # from a before/after walk of the writable mounts.
+        # What mount marks cannot see (creations, deletions, renames, chmods, the content
+        # a write found) comes from a before/after walk of the writable mounts.
         writable = [(b.sandbox_path, b.host_path) for b in p.plan.binds if not b.read_only]
-        before: dict | None = None
-        complete_before = True
-        changes: list[dict[str, str]] = []
+        record_files = bool(p.attachments.gate_host_path) or (
+            p.lease is not None and p.policy.record_file_access and self._executor.settings.file_watch
+            and bool(p.plan.binds))
+        before: snapshot.Snapshot | None = None
+        after: snapshot.Snapshot | None = None
         try:
             with self._cond:
                 cancelled_early = bool(self._cancel_reason)
@@ -200,8 +201,8 @@ class CallRun:
                     "bindingId": s.binding_id, "principal": self._principal, "target": s.target}) for s in p.secrets])
             if not cancelled_early and p.attachments.gate_host_path:
                 _make_gate(Path(p.attachments.gate_host_path), p.plan.uid, p.plan.gid)
-                if writable:
-                    before, complete_before = snapshot.take(writable)
+            if not cancelled_early and record_files and writable:
+                before = self._executor.walk_write_roots(writable)
             if not cancelled_early:
                 handle = backend.create(p.spec)
                 prepared_event = EventDraft(ev.SANDBOX_PREPARED, {
@@ -216,6 +217,8 @@ class CallRun:
                     self._handle = handle
                     cancelled_early = bool(self._cancel_reason)
             if not cancelled_early and handle is not None:
+                if record_files and p.lease is not None:
+                    watch = self._watch_lease()  # the sandbox is idle: what follows is this command's
                 t0 = time.monotonic()
                 backend.start(handle, self.spool, p.call.stdin)
                 if p.attachments.gate_host_path:
@@ -251,10 +254,9 @@ class CallRun:
                     log.exception("stopping the file watch of %s failed", p.sandbox_id)
             if before is not None and watch is not None:
                 try:
-                    after, complete_after = snapshot.take(writable)
-                    changes = snapshot.diff(before, after) if complete_before and complete_after else []
+                    after = self._executor.walk_write_roots(writable)
                 except Exception:
-                    log.exception("comparing the write roots of %s failed", p.sandbox_id)
+                    log.exception("walking the write roots of %s failed", p.sandbox_id)
             if gate_fd >= 0:
                 os.close(gate_fd)
             if p.attachments.gate_host_path:
@@ -287,8 +289,9 @@ class CallRun:
         with self._cond:
             cancel_reason = self._cancel_reason
         try:
+            files = _file_record(accesses, watch, before, after) if watch is not None else FileRecord()
             self._finish(status, usage, latency_ms, timed_out, cancel_reason, failure, connections, dropped, overflow,
-                         accesses, changes)
+                         files)
         except Exception:
             log.exception("recording the result of %s failed", self.tool_call_id)
             with self._cond:
@@ -319,17 +322,24 @@ class CallRun:
         os.write(fd, b"1")
         return watch, fd
 
-    def _access_event(self, a: Access) -> dict[str, Any]:
-        """One path the call touched; for a write, the content hash it left behind."""
-        event: dict[str, Any] = {"path": a.path, "operation": a.operation, "opens": a.opens, "writes": a.writes}
-        if a.operation == "write":
-            event["sha256After"] = _hash_left_behind(self.prepared.plan, a.path)
-        return event
+    def _watch_lease(self) -> FileWatch:
+        """A watch on a leased sandbox's mounts for one command, attached before the
+        supervisor is told to spawn it."""
+        ws = self.prepared.lease
+        pid = ws.init_pid()
+        if not pid:
+            raise self.prepared.backend.broken("the sandbox's supervisor is gone (its init exited)")
+        watch = FileWatch(pid, tuple(b.sandbox_path for b in ws.prepared.plan.binds))
+        try:
+            watch.start()
+        except FileWatchError as exc:
+            raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
+        return watch
 
     def _finish(self, status: ExitStatus | None, usage: ResourceUsage, latency_ms: int, timed_out: bool,
                 cancel_reason: str, failure: SandboxdError | None, connections: list[ConnectionRecord],
-                dropped_connections: int, overflow: dict, accesses: list[Access] = (),
-                changes: list[dict[str, str]] = ()) -> None:
+                dropped_connections: int, overflow: dict, files: "FileRecord | None" = None) -> None:
+        files = files or FileRecord()
         ex = self._executor
         out, err = self.spool.summary(STDOUT), self.spool.summary(STDERR)
         now = ev.utc_now()
@@ -376,10 +386,9 @@ class CallRun:
             "stdoutPreview": out.preview,
             "stderrPreview": err.preview,
             "artifacts": [_artifact_json(r) for r in records],
-            "effectsObserved": {"reads": [a.path for a in accesses if a.operation == "read"][:MAX_EFFECT_PATHS],
-                                "writes": [a.path for a in accesses if a.operation == "write"][:MAX_EFFECT_PATHS],
-                                "deletes": [c["path"] for c in changes if c["operation"] == "delete"][:MAX_EFFECT_PATHS],
-                                "externalCalls": summarize_external_calls(connections, overflow)},
+            "effectsObserved": {**{k: paths[:MAX_EFFECT_PATHS] for k, paths in snapshot.effects(files.events).items()},
+                                "externalCalls": summarize_external_calls(connections, overflow),
+                                **({"incomplete": files.incomplete} if files.incomplete else {})},
             "usage": {"latencyMs": latency_ms, "cpuMs": usage.cpu_ms, "peakMemoryBytes": usage.peak_memory_bytes,
                       "outputBytes": out.produced_bytes + err.produced_bytes},
             "provenance": {"eventId": validated_id, "artifactRefs": [r.artifact_id for r in records]},
@@ -388,9 +397,11 @@ class CallRun:
             result["error"] = error
         # Accesses go in batches: a test run touches thousands of files, and one event
         # per path would cost the log more than the run.
-        listed = [self._access_event(a) for a in accesses] + list(changes)
+        listed = files.events
         drafts = [EventDraft(ev.FILE_ACCESS, {"accesses": listed[i:i + FILE_EVENTS_PER_BATCH]})
                   for i in range(0, len(listed), FILE_EVENTS_PER_BATCH)]
+        if files.incomplete:
+            drafts.append(EventDraft(ev.FILE_ACCESS, {"accesses": [], "incomplete": files.incomplete}))
         drafts += [EventDraft(ev.NETWORK_ACCESS, c.to_event()) for c in connections]
         if dropped_connections:
             drafts.append(EventDraft(ev.NETWORK_ACCESS, {
@@ -429,39 +440,40 @@ def _make_gate(path: Path, uid: int, gid: int) -> None:
     os.chown(path, uid, gid)
 
 
-def _hash_left_behind(plan: HostPlan, sandbox_path: str) -> str:
-    """sha256 of the regular file a write left at `sandbox_path`, read on the host once
-    the sandbox is gone; "" when it is not a regular file inside its bind any more (a
-    symlink, a FIFO, removed): the daemon never follows what the sandbox left there."""
-    host = _host_path(plan, sandbox_path)
-    bind = next((b for b in sorted(plan.binds, key=lambda b: len(b.sandbox_path), reverse=True)
-                 if sandbox_path == b.sandbox_path or sandbox_path.startswith(b.sandbox_path.rstrip("/") + "/")),
-                None)
-    if host is None or bind is None:
-        return ""
-    root = os.path.realpath(bind.host_path)
-    if os.path.realpath(host) != os.path.normpath(host) or not (host == root or host.startswith(root + os.sep)):
-        return ""  # a symlink somewhere on the way
-    try:
-        fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return ""
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return ""
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
-    finally:
-        os.close(fd)
+@dataclass
+class FileRecord:
+    """What a call did to files: FileAccessObserved entries, and why they may not be all."""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    incomplete: list[str] = field(default_factory=list)
 
 
-def _host_path(plan: HostPlan, sandbox_path: str) -> str | None:
-    """The host file behind a sandbox path, through the plan's binds (deepest first)."""
-    for b in sorted(plan.binds, key=lambda b: len(b.sandbox_path), reverse=True):
-        if sandbox_path == b.sandbox_path or sandbox_path.startswith(b.sandbox_path.rstrip("/") + "/"):
-            rest = sandbox_path[len(b.sandbox_path):].lstrip("/")
-            return os.path.join(b.host_path, rest) if rest else b.host_path
-    return None
+def _file_record(accesses: list[Access], watch: FileWatch, before: snapshot.Snapshot | None,
+                 after: snapshot.Snapshot | None) -> FileRecord:
+    incomplete: list[str] = []
+    if watch.overflowed:
+        incomplete.append("the kernel's event queue overflowed: some opens were not recorded")
+    if watch.dropped:
+        incomplete.append(f"more than {MAX_WATCHED_PATHS} paths were opened: {watch.dropped} opens of "
+                          "further paths are not listed")
+    changes: list[dict[str, Any]] = []
+    if before is not None:
+        if after is None:
+            incomplete.append("the write roots could not be walked after the call: no hashes after, "
+                              "creations, deletions and renames not compared")
+        else:
+            for gap in dict.fromkeys(before.gaps + after.gaps):
+                incomplete.append(gap)
+            if before.complete and after.complete:
+                changes = snapshot.diff(before.entries, after.entries)
+            else:
+                incomplete.append("creations, deletions and renames were not compared")
+            unhashed = {p for s in (before, after) for p, e in s.entries.items() if e.note}
+            if unhashed:
+                incomplete.append(f"{len(unhashed)} files have no content hash (over the hashing caps or "
+                                  "unreadable): see sha256BeforeMissing / sha256AfterMissing")
+    events = snapshot.file_events(accesses, changes, before.entries if before else {},
+                                  after.entries if after else {})
+    return FileRecord(events, incomplete)
 
 
 def _artifact_json(r: ArtifactRecord) -> dict[str, Any]:
@@ -568,6 +580,8 @@ class CallExecutor:
         self.backends = dict(backends)
         self._unavailable = dict(unavailable or {})
         self.daemon_id = daemon_id
+        # Content hashes of workspace files, reused while a file is unchanged.
+        self.hashes = snapshot.HashCache()
         self._lock = threading.Lock()
         self._runs: dict[str, CallRun] = {}
         # Grant ids claimed by calls being admitted (the used_grants table has the rest).
@@ -579,6 +593,12 @@ class CallExecutor:
         self._workspace_users: dict[str, tuple[str, bool]] = {}
         self._closing = False
         self._inheritable = {n: os.environ[n] for n in settings.inheritable_env if n in os.environ}
+
+    def walk_write_roots(self, writable: list[tuple[str, str]]) -> snapshot.Snapshot:
+        caps = self.settings.file_audit
+        return snapshot.take(writable, self.hashes,
+                             snapshot.HashBudget(caps.hash_budget_mb * 2**20, caps.hash_max_file_mb * 2**20),
+                             caps.max_entries)
 
     # -- admission ------------------------------------------------------------------
     def _prepare(self, call: PreparedToolCall, tool_call_id: str, principal: str | None = None, *,
@@ -666,7 +686,7 @@ class CallExecutor:
         return self.pools.acquire(self._pool_template(raw, caller), caller, lease_ms, wait_ms)
 
     def create_pool(self, raw: Mapping[str, Any], caller: Principal) -> dict[str, Any]:
-        return self.pools.ensure(self._pool_template(raw, caller))
+        return self.pools.ensure(self._pool_template(raw, caller), caller)
 
     def submit(self, raw: Mapping[str, Any], caller: Principal) -> "CallRun | AttachedRun | ReplayRun":
         """Verifies and starts a call. Refusals raise (after being recorded); an

@@ -73,6 +73,24 @@ class WarmSandbox:
     dead: bool = False
     endpoint: Any = None  # its egress proxy endpoint, for a proxied policy
     baseline_pids: set[int] | None = None  # processes of the idle sandbox (init, supervisor, ...)
+    # A host pid inside it (its init), for file watches, and a pidfd that keeps that
+    # number from being reused: 0 / -1 until first asked.
+    pid: int = 0
+    pidfd: int = -1
+
+    def init_pid(self) -> int:
+        """The sandbox's init while it lives; 0 once it is gone (or never came up)."""
+        if self.pidfd < 0:
+            pid = self.prepared.backend.sandbox_pid(self.handle)
+            if not pid:
+                return 0
+            try:
+                self.pidfd = os.pidfd_open(pid)
+            except OSError:
+                return 0
+            self.pid = pid
+        readable, _, _ = select.select([self.pidfd], [], [], 0)
+        return 0 if readable else self.pid  # a pidfd turns readable when its process exits
 
 
 @dataclass
@@ -95,10 +113,12 @@ class Pool:
     template: "Prepared"  # what a sandbox of this pool is made from
     idle: list[WarmSandbox] = field(default_factory=list)
     leased: dict[str, Lease] = field(default_factory=dict)
+    owner: str = ""  # the principal that made it (CreatePool or its first AcquireSandbox)
     creating: int = 0
     created: int = 0
     destroyed: int = 0
     draining: bool = False
+    last_used: float = field(default_factory=time.monotonic)  # made, or last leased
 
     @property
     def size(self) -> int:
@@ -129,6 +149,9 @@ class PoolManager:
         self._cond = threading.Condition()
         self._pools: dict[str, Pool] = {}
         self._leases: dict[str, Lease] = {}
+        # principal -> acquires admitted and not yet answered: they count against its
+        # lease quota, so concurrent acquires cannot take more than it.
+        self._acquiring: dict[str, int] = {}
         self._closing = False
         self._destroyers: list[threading.Thread] = []
         self.acquire_latency = Histogram()
@@ -156,15 +179,45 @@ class PoolManager:
         lease_s = min(lease_ms / 1000 if lease_ms else s.default_lease_s, s.max_lease_s)
         key = pool_key(template.plan.workspace, template.image, template.backend.name, template.plan.uid,
                        template.plan.gid, template.policy)
-        deadline = time.monotonic() + wait_ms / 1000
         with self._cond:
             held = sum(1 for lease in self._leases.values() if lease.principal == caller.name)
+            held += self._acquiring.get(caller.name, 0)
             quota = self._ex.settings.quotas.leases
             if held >= quota:
-                raise ResourceExhausted(f"{caller.name} holds {held} leases, its quota; release one first")
-            pool = self._pools.get(key)
-            if pool is None or pool.draining:
-                pool = self._pools[key] = Pool(key, template)
+                raise ResourceExhausted(f"{caller.name} holds {held} leases (or is acquiring them), its quota; "
+                                        "release one first")
+            pool = self._pool_for(key, template, caller)
+            self._acquiring[caller.name] = self._acquiring.get(caller.name, 0) + 1
+        try:
+            return self._take(pool, caller, lease_s, time.monotonic() + wait_ms / 1000)
+        finally:
+            with self._cond:
+                left = self._acquiring[caller.name] - 1
+                if left:
+                    self._acquiring[caller.name] = left
+                else:
+                    del self._acquiring[caller.name]
+
+    def _pool_for(self, key: str, template: "Prepared", caller: "Principal") -> Pool:
+        """The pool for `key`, made if missing within the daemon's and the caller's pool
+        caps (a pool keeps sandboxes warm: one principal must not fill the machine)."""
+        pool = self._pools.get(key)
+        if pool is not None and not pool.draining:
+            pool.last_used = time.monotonic()
+            return pool
+        live = [p for p in self._pools.values() if not p.draining]
+        if len(live) >= self._settings.max_pools:
+            raise ResourceExhausted(f"the daemon keeps its maximum of {self._settings.max_pools} pools; "
+                                    "drain one or wait for an idle one to retire")
+        own = sum(1 for p in live if p.owner == caller.name)
+        if own >= self._ex.settings.quotas.pools:
+            raise ResourceExhausted(f"{caller.name} has {own} pools, its quota; drain one first")
+        pool = self._pools[key] = Pool(key, template, owner=caller.name)
+        return pool
+
+    def _take(self, pool: Pool, caller: "Principal", lease_s: float, deadline: float) -> Lease:
+        s = self._settings
+        with self._cond:
             while True:
                 if self._closing:
                     raise FailedPrecondition("the daemon is shutting down")
@@ -196,7 +249,7 @@ class PoolManager:
                 raise FailedPrecondition("the daemon is shutting down")
             return self._lease(pool, ws, caller, lease_s)
 
-    def ensure(self, template: "Prepared") -> dict[str, Any]:
+    def ensure(self, template: "Prepared", caller: "Principal") -> dict[str, Any]:
         """The pool for this template, made if missing; the upkeep thread warms it."""
         if template.secrets:
             raise Unimplemented("pooled sandboxes do not take credentials at creation", field="credentialRefs")
@@ -206,15 +259,14 @@ class PoolManager:
         key = pool_key(template.plan.workspace, template.image, template.backend.name, template.plan.uid,
                        template.plan.gid, template.policy)
         with self._cond:
-            pool = self._pools.get(key)
-            if pool is None or pool.draining:
-                pool = self._pools[key] = Pool(key, template)
+            self._pool_for(key, template, caller).last_used = time.monotonic()
             self._cond.notify_all()
         return next(p for p in self.list() if p["poolKey"] == key)
 
     def _lease(self, pool: Pool, ws: WarmSandbox, caller: "Principal", lease_s: float) -> Lease:
         lease = Lease("lease_" + ev.new_id("x")[2:], caller.name, ws, time.time() + lease_s, pool.key)
         ws.lease = lease
+        pool.last_used = time.monotonic()
         pool.leased[lease.lease_id] = lease
         self._leases[lease.lease_id] = lease
         # On the log, under the lease id: who held which sandbox, for how long.
@@ -394,6 +446,9 @@ class PoolManager:
                 log.exception("closing the egress endpoint of %s failed", ws.sandbox_id)
         ws.spool.discard()
         ws.control.close()
+        if ws.pidfd >= 0:
+            os.close(ws.pidfd)
+            ws.pidfd = -1
         self._ex.release_workspace(f"pool:{ws.sandbox_id}")
 
     # -- upkeep -------------------------------------------------------------------------
@@ -418,6 +473,14 @@ class PoolManager:
                         else:
                             keep.append(ws)
                     pool.idle = keep
+                    if not pool.draining and not pool.leased and not pool.creating \
+                            and mono - pool.last_used > self._settings.idle_ttl_s:
+                        # Unused for its idle TTL: the pool retires instead of refilling.
+                        log.info("pool %s unused for %.0f s: retired", pool.key, mono - pool.last_used)
+                        pool.draining = True
+                        for ws in pool.idle:
+                            self._destroy_later(pool, ws)
+                        pool.idle = []
                     if not pool.draining and len(pool.idle) + pool.creating < self._settings.min_idle \
                             and pool.size < self._settings.max_size:
                         pool.creating += 1
@@ -440,12 +503,14 @@ class PoolManager:
                     with self._cond:
                         pool.creating -= 1
 
-    def list(self) -> list[dict[str, Any]]:
+    def list(self, owner: str | None = None) -> list[dict[str, Any]]:
+        """Every pool, or those `owner` made."""
         with self._cond:
             return [{"poolKey": p.key, "workspace": p.template.plan.workspace, "image": p.template.image,
                      "backend": p.template.backend.name, "idle": len(p.idle), "leased": len(p.leased),
                      "minIdle": self._settings.min_idle, "maxSize": self._settings.max_size,
-                     "created": p.created, "destroyed": p.destroyed} for p in self._pools.values()]
+                     "created": p.created, "destroyed": p.destroyed} for p in self._pools.values()
+                    if owner is None or p.owner == owner]
 
     def metrics(self) -> str:
         """Prometheus exposition of every pool (by key and backend: no workspace paths)."""
@@ -508,6 +573,11 @@ class LeaseBackend:
 
     def create(self, spec: CommandSpec) -> SandboxHandle:
         return SandboxHandle(self._ws.sandbox_id, self._ws.handle.engine_id, spec)
+
+    def broken(self, why: str) -> InternalError:
+        """The sandbox cannot take this command: it is replaced, never leased on."""
+        self._healthy = False
+        return InternalError(why)
 
     def network_records(self):
         """What this command's connections through the sandbox's proxy were (the

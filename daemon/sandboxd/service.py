@@ -392,9 +392,8 @@ class PoolServicer(pb_grpc.PoolServiceServicer):
 
     def ListPools(self, request: pb.ListPoolsRequest, context) -> pb.ListPoolsResponse:
         caller = self._authenticate(context)
-        pools = self._executor.pools.list() if self._executor.pools is not None else []
-        if not caller.admin:
-            pools = []  # pool keys name workspaces: for admins
+        # Pool keys name workspaces: a principal sees the pools it made, an admin all.
+        pools = [] if self._executor.pools is None else self._executor.pools.list(None if caller.admin else caller.name)
         return pb.ListPoolsResponse(pools=[json_format.ParseDict(p, pb.PoolStatus()) for p in pools])
 
     def DrainPool(self, request: pb.DrainPoolRequest, context) -> pb.DrainPoolResponse:

@@ -144,6 +144,17 @@ class CredentialBinding(BaseModel):
         return self
 
 
+class FileAuditSettings(BaseModel):
+    """Caps of the before/after walk of a recorded call's write roots (snapshot.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Entries compared; past it creations, deletions and renames are not (and the call says so).
+    max_entries: int = Field(200_000, ge=1)
+    # Content hashing: the largest file hashed, and the uncached bytes one walk may read.
+    hash_max_file_mb: int = Field(256, ge=0)
+    hash_budget_mb: int = Field(1024, ge=0)
+
+
 class PoolSettings(BaseModel):
     """Warm sandboxes per (workspace, image, backend, policy class) (pools.py)."""
 
@@ -154,6 +165,8 @@ class PoolSettings(BaseModel):
     idle_ttl_s: float = Field(default=300.0, gt=0)
     default_lease_s: float = Field(default=600.0, gt=0)
     max_lease_s: float = Field(default=3600.0, gt=0)
+    # Pools kept at once, daemon-wide (a pool unused for idle_ttl_s retires).
+    max_pools: int = Field(default=64, ge=1)
 
 
 class QuotaSettings(BaseModel):
@@ -166,6 +179,8 @@ class QuotaSettings(BaseModel):
     per_principal: dict[str, int] = Field(default_factory=dict)
     # Warm sandboxes one principal may hold leased at once.
     leases: int = Field(default=8, ge=0)
+    # Pools one principal may have made (each keeps min_idle sandboxes warm).
+    pools: int = Field(default=8, ge=0)
 
     def concurrent_calls_for(self, principal: str) -> int:
         return self.per_principal.get(principal, self.concurrent_calls)
@@ -234,6 +249,7 @@ class DaemonSettings(BaseModel):
     pools: PoolSettings = Field(default_factory=PoolSettings)
     # Record file accesses (fanotify) of calls whose audit.recordFileAccess is true.
     file_watch: bool = True
+    file_audit: FileAuditSettings = Field(default_factory=FileAuditSettings)
     # host:port of the Prometheus endpoint (GET /metrics); unset: none.
     metrics_address: str | None = None
     # Peer uid on the Unix socket -> principal name; any other uid is refused.

@@ -1,15 +1,33 @@
-"""Before/after snapshots of a call's writable mounts: what fanotify mount marks cannot
-report (creations, deletions, renames, mode changes). Sound to attribute to the call
-because a call that can write a workspace runs alone on it. Pure diffing; the walk is
-the only I/O."""
+"""Before/after snapshots of a call's writable mounts, with content hashes: what fanotify
+mount marks cannot report (creations, deletions, renames, replacement by rename, mode
+changes, truncate(2)) and the content a write found and left. Sound to attribute to the
+call because a call that can write a workspace runs alone on it (executor.py).
+
+The walk opens every directory relative to its parent without following symlinks, so
+nothing the sandbox left behind can send the daemon outside the write root. Content
+hashes are cached by (device, inode) and reused while size, mtime and ctime are
+unchanged (git's index rule: ctime cannot be set from user space), so only files that
+changed since the last call are read again."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .filewatch import Access
 
 MAX_ENTRIES = 200_000
+# Deeper directories are not walked (each level holds a descriptor while it is walked).
+MAX_DEPTH = 256
+MAX_HASH_FILE_BYTES = 256 * 2**20
+HASH_BUDGET_BYTES = 1024 * 2**20
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 
 
 @dataclass(frozen=True)
@@ -18,46 +36,278 @@ class Entry:
     mode: int
     size: int
     mtime_ns: int
+    ctime_ns: int = 0
+    sha256: str = ""  # "sha256:<hex>" of a regular file; "" when not hashed (see note)
+    note: str = ""  # why a regular file has no hash
+
+    @property
+    def regular(self) -> bool:
+        return stat.S_ISREG(self.mode)
 
 
-def take(binds: list[tuple[str, str]]) -> tuple[dict[str, Entry], bool]:
-    """(sandbox path -> entry, complete) for every file and directory below the
-    writable binds ((sandbox path, host path) pairs). Symlinks are not followed."""
-    out: dict[str, Entry] = {}
+@dataclass
+class Snapshot:
+    entries: dict[str, Entry] = field(default_factory=dict)
+    # Why the snapshot may not list everything (empty: it does, and two such compare).
+    gaps: list[str] = field(default_factory=list)
+    unhashed: int = 0  # regular files listed without a hash
+
+    @property
+    def complete(self) -> bool:
+        return not self.gaps
+
+
+@dataclass
+class HashBudget:
+    """How much uncached content one snapshot may read, and the largest file it hashes."""
+    bytes_left: int = HASH_BUDGET_BYTES
+    max_file: int = MAX_HASH_FILE_BYTES
+
+
+class HashCache:
+    """sha256 of regular files by (device, inode), valid while size, mtime and ctime
+    are what they were when it was read. Bounded: the oldest entries go first."""
+
+    def __init__(self, max_entries: int = 1_000_000):
+        self._max = max_entries
+        self._lock = threading.Lock()
+        self._by_inode: OrderedDict[tuple[int, int], tuple[int, int, int, str]] = OrderedDict()
+        self.hashed_bytes = 0  # content read (for tests and metrics)
+
+    def digest(self, dir_fd: int, name: str, st: os.stat_result, budget: HashBudget) -> tuple[str, str]:
+        """(hash, "") or ("", why not) for the regular file `name` in `dir_fd`."""
+        key, stamp = (st.st_dev, st.st_ino), (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with self._lock:
+            known = self._by_inode.get(key)
+            if known is not None and known[:3] == stamp:
+                self._by_inode.move_to_end(key)
+                return known[3], ""
+        if st.st_size > budget.max_file:
+            return "", f"larger than the hashing cap of {budget.max_file} bytes"
+        if st.st_size > budget.bytes_left:
+            return "", "over the snapshot's hashing budget"
+        try:
+            fd = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
+        except OSError as exc:
+            return "", f"not readable: {exc.strerror}"
+        try:
+            first = os.fstat(fd)
+            if not stat.S_ISREG(first.st_mode) or (first.st_dev, first.st_ino) != key:
+                return "", "replaced while it was read"
+            with os.fdopen(os.dup(fd), "rb") as f:
+                digest = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+            last = os.fstat(fd)
+        finally:
+            os.close(fd)
+        budget.bytes_left -= last.st_size
+        self.hashed_bytes += last.st_size
+        if (last.st_size, last.st_mtime_ns, last.st_ctime_ns) != stamp:
+            return "", "changed while it was read"
+        with self._lock:
+            self._by_inode[key] = (*stamp, digest)
+            self._by_inode.move_to_end(key)
+            while len(self._by_inode) > self._max:
+                self._by_inode.popitem(last=False)
+        return digest, ""
+
+
+def take(binds: Iterable[tuple[str, str]], hashes: HashCache | None = None, budget: HashBudget | None = None,
+         max_entries: int = MAX_ENTRIES) -> Snapshot:
+    """Every file and directory below the writable binds ((sandbox path, host path)
+    pairs), by sandbox path; regular files hashed when `hashes` is given. Symlinks are
+    listed, never followed."""
+    snap = Snapshot()
+    budget = budget or HashBudget()
     for sandbox_root, host_root in binds:
-        for dirpath, dirnames, filenames in os.walk(host_root):
-            rel = os.path.relpath(dirpath, host_root)
-            base = sandbox_root if rel == "." else f"{sandbox_root.rstrip('/')}/{rel}"
-            for name in dirnames + filenames:
-                try:
-                    st = os.lstat(os.path.join(dirpath, name))
-                except OSError:
+        try:
+            root_fd = os.open(host_root, _OPEN_DIR)
+        except NotADirectoryError:
+            _list_file(sandbox_root, host_root, snap, hashes, budget)  # a bind of one file
+            continue
+        except OSError as exc:
+            snap.gaps.append(f"{sandbox_root}: not walked ({exc.strerror})")
+            continue
+        if not _walk(root_fd, sandbox_root.rstrip("/"), snap, hashes, budget, max_entries):
+            break
+    return snap
+
+
+def _list_file(sandbox_path: str, host_path: str, snap: Snapshot, hashes: HashCache | None,
+               budget: HashBudget) -> None:
+    parent, name = os.path.split(host_path)
+    dir_fd = os.open(parent or ".", _OPEN_DIR)
+    try:
+        _add(snap, dir_fd, name, sandbox_path, os.stat(name, dir_fd=dir_fd, follow_symlinks=False), hashes, budget)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def _add(snap: Snapshot, dir_fd: int, name: str, path: str, st: os.stat_result, hashes: HashCache | None,
+         budget: HashBudget) -> None:
+    digest = note = ""
+    if stat.S_ISREG(st.st_mode) and hashes is not None:
+        digest, note = hashes.digest(dir_fd, name, st, budget)
+        snap.unhashed += not digest
+    snap.entries[path] = Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, note)
+
+
+def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, budget: HashBudget,
+          max_entries: int) -> bool:
+    """Depth first without recursion; False when the entry cap was reached."""
+    stack: list[tuple[int, str, list[str]]] = []  # (dir fd, sandbox path, subdirectories left)
+    fd, base = root_fd, root
+    try:
+        while True:
+            subdirs: list[str] = []
+            try:
+                with os.scandir(fd) as it:
+                    for e in it:
+                        try:
+                            st = e.stat(follow_symlinks=False)
+                        except OSError:
+                            continue  # gone since the listing
+                        if len(snap.entries) >= max_entries:
+                            snap.gaps.append(f"more than {max_entries} entries in the write roots: "
+                                             "the rest were not compared")
+                            return False
+                        _add(snap, fd, e.name, f"{base}/{e.name}", st, hashes, budget)
+                        if stat.S_ISDIR(st.st_mode):
+                            subdirs.append(e.name)
+            except OSError as exc:
+                snap.gaps.append(f"{base or '/'}: not listed ({exc.strerror})")
+            if subdirs and len(stack) >= MAX_DEPTH:
+                snap.gaps.append(f"{base}: deeper than {MAX_DEPTH} levels, not walked")
+                subdirs = []
+            stack.append((fd, base, subdirs))
+            fd = -1
+            while stack and fd < 0:
+                parent_fd, parent, left = stack[-1]
+                if not left:
+                    os.close(parent_fd)
+                    stack.pop()
                     continue
-                out[f"{base}/{name}"] = Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns)
-                if len(out) >= MAX_ENTRIES:
-                    return out, False
-    return out, True
+                name = left.pop()
+                try:
+                    fd, base = os.open(name, _OPEN_DIR, dir_fd=parent_fd), f"{parent}/{name}"
+                except OSError:
+                    fd = -1  # replaced by a non-directory or removed: listed as it was
+            if fd < 0:
+                return True
+    finally:  # a directory's descriptor is either `fd` or on the stack, never both
+        for open_fd, _, _ in stack:
+            os.close(open_fd)
+        if fd >= 0:
+            os.close(fd)
 
 
-def diff(before: dict[str, Entry], after: dict[str, Entry]) -> list[dict[str, str]]:
-    """create | delete | rename (path -> renamedTo) | chmod, in path order."""
+def diff(before: dict[str, Entry], after: dict[str, Entry]) -> list[dict[str, Any]]:
+    """create | delete | rename (path -> renamedTo) | write (content changed or the path
+    replaced) | chmod, in path order, with the content hashes the snapshots hold."""
     gone = {p: e for p, e in before.items() if p not in after}
-    new = {p: e for p, e in after.items() if p not in before}
     by_inode = {e.inode: p for p, e in gone.items()}
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     renamed_from: set[str] = set()
-    for path, entry in sorted(new.items()):
-        old = by_inode.get(entry.inode)
+    for path, now in sorted(after.items()):
+        was = before.get(path)
+        if was is not None and was.inode == now.inode:
+            if now.regular and _content_changed(was, now):
+                out.append(_write(path, was, now))
+            if stat.S_IMODE(now.mode) != stat.S_IMODE(was.mode):
+                out.append({"path": path, "operation": "chmod",
+                            "modeBefore": f"{stat.S_IMODE(was.mode):04o}", "modeAfter": f"{stat.S_IMODE(now.mode):04o}"})
+            continue
+        source = by_inode.get(now.inode)
+        moved = gone.get(source) if source is not None else None
         # A rename keeps the inode, the type, the size and the mtime; a file created in
         # a deleted one's place may reuse only the inode.
-        was = gone.get(old) if old is not None else None
-        if was is not None and stat.S_IFMT(was.mode) == stat.S_IFMT(entry.mode) \
-                and was.size == entry.size and was.mtime_ns == entry.mtime_ns:
-            out.append({"path": old, "operation": "rename", "renamedTo": path})
-            renamed_from.add(old)
-        else:
-            out.append({"path": path, "operation": "create"})
-    out += [{"path": p, "operation": "delete"} for p in sorted(gone) if p not in renamed_from]
-    out += [{"path": p, "operation": "chmod"} for p, e in sorted(after.items())
-            if p in before and stat.S_IMODE(e.mode) != stat.S_IMODE(before[p].mode)]
+        if moved is not None and stat.S_IFMT(moved.mode) == stat.S_IFMT(now.mode) \
+                and moved.size == now.size and moved.mtime_ns == now.mtime_ns:
+            out.append(_hashed({"path": source, "operation": "rename", "renamedTo": path}, "sha256", now))
+            renamed_from.add(source)
+        elif was is None or not (was.regular and now.regular):
+            out.append(_hashed({"path": path, "operation": "create"}, "sha256After", now))
+        if was is not None:  # replaced: by a rename over it (sed -i, editors) or a new file
+            if was.regular and now.regular:
+                out.append(_write(path, was, now))
+            else:
+                out.append(_hashed({"path": path, "operation": "delete"}, "sha256Before", was))
+    out += [_hashed({"path": p, "operation": "delete"}, "sha256Before", e)
+            for p, e in sorted(gone.items()) if p not in renamed_from]
     return sorted(out, key=lambda a: (a["path"], a["operation"]))
+
+
+def file_events(accesses: Iterable[Access], changes: list[dict[str, Any]], before: dict[str, Entry],
+                after: dict[str, Entry]) -> list[dict[str, Any]]:
+    """The FileAccessObserved entries of a call: what the watch saw opened (a write with
+    the content it found and left), then what only the snapshots show."""
+    out: list[dict[str, Any]] = []
+    watched_writes: dict[str, dict[str, Any]] = {}
+    for a in accesses:
+        entry: dict[str, Any] = {"path": a.path, "operation": a.operation, "opens": a.opens, "writes": a.writes}
+        if a.operation == "write":
+            watched_writes[a.path] = entry
+            was, now = before.get(a.path), after.get(a.path)
+            if was is None:
+                entry["sha256Before"] = ""  # the file did not exist before the call
+            else:
+                _hashed(entry, "sha256Before", was)
+            if now is None:
+                entry["sha256After"] = ""  # gone by the end of the call (or not in a write root)
+            else:
+                _hashed(entry, "sha256After", now)
+        out.append(entry)
+    # A write the watch saw already carries its hashes. (A temporary file renamed over
+    # a path before its close was read reads as that path: the watch's entry then also
+    # says the file was replaced.)
+    for c in changes:
+        seen = watched_writes.get(c["path"]) if c["operation"] == "write" else None
+        if seen is None:
+            out.append(c)
+        elif c.get("replaced"):
+            seen["replaced"] = True
+    return out
+
+
+def effects(events: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """reads (opened, never written), writes (incl. creations, mode changes and rename
+    targets) and deletes for ToolResult.effectsObserved, each path once, in path order."""
+    reads, writes, deletes = set(), set(), set()
+    for e in events:
+        op = e.get("operation")
+        if op == "read":
+            reads.add(e["path"])
+        elif op in ("write", "create", "chmod"):
+            writes.add(e["path"])
+        elif op == "delete":
+            deletes.add(e["path"])
+        elif op == "rename":
+            writes.add(e["renamedTo"])
+    return {"reads": sorted(reads), "writes": sorted(writes), "deletes": sorted(deletes)}
+
+
+def _content_changed(was: Entry, now: Entry) -> bool:
+    if (was.size, was.mtime_ns, was.ctime_ns) == (now.size, now.mtime_ns, now.ctime_ns):
+        return False
+    if was.sha256 and now.sha256:
+        return was.sha256 != now.sha256
+    # Unhashed: only a changed size or mtime says the content changed (ctime moves
+    # with chmod and links too).
+    return (was.size, was.mtime_ns) != (now.size, now.mtime_ns)
+
+
+def _write(path: str, was: Entry, now: Entry) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": path, "operation": "write"}
+    if was.inode != now.inode:
+        out["replaced"] = True
+    _hashed(out, "sha256Before", was)
+    return _hashed(out, "sha256After", now)
+
+
+def _hashed(out: dict[str, Any], key: str, entry: Entry) -> dict[str, Any]:
+    if entry.regular:
+        out[key] = entry.sha256
+        if entry.note:
+            out[key + "Missing"] = entry.note
+    return out

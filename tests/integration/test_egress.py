@@ -615,3 +615,30 @@ def test_a_leased_sandbox_keeps_its_allowlist_and_records_each_commands_attempts
     assert [(r["host"], r["decision"]) for r in first] == [("allowed.test", "allowed")]
     assert [(r["host"], r["decision"]) for r in second] == [("denied.test", "denied")]
     assert list(runs[0].result.effects_observed.external_calls) == ["allowed.test:80"]
+
+
+def test_attempts_past_the_record_size_are_counted_by_destination(spare_daemon, hosts):
+    """past egress.max_records_per_call the proxy keeps counting: attempts, bytes each
+    way, per destination and decision, in one NetworkAccessObserved summary, and what
+    was reached still shows in externalCalls"""
+    d = spare_daemon(egress={**hosts.daemon_egress_settings(), "max_records_per_call": 3}).start()
+    ws = d.new_workspace()
+    with d.client() as c:
+        out = run(c, ws, FETCH + """
+for _ in range(3):
+    assert fetch("http://allowed.test/")["status"] == 200
+for _ in range(4):
+    assert fetch("http://flood-target.test/")["status"] == 403
+assert fetch("http://www.allowed.test/")["status"] == 200
+""", {**allowlist(), "audit": {"recordNetworkAccess": True}})
+        events = network_events(c, out.tool_call_id)
+    kept = [e for e in events if "host" in e]
+    [summary] = [e for e in events if "dropped" in e]
+    assert [e["host"] for e in kept] == ["allowed.test"] * 3
+    assert summary["dropped"] == 5
+    by = {(s["host"], s["port"], s["decision"]): s for s in summary["byDestination"]}
+    assert set(by) == {("flood-target.test", 80, "denied"), ("www.allowed.test", 80, "allowed")}
+    assert by[("flood-target.test", 80, "denied")]["attempts"] == 4
+    assert by[("www.allowed.test", 80, "allowed")]["attempts"] == 1
+    assert by[("www.allowed.test", 80, "allowed")]["bytesDown"] > 0
+    assert sorted(out.result.effects_observed.external_calls) == ["allowed.test:80", "www.allowed.test:80"]

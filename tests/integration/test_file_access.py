@@ -26,11 +26,12 @@ def test_reads_and_writes_are_recorded_with_the_hash_left_behind(client, daemon)
     seen = {a["path"]: a for a in recorded if a["operation"] in ("read", "write")}
     assert set(seen) == {"/workspace/secrets.yaml", "/workspace/result.txt", "/workspace/src/app.py"}
     # The new file was also created (from the write root's before/after walk).
-    assert {"path": "/workspace/result.txt", "operation": "create"} in recorded
+    assert {"path": "/workspace/result.txt", "operation": "create",
+            "sha256After": "sha256:" + hashlib.sha256(b"built\n").hexdigest()} in recorded
     assert seen["/workspace/secrets.yaml"]["operation"] == "read"
     assert seen["/workspace/src/app.py"]["operation"] == "read"
     written = seen["/workspace/result.txt"]
-    assert written["operation"] == "write"
+    assert written["operation"] == "write" and written["sha256Before"] == ""  # it did not exist
     assert written["sha256After"] == "sha256:" + hashlib.sha256(b"built\n").hexdigest()
     assert (ws / "result.txt").read_text() == "built\n"
     effects = out.result.effects_observed
@@ -95,3 +96,59 @@ def test_creates_deletes_renames_and_chmods_in_write_roots_are_recorded(client, 
     for path in ("old.txt", "new.txt"):
         found = [c.tool_call_id for c in client.query_calls(path=path, path_operation="rename").calls]
         assert out.tool_call_id in found, path
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def test_a_write_records_the_content_it_found_and_the_content_it_left(client, daemon):
+    ws = daemon.new_workspace({"notes.txt": "before\n", "cfg.ini": "a=1\n", "log.txt": "0123456789\n"})
+    out = client.run(call(ws, sh("echo after >> /workspace/notes.txt; "
+                                 "sed -i s/1/2/ /workspace/cfg.ini; "  # a temporary file renamed over it
+                                 "truncate -s 4 /workspace/log.txt"),
+                          {"filesystem": {"writeRoots": ["/workspace"]}}))
+    assert out.result.status == "success", out.stderr
+    recorded = accesses(client, out.tool_call_id)
+    writes = {a["path"]: a for a in recorded if a["operation"] == "write"}
+    assert writes["/workspace/notes.txt"]["sha256Before"] == sha(b"before\n")
+    assert writes["/workspace/notes.txt"]["sha256After"] == sha(b"before\nafter\n")
+    # sed -i never opens cfg.ini for writing: the walk sees the file replaced.
+    assert writes["/workspace/cfg.ini"]["replaced"] is True
+    assert writes["/workspace/cfg.ini"]["sha256Before"] == sha(b"a=1\n")
+    assert writes["/workspace/cfg.ini"]["sha256After"] == sha(b"a=2\n")
+    assert writes["/workspace/log.txt"]["sha256Before"] == sha(b"0123456789\n")
+    assert writes["/workspace/log.txt"]["sha256After"] == sha(b"0123")
+    deleted = {a["path"] for a in recorded if a["operation"] == "delete"}
+    assert not deleted  # the replaced file was not deleted, and sed's temporary is gone without a trace
+    assert {"/workspace/notes.txt", "/workspace/cfg.ini", "/workspace/log.txt"} <= set(out.result.effects_observed.writes)
+    assert list(out.result.effects_observed.incomplete) == []
+    # The forensic index finds the call that rewrote cfg.ini in place through sed.
+    found = [c.tool_call_id for c in client.query_calls(path="cfg.ini", path_operation="write").calls]
+    assert out.tool_call_id in found
+
+
+def test_a_deleted_file_is_recorded_with_the_content_it_had(client, daemon):
+    ws = daemon.new_workspace({"evidence.txt": "incriminating\n"})
+    out = client.run(call(ws, ["rm", "/workspace/evidence.txt"], {"filesystem": {"writeRoots": ["/workspace"]}}))
+    assert out.result.status == "success", out.stderr
+    assert {"path": "/workspace/evidence.txt", "operation": "delete", "sha256Before": sha(b"incriminating\n")} \
+        in accesses(client, out.tool_call_id)
+
+
+def test_a_record_past_its_caps_says_it_is_incomplete(spare_daemon):
+    d = spare_daemon(file_audit={"max_entries": 5, "hash_max_file_mb": 1}).start()
+    ws = d.new_workspace({f"f{i}.txt": "x\n" for i in range(8)})
+    (ws / "big.bin").write_bytes(b"\0" * (2 * 2**20))
+    with d.client() as c:
+        out = c.run(call(ws, sh("cat /workspace/f1.txt; echo new > /workspace/g.txt"),
+                         {"filesystem": {"writeRoots": ["/workspace"]}}))
+        assert out.result.status == "success", out.stderr
+        incomplete = list(out.result.effects_observed.incomplete)
+        assert any("more than 5 entries" in reason for reason in incomplete), incomplete
+        assert any("not compared" in reason for reason in incomplete), incomplete
+        # The same reasons are on the log, the source of truth.
+        logged = [json.loads(e.payload_json) for e in c.get_trace(out.tool_call_id) if e.type == "FileAccessObserved"]
+        assert any(p.get("incomplete") == incomplete for p in logged)
+        # What the watch saw is still recorded.
+        assert "/workspace/f1.txt" in out.result.effects_observed.reads

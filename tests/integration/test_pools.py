@@ -5,6 +5,8 @@ destroyed, and after a drain or a restart no sandbox remains."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import signal
 import threading
 from pathlib import Path
@@ -210,6 +212,58 @@ def test_a_principal_past_its_lease_quota_is_refused_without_hurting_others(spar
             c.release_sandbox(lease.lease_id)
 
 
+
+def test_concurrent_acquires_never_take_more_than_the_lease_quota(spare_daemon):
+    d = spare_daemon(pools={"min_idle": 0, "max_size": 4}, quotas={"leases": 1}).start()
+    ws = d.new_workspace()
+    outcomes: list = []
+
+    def acquire():
+        with d.client() as c:
+            try:
+                outcomes.append(c.acquire_sandbox(str(ws)))
+            except errors.ResourceExhausted as exc:
+                outcomes.append(exc)
+
+    threads = [threading.Thread(target=acquire) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    granted = [o for o in outcomes if not isinstance(o, Exception)]
+    assert len(granted) == 1 and len(outcomes) == 4, outcomes
+    with d.client() as c:
+        c.release_sandbox(granted[0].lease_id)
+
+
+def test_pools_are_capped_per_principal_and_retire_when_unused(spare_daemon, docker_engine):
+    d = spare_daemon(principals={0: "root", ALICE: "alice", BOB: "bob"}, socket_mode=0o666,
+                     pools={"min_idle": 1, "max_size": 2, "idle_ttl_s": 3}, quotas={"pools": 1}).start()
+    first, second = d.new_workspace(uid=ALICE), d.new_workspace(uid=ALICE)
+    with client_as(d, ALICE) as alice, client_as(d, BOB) as bob:
+        key = alice.create_pool(str(first), adapter="nsjail").pool_key
+        assert alice.create_pool(str(first), adapter="nsjail").pool_key == key  # the same pool again
+        for attempt in (lambda: alice.create_pool(str(second), adapter="nsjail"),
+                        lambda: alice.acquire_sandbox(str(second), adapter="nsjail")):
+            with pytest.raises(errors.ResourceExhausted) as exc:
+                attempt()
+            assert "alice has 1 pools, its quota" in exc.value.message
+        # Another principal is not held to alice's count.
+        bob_key = bob.create_pool(str(d.new_workspace(uid=BOB)), adapter="nsjail").pool_key
+        # Each sees its own pools; an admin sees all.
+        assert [p.pool_key for p in alice.list_pools()] == [key]
+        assert [p.pool_key for p in bob.list_pools()] == [bob_key]
+        with d.client() as admin:
+            assert wait_for(lambda: {p.pool_key: p.idle for p in admin.list_pools()} == {key: 1, bob_key: 1},
+                            timeout_s=20)
+            # Unused for its idle TTL, a pool stops refilling and goes, sandboxes and all.
+            assert wait_for(lambda: admin.list_pools() == [], timeout_s=20)
+        jails = Path("/sys/fs/cgroup/pids/sandboxd-nsjail") / d.daemon_id
+        assert wait_for(lambda: not list(jails.glob("sbx-*")), timeout_s=20)
+        # Its slot is free again.
+        assert alice.create_pool(str(second), adapter="nsjail").pool_key != key
+
+
 def test_a_graceful_stop_leaves_no_warm_sandbox_on_either_backend(spare_daemon, docker_engine):
     d = spare_daemon(pools={"min_idle": 2, "max_size": 3}).start()
     ws = d.new_workspace()
@@ -365,3 +419,29 @@ if os.fork() == 0:
             # Or the sandbox was retired because the leftover survived its scan.
             assert "is gone" in exc.message
         c.release_sandbox(lease.lease_id)
+
+
+@pytest.mark.parametrize("adapter", ["docker", "nsjail"])
+def test_each_leased_command_records_its_own_file_accesses(pooled, adapter):
+    ws = pooled.new_workspace({"a.txt": "a\n", "b.txt": "b\n"})
+    policy = {"filesystem": {"writeRoots": ["/workspace"]}}
+    with pooled.client() as c:
+        lease = c.acquire_sandbox(str(ws), policy, adapter=adapter)
+        first = c.run(leased(ws, lease, sh("cat /workspace/a.txt; echo one > /workspace/out.txt"), policy, adapter))
+        second = c.run(leased(ws, lease, sh("cat /workspace/b.txt; rm /workspace/out.txt"), policy, adapter))
+        quiet = c.run(leased(ws, lease, ["cat", "/workspace/a.txt"], {**policy, "audit": {"recordFileAccess": False}},
+                             adapter))
+        c.release_sandbox(lease.lease_id)
+
+        def recorded(out):
+            return [a for e in c.get_trace(out.tool_call_id) if e.type == "FileAccessObserved"
+                    for a in json.loads(e.payload_json)["accesses"]]
+
+        assert first.result.status == second.result.status == "success", (first.stderr, second.stderr)
+        assert list(first.result.effects_observed.reads) == ["/workspace/a.txt"]
+        assert list(first.result.effects_observed.writes) == ["/workspace/out.txt"]
+        assert list(second.result.effects_observed.reads) == ["/workspace/b.txt"]
+        assert list(second.result.effects_observed.deletes) == ["/workspace/out.txt"]
+        one = "sha256:" + hashlib.sha256(b"one\n").hexdigest()
+        assert {"path": "/workspace/out.txt", "operation": "delete", "sha256Before": one} in recorded(second)
+        assert recorded(quiet) == [] and list(quiet.result.effects_observed.reads) == []

@@ -202,16 +202,18 @@ class ArtifactRef(_message.Message):
     def __init__(self, artifact_id: _Optional[str] = ..., kind: _Optional[str] = ..., uri: _Optional[str] = ..., content_hash: _Optional[str] = ..., size_bytes: _Optional[int] = ..., summary: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., event_id: _Optional[str] = ..., created_at: _Optional[str] = ...) -> None: ...
 
 class EffectsObserved(_message.Message):
-    __slots__ = ("reads", "writes", "deletes", "external_calls")
+    __slots__ = ("reads", "writes", "deletes", "external_calls", "incomplete")
     READS_FIELD_NUMBER: _ClassVar[int]
     WRITES_FIELD_NUMBER: _ClassVar[int]
     DELETES_FIELD_NUMBER: _ClassVar[int]
     EXTERNAL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     reads: _containers.RepeatedScalarFieldContainer[str]
     writes: _containers.RepeatedScalarFieldContainer[str]
     deletes: _containers.RepeatedScalarFieldContainer[str]
     external_calls: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, reads: _Optional[_Iterable[str]] = ..., writes: _Optional[_Iterable[str]] = ..., deletes: _Optional[_Iterable[str]] = ..., external_calls: _Optional[_Iterable[str]] = ...) -> None: ...
+    incomplete: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reads: _Optional[_Iterable[str]] = ..., writes: _Optional[_Iterable[str]] = ..., deletes: _Optional[_Iterable[str]] = ..., external_calls: _Optional[_Iterable[str]] = ..., incomplete: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("latency_ms", "cpu_ms", "peak_memory_bytes", "output_bytes")

@@ -1,0 +1,255 @@
+"""The before/after walk of write roots (snapshot.py): what it lists and hashes, what it
+refuses to follow, its caps, and how two walks and the watch's opens become a call's
+FileAccessObserved entries."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from sandboxd import snapshot
+from sandboxd.filewatch import Access
+from sandboxd.snapshot import Entry, HashBudget, HashCache, diff, effects, file_events, take
+
+
+def h(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def e(inode, mode=0o100644, size=1, mtime=1, ctime=1, sha=""):
+    return Entry(inode, mode, size, mtime, ctime, sha)
+
+
+# -- diff ------------------------------------------------------------------------------
+
+def test_diff_tells_creates_deletes_renames_and_chmods_apart_with_their_hashes():
+    before = {"/w/a": e(1, sha="A"), "/w/b": e(2, sha="B"), "/w/c": e(3, sha="C"), "/w/d": e(4, 0o100644, sha="D")}
+    after = {"/w/a2": e(1, sha="A"), "/w/c": e(3, sha="C"), "/w/d": e(4, 0o100755, ctime=2, sha="D"),
+             "/w/new": e(9, sha="N")}
+    assert diff(before, after) == [
+        {"path": "/w/a", "operation": "rename", "renamedTo": "/w/a2", "sha256": "A"},
+        {"path": "/w/b", "operation": "delete", "sha256Before": "B"},
+        {"path": "/w/d", "operation": "chmod", "modeBefore": "0644", "modeAfter": "0755"},
+        {"path": "/w/new", "operation": "create", "sha256After": "N"},
+    ]
+
+
+def test_a_file_created_in_a_deleted_ones_inode_is_not_a_rename():
+    before = {"/w/doomed": e(7, size=2, mtime=10, sha="D")}
+    after = {"/w/fresh": e(7, size=6, mtime=20, sha="F")}  # the inode number was reused
+    assert diff(before, after) == [{"path": "/w/doomed", "operation": "delete", "sha256Before": "D"},
+                                   {"path": "/w/fresh", "operation": "create", "sha256After": "F"}]
+
+
+def test_a_file_replaced_by_a_rename_over_it_is_a_write_with_both_hashes():
+    # sed -i and editors: write a temporary file, rename it over the original.
+    before = {"/w/conf": e(5, size=3, mtime=1, sha="OLD")}
+    after = {"/w/conf": e(8, size=4, mtime=2, sha="NEW")}
+    assert diff(before, after) == [{"path": "/w/conf", "operation": "write", "replaced": True,
+                                    "sha256Before": "OLD", "sha256After": "NEW"}]
+
+
+def test_a_rename_over_an_existing_file_is_a_rename_and_a_write_of_the_target():
+    before = {"/w/a": e(1, size=2, mtime=5, sha="A"), "/w/b": e(2, size=9, mtime=6, sha="B")}
+    after = {"/w/b": e(1, size=2, mtime=5, sha="A")}
+    assert diff(before, after) == [
+        {"path": "/w/a", "operation": "rename", "renamedTo": "/w/b", "sha256": "A"},
+        {"path": "/w/b", "operation": "write", "replaced": True, "sha256Before": "B", "sha256After": "A"},
+    ]
+
+
+def test_an_in_place_change_is_a_write_and_an_untouched_file_is_nothing():
+    before = {"/w/t": e(3, size=10, mtime=1, sha="T"), "/w/same": e(4, sha="S")}
+    after = {"/w/t": e(3, size=0, mtime=2, ctime=2, sha=h(b"")), "/w/same": e(4, sha="S")}  # truncate(2)
+    assert diff(before, after) == [{"path": "/w/t", "operation": "write", "sha256Before": "T",
+                                    "sha256After": h(b"")}]
+
+
+def test_a_changed_ctime_with_the_same_content_is_not_a_write():
+    before = {"/w/f": e(3, ctime=1, sha="X")}
+    after = {"/w/f": e(3, ctime=2, sha="X")}  # a hard link was made, or chown
+    assert diff(before, after) == []
+    # Unhashed, only size or mtime count.
+    assert diff({"/w/f": e(3, ctime=1)}, {"/w/f": e(3, ctime=2)}) == []
+    assert diff({"/w/f": e(3, mtime=1)}, {"/w/f": e(3, mtime=2)}) == [{"path": "/w/f", "operation": "write",
+                                                                       "sha256Before": "", "sha256After": ""}]
+
+
+def test_a_file_replaced_by_a_directory_is_a_delete_and_a_create():
+    before = {"/w/x": e(3, sha="X")}
+    after = {"/w/x": e(4, mode=0o040755)}
+    assert diff(before, after) == [{"path": "/w/x", "operation": "create"},
+                                   {"path": "/w/x", "operation": "delete", "sha256Before": "X"}]
+
+
+# -- take ------------------------------------------------------------------------------
+
+def test_take_walks_and_hashes_the_writable_binds(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "f").write_bytes(b"x")
+    (tmp_path / "g").write_bytes(b"y")
+    snap = take([("/workspace", str(tmp_path))], HashCache())
+    assert snap.complete and set(snap.entries) == {"/workspace/sub", "/workspace/sub/f", "/workspace/g"}
+    assert snap.entries["/workspace/sub/f"].sha256 == h(b"x")
+    assert snap.entries["/workspace/sub"].sha256 == ""  # directories have no content hash
+    # Without a cache nothing is read.
+    assert take([("/workspace", str(tmp_path))]).entries["/workspace/g"].sha256 == ""
+
+
+def test_take_never_follows_what_the_sandbox_left(tmp_path):
+    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    ws.mkdir()
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"host secret")
+    os.symlink(outside / "secret", ws / "link")
+    os.symlink(outside, ws / "dirlink")
+    os.mkfifo(ws / "fifo")
+    snap = take([("/workspace", str(ws))], HashCache())
+    assert set(snap.entries) == {"/workspace/link", "/workspace/dirlink", "/workspace/fifo"}
+    assert all(entry.sha256 == "" for entry in snap.entries.values())  # and the FIFO did not block
+
+
+def test_a_bind_of_one_file_is_listed_and_a_missing_root_is_a_gap(tmp_path):
+    (tmp_path / "one.txt").write_bytes(b"1")
+    snap = take([("/workspace/one.txt", str(tmp_path / "one.txt")), ("/workspace/gone", str(tmp_path / "nope"))],
+                HashCache())
+    assert snap.entries["/workspace/one.txt"].sha256 == h(b"1")
+    assert snap.gaps == ["/workspace/gone: not walked (No such file or directory)"]
+
+
+def test_hashes_are_reused_until_the_file_changes(tmp_path):
+    for i in range(20):
+        (tmp_path / f"f{i}").write_bytes(b"a" * 1000)
+    cache = HashCache()
+    take([("/w", str(tmp_path))], cache)
+    assert cache.hashed_bytes == 20_000
+    take([("/w", str(tmp_path))], cache)
+    assert cache.hashed_bytes == 20_000  # nothing read again
+    (tmp_path / "f3").write_bytes(b"changed")
+    snap = take([("/w", str(tmp_path))], cache)
+    assert cache.hashed_bytes == 20_007
+    assert snap.entries["/w/f3"].sha256 == h(b"changed")
+
+
+def test_the_cache_is_bounded(tmp_path):
+    for i in range(5):
+        (tmp_path / f"f{i}").write_bytes(b"z")
+    cache = HashCache(max_entries=3)
+    take([("/w", str(tmp_path))], cache)
+    assert len(cache._by_inode) == 3
+
+
+def test_files_over_the_hashing_caps_are_listed_without_a_hash_and_say_why(tmp_path):
+    (tmp_path / "big").write_bytes(b"b" * 5000)
+    (tmp_path / "small").write_bytes(b"s" * 10)
+    snap = take([("/w", str(tmp_path))], HashCache(), HashBudget(bytes_left=10_000, max_file=1000))
+    assert snap.entries["/w/big"].sha256 == "" and "hashing cap of 1000 bytes" in snap.entries["/w/big"].note
+    assert snap.entries["/w/small"].sha256 == h(b"s" * 10)
+    assert snap.unhashed == 1 and snap.complete  # unhashed files are still compared
+    budget = HashBudget(bytes_left=15, max_file=1000)
+    (tmp_path / "more").write_bytes(b"m" * 10)
+    snap = take([("/w", str(tmp_path))], HashCache(), budget)
+    assert snap.unhashed == 2  # big, and whichever small file came second
+    assert any("hashing budget" in entry.note for entry in snap.entries.values())
+
+
+def test_past_max_entries_the_walk_stops_and_says_so(tmp_path):
+    for i in range(10):
+        (tmp_path / f"f{i}").write_bytes(b"")
+    snap = take([("/w", str(tmp_path))], max_entries=4)
+    assert len(snap.entries) == 4
+    assert not snap.complete and "more than 4 entries" in snap.gaps[0]
+
+
+def test_a_deep_tree_is_walked_to_the_depth_cap_without_recursion(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "MAX_DEPTH", 50)
+    d = tmp_path
+    for i in range(60):
+        d = d / "d"
+        d.mkdir()
+    (d / "leaf").write_bytes(b"")
+    open_before = len(os.listdir("/proc/self/fd"))
+    snap = take([("/w", str(tmp_path))])
+    assert len(snap.entries) == 51 and not snap.complete and "deeper than 50 levels" in snap.gaps[0]
+    assert len(os.listdir("/proc/self/fd")) == open_before  # every directory descriptor closed
+
+
+def test_a_tree_deeper_than_python_recursion_is_fine_with_a_high_cap(tmp_path, monkeypatch):
+    import resource
+
+    monkeypatch.setattr(snapshot, "MAX_DEPTH", 1500)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4096:  # one descriptor per level while it is walked (the daemon raises its own limit)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    fd = os.open(tmp_path, os.O_RDONLY)
+    for _ in range(1200):  # paths longer than PATH_MAX: made relative, one level at a time
+        os.mkdir("d", dir_fd=fd)
+        nxt = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(fd)
+    try:
+        snap = take([("/w", str(tmp_path))])
+        assert len(snap.entries) == 1200 and snap.complete
+    finally:
+        _remove_chain(tmp_path, 1200)  # shutil.rmtree (and pytest's cleanup) would recurse
+
+
+def _remove_chain(root, depth: int) -> None:
+    fds = [os.open(root, os.O_RDONLY)]
+    for _ in range(depth - 1):
+        fds.append(os.open("d", os.O_RDONLY, dir_fd=fds[-1]))
+    while fds:
+        fd = fds.pop()
+        os.rmdir("d", dir_fd=fd)
+        os.close(fd)
+
+
+# -- a call's entries ------------------------------------------------------------------
+
+def test_watched_writes_carry_the_content_they_found_and_left():
+    before = {"/w/edit": e(1, sha="OLD"), "/w/read": e(2, sha="R")}
+    after = {"/w/edit": e(1, size=2, mtime=2, sha="NEW"), "/w/read": e(2, sha="R"), "/w/new": e(3, sha="N")}
+    accesses = [Access("/w/edit", 1, 1), Access("/w/new", 1, 1), Access("/w/read", 2, 0), Access("/w/tmp", 1, 1)]
+    events = file_events(accesses, diff(before, after), before, after)
+    assert events == [
+        {"path": "/w/edit", "operation": "write", "opens": 1, "writes": 1, "sha256Before": "OLD", "sha256After": "NEW"},
+        {"path": "/w/new", "operation": "write", "opens": 1, "writes": 1, "sha256Before": "", "sha256After": "N"},
+        {"path": "/w/read", "operation": "read", "opens": 2, "writes": 0},
+        # Written and gone again by the end of the call (a temporary file).
+        {"path": "/w/tmp", "operation": "write", "opens": 1, "writes": 1, "sha256Before": "", "sha256After": ""},
+        # The in-place write of /w/edit is not listed twice; the creation is its own fact.
+        {"path": "/w/new", "operation": "create", "sha256After": "N"},
+    ]
+    assert effects(events) == {"reads": ["/w/read"], "writes": ["/w/edit", "/w/new", "/w/tmp"], "deletes": []}
+
+
+def test_effects_count_rename_targets_and_chmods_as_writes():
+    events = [{"path": "/w/a", "operation": "rename", "renamedTo": "/w/b"}, {"path": "/w/c", "operation": "delete"},
+              {"path": "/w/s", "operation": "chmod"}, {"path": "/w/r", "operation": "read"}]
+    assert effects(events) == {"reads": ["/w/r"], "writes": ["/w/b", "/w/s"], "deletes": ["/w/c"]}
+
+
+def test_a_missing_hash_says_why_in_the_entry():
+    before = {"/w/big": Entry(1, 0o100644, 9, 1, 1, "", "larger than the hashing cap of 8 bytes")}
+    after = {"/w/big": Entry(1, 0o100644, 10, 2, 2, "", "larger than the hashing cap of 8 bytes")}
+    [entry] = file_events([Access("/w/big", 1, 1)], [], before, after)
+    assert entry["sha256Before"] == "" and entry["sha256BeforeMissing"].startswith("larger than")
+
+
+@pytest.mark.parametrize("size", [0, 1, 65536 + 3])
+def test_hashes_match_hashlib(tmp_path, size):
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    assert take([("/w", str(tmp_path))], HashCache()).entries["/w/f"].sha256 == h(data)
+
+
+def test_a_replacement_the_watch_saw_under_the_final_name_is_listed_once_as_replaced():
+    # The temporary file's close was read after the rename: the watch names the target.
+    before = {"/w/cfg": e(1, size=4, mtime=1, sha="OLD")}
+    after = {"/w/cfg": e(2, size=4, mtime=2, sha="NEW")}
+    events = file_events([Access("/w/cfg", 1, 1)], diff(before, after), before, after)
+    assert events == [{"path": "/w/cfg", "operation": "write", "opens": 1, "writes": 1, "sha256Before": "OLD",
+                       "sha256After": "NEW", "replaced": True}]
