@@ -1,7 +1,9 @@
 """File-access recording overhead: a file-heavy workload with audit.recordFileAccess on
 versus off, in one run (alternating), on Docker and nsjail. The workspace is a git
 repository of N small files; the workloads are `git status` and a "test run" that
-imports every module of the tree. Times are the whole call, end to end through gRPC.
+imports every module of the tree, on a read-only workspace (the watch alone) and a
+writable one (the watch and the hashed before/after walk of the write root). Times are
+the whole call, end to end through gRPC.
 
     .venv/bin/python bench/file_access.py [-n 7] [--files 3000]
 """
@@ -57,13 +59,14 @@ def main() -> int:
         workloads = {"git status": ["git", "-c", "safe.directory=*", "status", "--short"],
                      "test run (import every module)": ["python3", "-c", TEST_RUN]}
         rows = []
+        mounts = {"read-only": {}, "writable": {"filesystem": {"writeRoots": ["/workspace"]}}}
         for adapter in ("docker", "nsjail"):
-            for name, argv in workloads.items():
+            for (name, argv), (mode, fs) in ((w, m) for w in workloads.items() for m in mounts.items()):
                 times = {True: [], False: []}
                 events = {True: 0, False: 0}
                 for i in range(args.n + 1):
                     for record in (True, False) if i % 2 else (False, True):
-                        call = prepared_call(ws, argv, {"audit": {"recordFileAccess": record}},
+                        call = prepared_call(ws, argv, {**fs, "audit": {"recordFileAccess": record}},
                                              runtime={"adapter": adapter, "image": "sandboxd/default:latest"})
                         t = time.perf_counter()
                         out = client.run(call)
@@ -76,12 +79,12 @@ def main() -> int:
                                              for e in client.get_trace(out.tool_call_id)
                                              if e.type == "FileAccessObserved")
                 on, off = statistics.median(times[True]), statistics.median(times[False])
-                rows.append((f"{adapter}: {name}", off, on, on / off, events[True]))
+                rows.append((f"{adapter}: {name}, {mode}", off, on, on / off, events[True]))
         print(f"\nfile-access recording overhead, {args.files} files, n={args.n}; call times in ms\n")
-        print(f"| {'workload':<44} | {'off':>8} | {'on':>8} | {'on/off':>7} | {'paths':>6} |")
-        print(f"|{'-' * 46}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 8}|")
+        print(f"| {'workload':<52} | {'off':>8} | {'on':>8} | {'on/off':>7} | {'paths':>6} |")
+        print(f"|{'-' * 54}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 8}|")
         for name, off, on, ratio, n_events in rows:
-            print(f"| {name:<44} | {off:8.1f} | {on:8.1f} | {ratio:6.2f}x | {n_events:6d} |")
+            print(f"| {name:<52} | {off:8.1f} | {on:8.1f} | {ratio:6.2f}x | {n_events:6d} |")
     finally:
         d.stop()
     return 0

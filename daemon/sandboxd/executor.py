@@ -182,6 +182,7 @@ class CallRun:
         record_files = bool(p.attachments.gate_host_path) or (
             p.lease is not None and p.policy.record_file_access and self._executor.settings.file_watch
             and bool(p.plan.binds))
+        before_walk: _Background | None = None
         before: snapshot.Snapshot | None = None
         after: snapshot.Snapshot | None = None
         try:
@@ -202,7 +203,10 @@ class CallRun:
             if not cancelled_early and p.attachments.gate_host_path:
                 _make_gate(Path(p.attachments.gate_host_path), p.plan.uid, p.plan.gid)
             if not cancelled_early and record_files and writable:
-                before = self._executor.walk_write_roots(writable)
+                # Walked while the sandbox is made; the command starts only after it.
+                before_walk = _Background(self._executor.walk_write_roots, writable)
+                if p.lease is not None:
+                    before = before_walk.result()
             if not cancelled_early:
                 handle = backend.create(p.spec)
                 prepared_event = EventDraft(ev.SANDBOX_PREPARED, {
@@ -222,8 +226,9 @@ class CallRun:
                 t0 = time.monotonic()
                 backend.start(handle, self.spool, p.call.stdin)
                 if p.attachments.gate_host_path:
-                    # The command waits at the gate until its mounts are watched.
-                    watch, gate_fd = self._watch_and_open_gate(handle)
+                    # The command waits at the gate until its mounts are watched and walked.
+                    watch, gate_fd = self._watch_and_open_gate(handle, before_walk)
+                    before = before_walk.result() if before_walk is not None else None
                 # Not fsynced on its own: the accept before it and the result after it are,
                 # and a crash in between ends as INTERRUPTED either way.
                 started = self._record(([prepared_event] if p.lease is not None else [])
@@ -252,11 +257,16 @@ class CallRun:
                     accesses = watch.stop()
                 except Exception:
                     log.exception("stopping the file watch of %s failed", p.sandbox_id)
+            after_walk: _Background | None = None
+            if before_walk is not None:
+                before_walk.join()  # never leave a walk running past the call
             if before is not None and watch is not None:
-                try:
-                    after = self._executor.walk_write_roots(writable)
-                except Exception:
-                    log.exception("walking the write roots of %s failed", p.sandbox_id)
+                # The command's processes are gone: the walk runs while the sandbox is
+                # removed, except that a leased sandbox takes its next command once this
+                # one is done, so that walk ends first.
+                after_walk = _Background(self._executor.walk_write_roots, writable)
+                if p.lease is not None:
+                    after_walk.join()
             if gate_fd >= 0:
                 os.close(gate_fd)
             if p.attachments.gate_host_path:
@@ -284,6 +294,11 @@ class CallRun:
                     log.exception("closing the egress endpoint of %s failed", p.sandbox_id)
             if p.secrets and p.lease is None:
                 self._executor.broker.release(p.sandbox_id)
+            if after_walk is not None:
+                try:
+                    after = after_walk.result()
+                except Exception:
+                    log.exception("walking the write roots of %s failed", p.sandbox_id)
             self.spool.close()
         latency_ms = int((time.monotonic() - t0) * 1000)
         with self._cond:
@@ -301,9 +316,10 @@ class CallRun:
             self._executor._forget(self)
             self._executor.checkpoint()
 
-    def _watch_and_open_gate(self, handle: SandboxHandle) -> tuple[FileWatch, int]:
-        """Attaches a fanotify watch to the call's own mounts, then lets the command go.
-        A watch that cannot be attached fails the call: it never runs unrecorded."""
+    def _watch_and_open_gate(self, handle: SandboxHandle, before_walk: "_Background | None") -> tuple[FileWatch, int]:
+        """Attaches a fanotify watch to the call's own mounts, waits for the walk of its
+        write roots, then lets the command go. A watch that cannot be attached (or a walk
+        that failed) fails the call: it never runs unrecorded."""
         p = self.prepared
         deadline = time.monotonic() + GATE_TIMEOUT_S
         pid = 0
@@ -318,6 +334,13 @@ class CallRun:
             watch.start()
         except FileWatchError as exc:
             raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
+        if before_walk is not None:
+            try:
+                before_walk.result()
+            except Exception as exc:
+                watch.stop()
+                log.exception("walking the write roots of %s failed", p.sandbox_id)
+                raise FailedPrecondition(f"file-access recording could not walk the write roots: {exc}") from None
         fd = os.open(p.attachments.gate_host_path, os.O_RDWR | os.O_CLOEXEC)  # never blocks on a FIFO
         os.write(fd, b"1")
         return watch, fd
@@ -438,6 +461,31 @@ def _make_gate(path: Path, uid: int, gid: int) -> None:
     path.unlink(missing_ok=True)
     os.mkfifo(path, 0o600)
     os.chown(path, uid, gid)
+
+
+class _Background:
+    """fn(*args) on a thread of its own; result() joins it and returns or raises."""
+
+    def __init__(self, fn, *args):
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True, name="walk")
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever asks for the result
+            self._error = exc
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 @dataclass

@@ -17,7 +17,7 @@ import stat
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from .filewatch import Access
 
@@ -30,8 +30,7 @@ _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):  # a tuple: a walk makes one per file, and it must be cheap
     inode: int
     mode: int
     size: int
@@ -77,11 +76,9 @@ class HashCache:
     def digest(self, dir_fd: int, name: str, st: os.stat_result, budget: HashBudget) -> tuple[str, str]:
         """(hash, "") or ("", why not) for the regular file `name` in `dir_fd`."""
         key, stamp = (st.st_dev, st.st_ino), (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        with self._lock:
-            known = self._by_inode.get(key)
-            if known is not None and known[:3] == stamp:
-                self._by_inode.move_to_end(key)
-                return known[3], ""
+        known = self._by_inode.get(key)  # a plain read needs no lock; eviction order is rough
+        if known is not None and known[:3] == stamp:
+            return known[3], ""
         if st.st_size > budget.max_file:
             return "", f"larger than the hashing cap of {budget.max_file} bytes"
         if st.st_size > budget.bytes_left:
@@ -158,6 +155,8 @@ def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, bud
     """Depth first without recursion; False when the entry cap was reached."""
     stack: list[tuple[int, str, list[str]]] = []  # (dir fd, sandbox path, subdirectories left)
     fd, base = root_fd, root
+    entries = snap.entries
+    S_ISREG, S_ISDIR = stat.S_ISREG, stat.S_ISDIR
     try:
         while True:
             subdirs: list[str] = []
@@ -168,13 +167,22 @@ def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, bud
                             st = e.stat(follow_symlinks=False)
                         except OSError:
                             continue  # gone since the listing
-                        if len(snap.entries) >= max_entries:
+                        if len(entries) >= max_entries:
                             snap.gaps.append(f"more than {max_entries} entries in the write roots: "
                                              "the rest were not compared")
                             return False
-                        _add(snap, fd, e.name, f"{base}/{e.name}", st, hashes, budget)
-                        if stat.S_ISDIR(st.st_mode):
-                            subdirs.append(e.name)
+                        name = e.name
+                        mode = st.st_mode
+                        if hashes is not None and S_ISREG(mode):
+                            digest, note = hashes.digest(fd, name, st, budget)
+                            snap.unhashed += not digest
+                            entries[f"{base}/{name}"] = Entry(st.st_ino, mode, st.st_size, st.st_mtime_ns,
+                                                              st.st_ctime_ns, digest, note)
+                        else:
+                            entries[f"{base}/{name}"] = Entry(st.st_ino, mode, st.st_size, st.st_mtime_ns,
+                                                              st.st_ctime_ns)
+                            if S_ISDIR(mode):
+                                subdirs.append(name)
             except OSError as exc:
                 snap.gaps.append(f"{base or '/'}: not listed ({exc.strerror})")
             if subdirs and len(stack) >= MAX_DEPTH:
