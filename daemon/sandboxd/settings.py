@@ -180,7 +180,7 @@ class QuotaSettings(BaseModel):
     # Warm sandboxes one principal may hold leased at once.
     leases: int = Field(default=8, ge=0)
     # Pools one principal may have made (each keeps min_idle sandboxes warm).
-    pools: int = Field(default=8, ge=0)
+    pools: int = Field(default=32, ge=0)
 
     def concurrent_calls_for(self, principal: str) -> int:
         return self.per_principal.get(principal, self.concurrent_calls)
