@@ -42,7 +42,7 @@ def main() -> int:
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="sandboxd-bench-warm-", dir="/tmp"))
     base.chmod(0o755)
-    d = make_daemon(base, max_concurrent_calls=64, quotas={"concurrent_calls": 64, "pools": args.agents + 4},
+    d = make_daemon(base, max_concurrent_calls=64, quotas={"concurrent_calls": 64, "pools": args.agents + 4, "leases": args.agents + 4},
                     pools={"min_idle": 1, "max_size": max(4, args.agents + 2)}).start()
     rows: list[tuple[str, list[float]]] = []
     try:
