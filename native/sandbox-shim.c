@@ -26,7 +26,9 @@
  * connection and no other, so nothing a command does can stand in for the supervisor),
  * says "R", and runs one command per request on that connection. A request is one
  * message: the command's stdin, stdout and stderr as SCM_RIGHTS descriptors, and
- * "cwd\0argc\0argv...\0envc\0env...\0". The supervisor answers "P <pid>" once the
+ * "cwd\0argc\0argv...\0envc\0env...\0" (and, with credential files, one more
+ * descriptor per file holding its content and "filec\0tempdir\0path...\0": each is
+ * written under tempDir, mode 0400, for that command only). The supervisor answers "P <pid>" once the
  * command runs and "X <wait status>" when it is over; "K" from the daemon kills it.
  * Before "X" every other process of the sandbox but init, the supervisor (and the
  * egress forwarder) is killed: a command's background children never outlive it. The
@@ -54,6 +56,7 @@
 #include <dirent.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -264,6 +267,7 @@ static void start_egress(const char *sock_path, const char *port_text) {
 
 #define MAX_REQUEST (1024 * 1024)
 #define MAX_ITEMS 65536
+#define MAX_FILES 16
 
 /* The running command, and its wait status once reaped (by whichever waitpid got it). */
 static pid_t cmd_pid = 0;
@@ -335,12 +339,90 @@ static void reply(int conn, const char *text) {
     send(conn, text, strlen(text), MSG_NOSIGNAL);
 }
 
+/* A credential file for one command: written under the sandbox's tempDir (its own
+ * tmpfs) through descriptors opened without following symlinks, so nothing a
+ * previous command left there can send the secret elsewhere; removed after it. */
+struct placed {
+    int dir;
+    const char *name;
+};
+
+static const char *place_secret(const char *tmpdir, const char *path, int content, struct placed *out) {
+    size_t n = strlen(tmpdir);
+    if (strncmp(path, tmpdir, n) != 0 || path[n] != '/' || !path[n + 1])
+        return "the path is not inside tempDir";
+    static char rel[4096];
+    if (strlen(path + n + 1) >= sizeof rel)
+        return "the path is too long";
+    strcpy(rel, path + n + 1);
+    int dir = open(tmpdir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dir < 0)
+        return "tempDir cannot be opened";
+    char *name = rel;
+    for (char *slash; (slash = strchr(name, '/')) != NULL; name = slash + 1) {
+        *slash = 0;
+        if (!*name || strcmp(name, ".") == 0 || strcmp(name, "..") == 0) {
+            close(dir);
+            return "the path is not normalized";
+        }
+        if (mkdirat(dir, name, 0700) < 0 && errno != EEXIST) {
+            close(dir);
+            return "a directory on the way cannot be made";
+        }
+        int next = openat(dir, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        close(dir);
+        if (next < 0)
+            return "a directory on the way is not one (or is a symlink)";
+        dir = next;
+    }
+    if (!*name || strcmp(name, ".") == 0 || strcmp(name, "..") == 0) {
+        close(dir);
+        return "the path is not normalized";
+    }
+    if (unlinkat(dir, name, 0) < 0 && errno != ENOENT) {
+        close(dir);
+        return "something that is not a file is in the way";
+    }
+    int fd = openat(dir, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0400);
+    if (fd < 0) {
+        close(dir);
+        return "the file cannot be created";
+    }
+    char chunk[4096];
+    off_t off = 0;
+    ssize_t r;
+    while ((r = pread(content, chunk, sizeof chunk, off)) > 0) {
+        for (ssize_t done = 0; done < r;) {
+            ssize_t w = write(fd, chunk + done, r - done);
+            if (w < 0) {
+                close(fd);
+                unlinkat(dir, name, 0);
+                close(dir);
+                return "the file cannot be written";
+            }
+            done += w;
+        }
+        off += r;
+    }
+    close(fd);
+    out->dir = dir;
+    out->name = name;
+    return NULL;
+}
+
+static void remove_placed(struct placed *placed, int count) {
+    for (int k = 0; k < count; k++) {
+        unlinkat(placed[k].dir, placed[k].name, 0);
+        close(placed[k].dir);
+    }
+}
+
 /* One command: spawn, report, wait (or kill on request), clean up, report. Returns
  * 0 when the daemon is gone (its connection closed). */
 static int run_one(int conn) {
     int alive = 1;
     static char buf[MAX_REQUEST + 1];
-    char control[CMSG_SPACE(3 * sizeof(int))];
+    char control[CMSG_SPACE((3 + MAX_FILES) * sizeof(int))];
     struct iovec iov = {.iov_base = buf, .iov_len = MAX_REQUEST};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
     ssize_t n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
@@ -350,18 +432,36 @@ static int run_one(int conn) {
         return 1;
     if (n == 1 && buf[0] == 'K' && msg.msg_controllen == 0)
         return 1; /* a kill that crossed the last command's end: nothing runs, no answer */
+    buf[n] = 0;
+    int fds[3 + MAX_FILES];
+    int nfds = 0, nplaced = 0;
+    struct placed placed[MAX_FILES];
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len >= CMSG_LEN(0)) {
+        int got = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        int *passed = (int *)CMSG_DATA(c);
+        for (int k = 0; k < got; k++) {
+            if (k < 3 + MAX_FILES)
+                fds[nfds++] = passed[k];
+            else
+                close(passed[k]); /* more than any request has: refused below */
+        }
+        if (got > 3 + MAX_FILES)
+            nfds = -nfds; /* marks the request as refused; the kept ones close at out */
+    }
+    if (nfds < 0) {
+        nfds = -nfds;
+        reply(conn, "E too many descriptors");
+        goto out;
+    }
     if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
         reply(conn, "E bad request");
-        return 1;
+        goto out;
     }
-    buf[n] = 0;
-    int fds[3] = {-1, -1, -1};
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    if (!c || c->cmsg_type != SCM_RIGHTS || c->cmsg_len != CMSG_LEN(3 * sizeof(int))) {
-        reply(conn, "E need three descriptors");
-        return 1;
+    if (nfds < 3) {
+        reply(conn, "E need three descriptors (and one per credential file)");
+        goto out;
     }
-    memcpy(fds, CMSG_DATA(c), sizeof fds);
     /* Fields: cwd, argc, argv..., envc, env... (each NUL-terminated). */
     char *items[2 * MAX_ITEMS + 4];
     int count = 0;
@@ -385,6 +485,23 @@ static int run_one(int conn) {
     }
     char **envp = &items[i];
     (void)saved;
+    i += envc;
+    /* Then, when credential files come along: filec\0tempdir\0path...\0 */
+    int filec = i < count ? atoi(items[i++]) : 0;
+    if (filec != nfds - 3 || (filec > 0 && i + 1 + filec > count)) {
+        reply(conn, "E malformed request");
+        goto out;
+    }
+    for (int k = 0; k < filec; k++) {
+        const char *why = place_secret(items[i], items[i + 1 + k], fds[3 + k], &placed[nplaced]);
+        if (why) {
+            char line[256];
+            snprintf(line, sizeof line, "E credential file %s: %s", items[i + 1 + k], why);
+            reply(conn, line);
+            goto out;
+        }
+        nplaced++;
+    }
     char *argv_z[MAX_ITEMS + 1], *envp_z[MAX_ITEMS + 1];
     memcpy(argv_z, argv, argc * sizeof(char *));
     argv_z[argc] = NULL;
@@ -411,14 +528,14 @@ static int run_one(int conn) {
         fprintf(stderr, "sandboxd: cannot run %s: %s\n", argv_z[0], strerror(errno));
         _exit(errno == ENOENT ? 127 : 126);
     }
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < nfds; k++)
         close(fds[k]);
-        fds[k] = -1;
-    }
+    nfds = 0;
     if (pid < 0) {
         reply(conn, "E fork failed");
         close(sfd);
         sigprocmask(SIG_UNBLOCK, &chld, NULL);
+        remove_placed(placed, nplaced);
         return 1;
     }
     char line[64];
@@ -458,14 +575,16 @@ static int run_one(int conn) {
     close(sfd);
     sigprocmask(SIG_UNBLOCK, &chld, NULL);
     cmd_pid = 0;
+    remove_placed(placed, nplaced); /* before "X": the next command never finds them */
+    nplaced = 0;
     if (alive) {
         snprintf(line, sizeof line, "X %d", cmd_status);
         reply(conn, line);
     }
 out:
-    for (int k = 0; k < 3; k++)
-        if (fds[k] >= 0)
-            close(fds[k]);
+    for (int k = 0; k < nfds; k++)
+        close(fds[k]);
+    remove_placed(placed, nplaced);
     return alive;
 }
 

@@ -24,7 +24,7 @@ from .artifacts import ArtifactRecord, FileArtifactStore
 from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle
 from .compile import Attachments, EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
-                     PermissionDenied, ResourceExhausted, SandboxdError, Unimplemented)
+                     PermissionDenied, ResourceExhausted, SandboxdError)
 from .events import CheckpointFile, EventDraft, EventLog
 from .filewatch import MAX_PATHS as MAX_WATCHED_PATHS, Access, FileWatch, FileWatchError
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
@@ -697,10 +697,6 @@ class CallExecutor:
     def _prepare_leased(self, call: PreparedToolCall, tool_call_id: str, caller: Principal) -> Prepared:
         """A call in a leased sandbox: the same checks as any call, then the lease's
         sandbox (its policy class must match) and a command spec for its supervisor."""
-        for i, ref in enumerate(call.credential_refs):
-            if ref.file_path:
-                raise Unimplemented("a leased sandbox takes credentials as environment variables only (its "
-                                    "mounts are fixed)", field=f"credentialRefs[{i}].filePath")
         prepared = self._prepare(call, tool_call_id, None, sandbox=False)
         secrets = self.broker.resolve(call, prepared.policy, caller.name) if call.credential_refs else ()
         if self.pools is None:
@@ -710,11 +706,13 @@ class CallExecutor:
             # The sandbox's own attachments (the proxy variables) apply to every command;
             # env secrets travel to the supervisor on its private socket, never in a spec.
             env = {**prepared.policy.env, **ws.prepared.attachments.env()}
-            secret_env = {s.env_name: s.value.decode("utf-8", "surrogateescape") for s in secrets}
+            secret_env = {s.env_name: s.value.decode("utf-8", "surrogateescape") for s in secrets if s.env_name}
+            secret_files = {s.file_path: s.value for s in secrets if s.file_path}
             spec = CommandSpec(call.runtime.lease_id, ws.sandbox_id, tuple(call.argv), prepared.policy.cwd,
                                env, prepared.policy.timeout_ms,
-                               prepared.policy.max_stdout_bytes, prepared.policy.max_stderr_bytes)
-            return replace(prepared, backend=LeaseBackend(self.pools, ws, secret_env), spec=spec,
+                               prepared.policy.max_stdout_bytes, prepared.policy.max_stderr_bytes,
+                               ws.prepared.policy.temp_dir)
+            return replace(prepared, backend=LeaseBackend(self.pools, ws, secret_env, secret_files), spec=spec,
                            sandbox_id=ws.sandbox_id, image_digest=ws.prepared.image_digest, attachments=Attachments(),
                            lease=ws, secrets=secrets)
         except BaseException:

@@ -120,7 +120,7 @@ class PreparedToolCall(_Model):
     stdin: bytes = b""
     workspace: str = Field(min_length=1, max_length=4096)
     policy: SandboxPolicy = Field(default_factory=SandboxPolicy)
-    credential_refs: list[CredentialRef] = Field(default_factory=list)
+    credential_refs: list[CredentialRef] = Field(default_factory=list, max_length=16)
     authorization: Authorization = Field(default_factory=Authorization)
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
 

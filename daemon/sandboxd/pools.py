@@ -137,6 +137,7 @@ class CommandSpec:
     timeout_ms: int
     max_stdout_bytes: int
     max_stderr_bytes: int
+    temp_dir: str = "/tmp"  # where the command's credential files go
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -557,14 +558,28 @@ class PoolManager:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
+def _memfd(content: bytes) -> int:
+    fd = os.memfd_create("credential", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, content)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class LeaseBackend:
     """The Backend protocol for one command in a leased sandbox, through its supervisor."""
 
-    def __init__(self, pools: PoolManager, ws: WarmSandbox, secret_env: dict[str, str] | None = None):
+    def __init__(self, pools: PoolManager, ws: WarmSandbox, secret_env: dict[str, str] | None = None,
+                 secret_files: dict[str, bytes] | None = None):
         self._pools = pools
         self._ws = ws
         # Credential values for the command's environment: sent to the supervisor only.
         self._secret_env = dict(secret_env or {})
+        # sandbox path (under tempDir) -> content: the supervisor writes each for this
+        # command only, from a memfd (never a file on the host's disk).
+        self._secret_files = dict(secret_files or {})
         self.name = ws.prepared.backend.name
         self._conn: socket.socket | None = None
         self._status: int | None = None
@@ -592,7 +607,10 @@ class LeaseBackend:
             self.network_records()  # anything from before this command is nobody's
         env = {**spec.env, **self._secret_env}
         fields = [spec.cwd, str(len(spec.argv)), *spec.argv, str(len(env)), *(f"{k}={v}" for k, v in env.items())]
+        if self._secret_files:
+            fields += [str(len(self._secret_files)), spec.temp_dir, *self._secret_files]
         payload = b"\0".join(f.encode("utf-8", "surrogateescape") for f in fields) + b"\0"
+        contents = [_memfd(value) for value in self._secret_files.values()]
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -601,7 +619,7 @@ class LeaseBackend:
             conn.settimeout(START_TIMEOUT_S)  # a supervisor that does not answer is a dead sandbox
             try:
                 conn.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                          array.array("i", [in_r, out_w, err_w]))])
+                                          array.array("i", [in_r, out_w, err_w, *contents]))])
                 answer = conn.recv(256)
             finally:
                 conn.settimeout(None)
@@ -611,7 +629,7 @@ class LeaseBackend:
             self._healthy = False
             raise InternalError(f"the sandbox's supervisor did not take the command: {exc}") from None
         finally:
-            for fd in (in_r, out_w, err_w):
+            for fd in (in_r, out_w, err_w, *contents):
                 try:
                     os.close(fd)
                 except OSError:
@@ -621,7 +639,11 @@ class LeaseBackend:
                 os.close(fd)
             if not answer:
                 self._healthy = False  # the supervisor is gone
-            raise InternalError(f"the sandbox's supervisor refused the command: {answer[:200]!r}")
+                raise InternalError("the sandbox's supervisor is gone")
+            # A refusal ("E why"): nothing ran, the supervisor waits for the next command.
+            self._done.set()
+            raise FailedPrecondition("the sandbox's supervisor refused the command: "
+                                     + answer[2:200].decode("utf-8", "replace"))
         self._conn = conn
         if not stdin:
             os.close(in_w)

@@ -215,10 +215,44 @@ def test_a_leased_sandbox_takes_env_credentials_per_command(broker_daemon, adapt
         plain = with_refs(ws, py("import os; print(os.environ.get('GH_TOKEN', 'absent'))"), [])
         plain["runtime"].update({"leaseId": lease.lease_id, "adapter": adapter})
         assert c.run(plain).stdout == b"absent\n"
-        as_file = with_refs(ws, ["true"], [{"bindingId": "gh", "filePath": "/tmp/t"}])
-        as_file["runtime"].update({"leaseId": lease.lease_id, "adapter": adapter})
-        with pytest.raises(errors.Unimplemented):
-            c.run(as_file)
         injected = [json.loads(e.payload_json) for e in c.get_trace(out.tool_call_id) if e.type == "CredentialInjected"]
         assert injected == [{"bindingId": "gh", "principal": "root", "target": {"env": "GH_TOKEN"}}]
+        c.release_sandbox(lease.lease_id)
+
+
+@pytest.mark.parametrize("adapter", ["docker", "nsjail"])
+def test_a_leased_sandbox_takes_file_credentials_per_command_and_never_follows_a_planted_link(broker_daemon, adapter):
+    ws = broker_daemon.new_workspace()
+    policy = {"filesystem": {"writeRoots": ["/workspace"]}}
+    with broker_daemon.client() as c:
+        lease = c.acquire_sandbox(str(ws), policy, adapter=adapter)
+
+        def leased(argv, refs):
+            cmd = with_refs(ws, argv, refs)
+            cmd["policy"].update(policy)
+            cmd["runtime"].update({"leaseId": lease.lease_id, "adapter": adapter})
+            return c.run(cmd)
+
+        # An earlier command of the lease plants links where the credential will go.
+        planted = leased(["sh", "-c", "mkdir -p /tmp/creds && ln -s /workspace/stolen /tmp/creds/gh "
+                                      "&& ln -s /workspace /tmp/via"], [])
+        assert planted.result.status == "success", planted.stderr
+        out = leased(py("""
+            import hashlib, os
+            st = os.lstat("/tmp/creds/gh")
+            print(hashlib.sha256(open("/tmp/creds/gh").read().encode()).hexdigest(), oct(st.st_mode & 0o777))
+        """), [{"bindingId": "gh", "filePath": "/tmp/creds/gh"}])
+        assert out.result.status == "success", out.stderr
+        assert out.stdout.decode().split() == [sha(FILE_SECRET), "0o400"]
+        assert not (ws / "stolen").exists()
+        # A directory link on the way is refused, not followed into the workspace.
+        refused = leased(["true"], [{"bindingId": "gh", "filePath": "/tmp/via/gh"}])
+        assert refused.result.status == "error" and "symlink" in refused.result.error.message
+        assert not (ws / "gh").exists()
+        # The next command finds nothing of it.
+        after = leased(["sh", "-c", "ls /tmp/creds; cat /tmp/creds/gh 2>&1 || echo gone"], [])
+        assert after.stdout == b"gone\n" or b"No such file" in after.stdout, after.stdout
+        assert FILE_SECRET.encode() not in after.stdout
+        injected = [json.loads(e.payload_json) for e in c.get_trace(out.tool_call_id) if e.type == "CredentialInjected"]
+        assert injected == [{"bindingId": "gh", "principal": "root", "target": {"file": "/tmp/creds/gh"}}]
         c.release_sandbox(lease.lease_id)

@@ -672,3 +672,10 @@ def test_request_digest_binds_what_runs_not_the_ids_a_retry_may_change():
     assert base != request_digest(parse_call(call_dict(policy={"process": {"timeoutMs": 1234}})))
     assert base != request_digest(parse_call(call_dict(stdin=b"input")))
     assert base.startswith("sha256:") and len(base) == 71
+
+
+def test_a_call_names_at_most_sixteen_credentials():
+    refs = [{"bindingId": f"b{i}", "envName": f"E{i}"} for i in range(17)]
+    exc = refused(InvalidArgument, parse_call, {**call_dict(), "credentialRefs": refs})
+    assert exc.field == "credentialRefs"
+    assert len(parse_call({**call_dict(), "credentialRefs": refs[:16]}).credential_refs) == 16
