@@ -764,20 +764,28 @@ class LeaseBackend:
         self._pools.command_done(self._ws, self._healthy and self._done.is_set())
 
 
-def sandbox_processes(spec: Any) -> set[int] | None:
-    """Host pids in the sandbox's cgroup subtree (pids controller), None if unknown."""
+def sandbox_processes(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> set[int] | None:
+    """Host pids in the sandbox's cgroup subtree (the v1 pids hierarchy, or the unified
+    one on a v2 host), None if unknown."""
     rel = getattr(spec, "cgroup_parent", None) or getattr(spec, "cgroup", None)
     if not rel:
         return None
-    root = Path("/sys/fs/cgroup/pids") / str(rel).strip("/")
+    base = Path(cgroup_root)
+    hierarchy = base / "pids" if (base / "pids").is_dir() else base
+    root = hierarchy / str(rel).strip("/")
     if not root.is_dir():
         return None
     pids: set[int] = set()
-    for dirpath, _dirnames, filenames in os.walk(root):
-        if "cgroup.procs" in filenames:
-            try:
-                with open(os.path.join(dirpath, "cgroup.procs")) as f:
-                    pids |= {int(line) for line in f if line.strip()}
-            except OSError:
-                pass
+    todo = [root]
+    while todo:  # cgroup trees are shallow, but never recurse on what a sandbox can shape
+        d = todo.pop()
+        try:
+            with open(d / "cgroup.procs") as f:
+                pids |= {int(line) for line in f if line.strip()}
+        except OSError:
+            pass
+        try:
+            todo += [c for c in d.iterdir() if c.is_dir()]
+        except OSError:
+            pass  # removed meanwhile
     return pids
