@@ -114,19 +114,28 @@ class NsjailSpec:
         return (INIT_PATH, "--")
 
     def command(self, config_path: str, log_fd: int) -> list[str]:
-        """The exact nsjail command line. The config and the log descriptor are host
-        resources the backend makes, so they are its arguments."""
-        return [self.nsjail_binary, "--config", config_path, "--log_fd", str(log_fd), "--",
-                *self.init_argv, *self.argv]
+        """The exact nsjail command line: the same for every jail (the command is in the
+        config), so nsjail can be started before the call it serves is known. The config
+        and the log descriptor are host resources the backend makes."""
+        return nsjail_command(self.nsjail_binary, config_path, log_fd)
 
     def config_text(self) -> str:
-        return render_config(self)
+        # Rendered once: a call needs it for the jail, its size and the spec digest.
+        text = self.__dict__.get("_config_text")
+        if text is None:
+            text = render_config(self)
+            object.__setattr__(self, "_config_text", text)
+        return text
 
     def to_json_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["init_argv"] = list(self.init_argv)
         d["config"] = self.config_text().splitlines()
         return d
+
+
+def nsjail_command(binary: str, config_path: str, log_fd: int) -> list[str]:
+    return [binary, "--config", config_path, "--log_fd", str(log_fd)]
 
 
 def cgroup_for(daemon_id: str, sandbox_id: str) -> str:
@@ -343,4 +352,9 @@ def render_config(spec: NsjailSpec) -> str:
     ]
     lines += [f"envar: {quote(f'{k}={v}')}" for k, v in spec.env.items()]
     lines += [_mount_line(m) for m in spec.mounts]
+    # Last: a config cut short anywhere (it may reach nsjail through a pipe) has no
+    # command, or fails to parse, so nsjail runs nothing.
+    init, *init_args = spec.init_argv
+    lines.append(f"exec_bin {{ path: {quote(init)} arg0: {quote(init)} "
+                 + "".join(f"arg: {quote(a)} " for a in (*init_args, *spec.argv)) + "}")
     return "\n".join(lines) + "\n"

@@ -214,9 +214,11 @@ class CallRun:
                     "specDigest": "sha256:" + hashlib.sha256(canonical_json(p.spec.to_json_dict())).hexdigest(),
                     **({"leaseId": p.call.runtime.lease_id} if p.lease is not None else {}),
                 })
-                # A leased sandbox exists already: its two events share one commit.
+                # A leased sandbox exists already: its two events share one commit. Not
+                # fsynced on its own either (see ToolCallStarted below): a commit survives
+                # the daemon's own crash without it; the result's commit syncs them all.
                 if p.lease is None:
-                    self._record([prepared_event])
+                    self._record([prepared_event], durable=False)
                 with self._cond:
                     self._handle = handle
                     cancelled_early = bool(self._cancel_reason)
@@ -326,7 +328,7 @@ class CallRun:
         while not pid and time.monotonic() < deadline and not handle.output_closed.is_set():
             pid = p.backend.sandbox_pid(handle)
             if not pid:
-                time.sleep(0.002)
+                time.sleep(0.0005)  # a jail is ready in a few ms: every half ms counts
         if not pid:
             raise FailedPrecondition("the sandbox never came up to be watched")
         watch = FileWatch(pid, tuple(b.sandbox_path for b in p.plan.binds))

@@ -68,10 +68,15 @@ def public_tmpdir(prefix: str) -> Path:
 
 
 def nsjail_leftovers(d: DaemonProcess) -> list[str]:
-    """Jail cgroups of this daemon that still hold a process other than the daemon."""
+    """Jail cgroups of this daemon that still hold a process other than the daemon. A
+    running daemon's spawn slots (".slot-*": an nsjail waiting for a config, no jail
+    yet) are its own; once it has stopped, they must be empty too."""
     root = Path("/sys/fs/cgroup/pids/sandboxd-nsjail") / d.daemon_id
+    running = d.proc is not None and d.proc.poll() is None
     found = []
     for cg in root.glob("*/"):
+        if running and cg.name.startswith(".slot-"):
+            continue
         try:
             pids = {int(p) for p in (cg / "cgroup.procs").read_text().split()}
         except OSError:

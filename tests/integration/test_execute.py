@@ -471,3 +471,13 @@ def test_a_workspace_whose_group_is_root_is_refused(client, daemon):
     with pytest.raises(errors.PermissionDenied) as exc:
         client.run(call(ws, ["true"]))
     assert "workspace" in exc.value.message and "group" in exc.value.message
+
+
+def test_every_argument_reaches_the_command_exactly(client, workspace):
+    # nsjail gets the command in its config file: nothing in an argument may end the
+    # string it is written in, or add to the config.
+    args = ['say "hi"', "back\\slash", "two\nlines", "caf\u00e9 \u2603", '" } mount { src: "/" dst: "/host" }', "",
+            "\t\x01\x7f", "-" * 3000]
+    out = client.run(call(workspace, ["python3", "-c", "import json, sys; print(json.dumps(sys.argv[1:]))", *args]))
+    assert out.result.status == "success", out.stderr
+    assert json.loads(out.stdout) == args

@@ -230,9 +230,11 @@ def test_ids_that_cannot_name_a_cgroup_are_refused(daemon_id, sandbox_id):
 def test_command_line():
     policy, plan, kwargs = case_partial_workspace()
     spec = _compile(policy, plan, **kwargs)
-    assert spec.command("/proc/self/fd/7", 9) == [
-        NSJAIL, "--config", "/proc/self/fd/7", "--log_fd", "9", "--", INIT_PATH, "--",
-        "make", "-C", "/workspace/src", "test"]
+    # The same for every jail: the command is the config's last line.
+    assert spec.command("/proc/self/fd/7", 9) == [NSJAIL, "--config", "/proc/self/fd/7", "--log_fd", "9"]
+    assert spec.config_text().splitlines()[-1] == (
+        'exec_bin { path: "/dev/init" arg0: "/dev/init" arg: "--" arg: "make" arg: "-C" arg: "/workspace/src" '
+        'arg: "test" }')
     assert spec.stdin_open is True
     assert _compile(*case_default()[:2]).stdin_open is False
 
@@ -340,7 +342,8 @@ def test_egress_allowlist_binds_the_proxy_socket_and_wraps_the_command():
     shim = by_dst[SHIM_PATH]
     assert shim.src == att.shim_host_path and not shim.rw and not shim.noexec
     assert spec.argv[:5] == (SHIM_PATH, "--egress", EGRESS_SOCKET_PATH, "3128", "--")
-    assert spec.command("/cfg", 3)[-len(spec.argv) - 2:][:2] == [INIT_PATH, "--"]
+    assert spec.config_text().splitlines()[-1].startswith(
+        f'exec_bin {{ path: "{INIT_PATH}" arg0: "{INIT_PATH}" arg: "--" arg: "{SHIM_PATH}" arg: "--egress" ')
     assert spec.env["HTTPS_PROXY"] == spec.env["http_proxy"] == "http://127.0.0.1:3128"
     assert "127.0.0.1" in spec.env["NO_PROXY"]
 
@@ -411,3 +414,68 @@ def test_kafel_argument_rules():
     assert {k: int(v, 0) for k, v in defines.items()} == {
         "AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16, "SOCK_STREAM": 1, "SOCK_DGRAM": 2,
         "SOCK_TYPE_MASK": 0xF, "CLONE_NAMESPACE_FLAGS": 0x7E020000}
+
+
+@pytest.mark.parametrize("arg", ['say "hi"', "back\\slash", "two\nlines", "caf\u00e9 \u2603", '" } mount { src: "/"',
+                                 "", "\t\x01\x7f"])
+def test_any_argument_reaches_the_command_as_one_literal(arg):
+    policy, plan, _ = case_default()
+    spec = _compile(policy, plan, argv=("echo", arg))
+    last = spec.config_text().splitlines()[-1]
+    assert last.endswith(f'arg: "echo" arg: {quote(arg)} }}')
+    # Only printable ASCII, with every quote and backslash escaped: nothing can end the string early.
+    body = last[last.index('arg: "echo"'):]
+    assert all(0x20 <= ord(c) < 0x7F for c in body)
+    assert unquote(quote(arg)) == arg
+
+
+def unquote(literal: str) -> str:
+    """The protobuf text-format reading of a literal quote() made."""
+    assert literal[0] == literal[-1] == '"'
+    out, i, body = bytearray(), 0, literal[1:-1]
+    while i < len(body):
+        if body[i] == "\\":
+            if body[i + 1] in "01234567":
+                out.append(int(body[i + 1:i + 4], 8))
+                i += 4
+            else:
+                out.append(ord(body[i + 1]))
+                i += 2
+        else:
+            assert body[i] != '"'
+            out.append(ord(body[i]))
+            i += 1
+    return out.decode("utf-8")
+
+
+# ------------------------------------------------------------------ cgroup limits
+
+
+def _limit_writes(monkeypatch, limits, present):
+    from sandboxd.backends import nsjail as backend
+
+    writes = []
+    monkeypatch.setattr(backend, "_write", lambda path, value: writes.append((path.split("/")[-1], value)))
+    backend._write_limits("sandboxd-nsjail/d/sbx", limits, present)
+    return writes
+
+
+MEM = {"memory/memory.limit_in_bytes": "1024", "memory/memory.memsw.limit_in_bytes": "1024", "pids/pids.max": "64"}
+
+
+def test_limits_already_in_a_slot_are_not_written_again(monkeypatch):
+    assert _limit_writes(monkeypatch, MEM, dict(MEM)) == []
+    assert _limit_writes(monkeypatch, MEM, {**MEM, "pids/pids.max": "32"}) == [("pids.max", "64")]
+
+
+def test_memory_and_swap_are_written_in_the_order_the_kernel_accepts(monkeypatch):
+    # Fresh (unlimited) or lowering: the memory limit first, then memory+swap.
+    assert _limit_writes(monkeypatch, MEM, {})[:2] == [("memory.limit_in_bytes", "1024"),
+                                                       ("memory.memsw.limit_in_bytes", "1024")]
+    lower = {"memory/memory.limit_in_bytes": "2048", "memory/memory.memsw.limit_in_bytes": "2048"}
+    assert _limit_writes(monkeypatch, MEM, lower)[:2] == [("memory.limit_in_bytes", "1024"),
+                                                          ("memory.memsw.limit_in_bytes", "1024")]
+    # Raising: memory+swap first (it may never be below the memory limit).
+    higher = {"memory/memory.limit_in_bytes": "512", "memory/memory.memsw.limit_in_bytes": "512"}
+    assert _limit_writes(monkeypatch, MEM, higher)[:2] == [("memory.memsw.limit_in_bytes", "1024"),
+                                                           ("memory.limit_in_bytes", "1024")]
