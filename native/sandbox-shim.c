@@ -344,6 +344,7 @@ static void reply(int conn, const char *text) {
  * previous command left there can send the secret elsewhere; removed after it. */
 struct placed {
     int dir;
+    char rel[4096]; /* the path below tempDir; `name` points into it */
     const char *name;
 };
 
@@ -351,8 +352,8 @@ static const char *place_secret(const char *tmpdir, const char *path, int conten
     size_t n = strlen(tmpdir);
     if (strncmp(path, tmpdir, n) != 0 || path[n] != '/' || !path[n + 1])
         return "the path is not inside tempDir";
-    static char rel[4096];
-    if (strlen(path + n + 1) >= sizeof rel)
+    char *rel = out->rel;
+    if (strlen(path + n + 1) >= sizeof out->rel)
         return "the path is too long";
     strcpy(rel, path + n + 1);
     int dir = open(tmpdir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
@@ -391,7 +392,15 @@ static const char *place_secret(const char *tmpdir, const char *path, int conten
     char chunk[4096];
     off_t off = 0;
     ssize_t r;
-    while ((r = pread(content, chunk, sizeof chunk, off)) > 0) {
+    while ((r = pread(content, chunk, sizeof chunk, off)) != 0) {
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            close(fd);
+            unlinkat(dir, name, 0);
+            close(dir);
+            return "the credential could not be read";
+        }
         for (ssize_t done = 0; done < r;) {
             ssize_t w = write(fd, chunk + done, r - done);
             if (w < 0) {

@@ -288,6 +288,10 @@ class CallRun:
                     log.exception("destroying sandbox %s failed", p.sandbox_id)
                 if handle.reader is not None:
                     handle.reader.join(KILL_GRACE_S)  # the last bytes land before the spool closes
+            elif p.lease is not None:
+                # Ended (cancelled, or its walk failed) before the command reached the
+                # sandbox: nothing ran in it, so it stays the lease's.
+                self._executor.pools.command_done(p.lease, True)
             if endpoint is not None:
                 try:
                     connections = self._executor.proxy.close_endpoint(endpoint)
@@ -336,15 +340,22 @@ class CallRun:
             watch.start()
         except FileWatchError as exc:
             raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
-        if before_walk is not None:
+        try:
+            if before_walk is not None:
+                try:
+                    before_walk.result()
+                except Exception as exc:
+                    log.exception("walking the write roots of %s failed", p.sandbox_id)
+                    raise FailedPrecondition(f"file-access recording could not walk the write roots: {exc}") from None
+            fd = os.open(p.attachments.gate_host_path, os.O_RDWR | os.O_CLOEXEC)  # never blocks on a FIFO
             try:
-                before_walk.result()
-            except Exception as exc:
-                watch.stop()
-                log.exception("walking the write roots of %s failed", p.sandbox_id)
-                raise FailedPrecondition(f"file-access recording could not walk the write roots: {exc}") from None
-        fd = os.open(p.attachments.gate_host_path, os.O_RDWR | os.O_CLOEXEC)  # never blocks on a FIFO
-        os.write(fd, b"1")
+                os.write(fd, b"1")
+            except BaseException:
+                os.close(fd)
+                raise
+        except BaseException:
+            watch.stop()
+            raise
         return watch, fd
 
     def _watch_lease(self) -> FileWatch:

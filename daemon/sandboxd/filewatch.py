@@ -41,6 +41,8 @@ FAN_Q_OVERFLOW = 0x4000
 AT_FDCWD = -100
 _EVENT = struct.Struct("IBBHQii")  # fanotify_event_metadata
 MAX_PATHS = 10_000
+# Groups waiting for the closer thread; past it a call closes its own (and waits).
+MAX_CLOSING = 32
 
 
 class FileWatchError(Exception):
@@ -117,7 +119,10 @@ class FileWatch:
             # Closing a group waits for an SRCU grace period in the kernel (5-15 ms
             # here): off the call's path. Nothing reads it any more; a later call's
             # accesses are its own group's.
-            _closer.put(self._fd)
+            if _closer.qsize() < MAX_CLOSING:
+                _closer.put(self._fd)
+            else:  # falling behind: groups count against fs.fanotify.max_user_groups
+                os.close(self._fd)
         return [self.accesses[p] for p in sorted(self.accesses)]
 
     def _read(self) -> None:
@@ -178,7 +183,11 @@ class FileWatch:
 
 def _close_groups(q: "queue.SimpleQueue[int]") -> None:
     while True:
-        os.close(q.get())
+        fd = q.get()
+        try:
+            os.close(fd)
+        except OSError as exc:  # never lose the closer: later groups would leak
+            log.error("closing fanotify group %d failed: %s", fd, exc)
 
 
 _closer: "queue.SimpleQueue[int]" = queue.SimpleQueue()

@@ -89,8 +89,9 @@ class WarmSandbox:
             except OSError:
                 return 0
             self.pid = pid
-        readable, _, _ = select.select([self.pidfd], [], [], 0)
-        return 0 if readable else self.pid  # a pidfd turns readable when its process exits
+        poller = select.poll()  # not select(): descriptors above 1023 are normal here
+        poller.register(self.pidfd, select.POLLIN)
+        return 0 if poller.poll(0) else self.pid  # a pidfd turns readable when its process exits
 
 
 @dataclass
@@ -212,7 +213,8 @@ class PoolManager:
                                     "drain one or wait for an idle one to retire")
         own = sum(1 for p in live if p.owner == caller.name)
         if own >= self._ex.settings.quotas.pools:
-            raise ResourceExhausted(f"{caller.name} has {own} pools, its quota; drain one first")
+            raise ResourceExhausted(f"{caller.name} has {own} pools, its quota; a pool unused for "
+                                    f"{self._settings.idle_ttl_s:.0f} s retires (or an admin drains one)")
         pool = self._pools[key] = Pool(key, template, owner=caller.name)
         return pool
 
@@ -610,10 +612,19 @@ class LeaseBackend:
         if self._secret_files:
             fields += [str(len(self._secret_files)), spec.temp_dir, *self._secret_files]
         payload = b"\0".join(f.encode("utf-8", "surrogateescape") for f in fields) + b"\0"
-        contents = [_memfd(value) for value in self._secret_files.values()]
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        made: list[int] = []
+        try:
+            contents = []
+            for value in self._secret_files.values():
+                contents.append(_memfd(value))
+                made.append(contents[-1])
+            for _ in range(3):
+                made += os.pipe2(os.O_CLOEXEC)
+        except BaseException:
+            for fd in made:
+                os.close(fd)
+            raise
+        in_r, in_w, out_r, out_w, err_r, err_w = made[len(contents):]
         conn = self._ws.control  # the supervisor's own connection: one command at a time
         try:
             conn.settimeout(START_TIMEOUT_S)  # a supervisor that does not answer is a dead sandbox

@@ -11,10 +11,12 @@ changed since the last call are read again."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
@@ -24,6 +26,8 @@ from .filewatch import Access
 MAX_ENTRIES = 200_000
 # Deeper directories are not walked (each level holds a descriptor while it is walked).
 MAX_DEPTH = 256
+# A file whose mtime or ctime is this recent is hashed every time (see HashCache.digest).
+RACY_NS = 2 * 10**9
 MAX_HASH_FILE_BYTES = 256 * 2**20
 HASH_BUDGET_BYTES = 1024 * 2**20
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -38,6 +42,7 @@ class Entry(NamedTuple):  # a tuple: a walk makes one per file, and it must be c
     ctime_ns: int = 0
     sha256: str = ""  # "sha256:<hex>" of a regular file; "" when not hashed (see note)
     note: str = ""  # why a regular file has no hash
+    dev: int = 0
 
     @property
     def regular(self) -> bool:
@@ -67,7 +72,7 @@ class HashCache:
     """sha256 of regular files by (device, inode), valid while size, mtime and ctime
     are what they were when it was read. Bounded: the oldest entries go first."""
 
-    def __init__(self, max_entries: int = 1_000_000):
+    def __init__(self, max_entries: int = 250_000):
         self._max = max_entries
         self._lock = threading.Lock()
         self._by_inode: OrderedDict[tuple[int, int], tuple[int, int, int, str]] = OrderedDict()
@@ -100,6 +105,10 @@ class HashCache:
         self.hashed_bytes += last.st_size
         if (last.st_size, last.st_mtime_ns, last.st_ctime_ns) != stamp:
             return "", "changed while it was read"
+        if time.time_ns() - max(stamp[1], stamp[2]) < RACY_NS:
+            # Changed moments ago: a write in the same timestamp tick would keep the
+            # stamp, so the hash is used now but not trusted later (git's racy rule).
+            return digest, ""
         with self._lock:
             self._by_inode[key] = (*stamp, digest)
             self._by_inode.move_to_end(key)
@@ -116,29 +125,48 @@ def take(binds: Iterable[tuple[str, str]], hashes: HashCache | None = None, budg
     snap = Snapshot()
     budget = budget or HashBudget()
     for sandbox_root, host_root in binds:
+        # Bind sources are real paths (preflight refuses symlinks on the way): one found
+        # now was put there since, e.g. by the command renaming a parent of a nested
+        # write root and leaving a link in its place. Never followed.
+        parent_fd = -1
         try:
-            root_fd = os.open(host_root, _OPEN_DIR)
-        except NotADirectoryError:
-            _list_file(sandbox_root, host_root, snap, hashes, budget)  # a bind of one file
-            continue
+            parent_fd = _open_beneath_root(os.path.dirname(host_root))
+            name = os.path.basename(host_root)
+            st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                root_fd = os.open(name, _OPEN_DIR, dir_fd=parent_fd)
+            elif stat.S_ISREG(st.st_mode):  # a bind of one file
+                _add(snap, parent_fd, name, sandbox_root, st, hashes, budget)
+                continue
+            else:
+                snap.gaps.append(f"{sandbox_root}: not walked (no longer a directory or a file)")
+                continue
         except OSError as exc:
-            snap.gaps.append(f"{sandbox_root}: not walked ({exc.strerror})")
+            why = "a symlink or a non-directory is on its way" if exc.errno in (errno.ELOOP, errno.ENOTDIR) \
+                else exc.strerror or str(exc)
+            snap.gaps.append(f"{sandbox_root}: not walked ({why})")
             continue
+        finally:
+            if parent_fd >= 0:
+                os.close(parent_fd)
         if not _walk(root_fd, sandbox_root.rstrip("/"), snap, hashes, budget, max_entries):
             break
     return snap
 
 
-def _list_file(sandbox_path: str, host_path: str, snap: Snapshot, hashes: HashCache | None,
-               budget: HashBudget) -> None:
-    parent, name = os.path.split(host_path)
-    dir_fd = os.open(parent or ".", _OPEN_DIR)
+def _open_beneath_root(path: str) -> int:
+    """A directory descriptor for the absolute `path`, reached one component at a time
+    from / without following a symlink anywhere (ELOOP/ENOTDIR if one is on the way)."""
+    fd = os.open("/", _OPEN_DIR)
     try:
-        _add(snap, dir_fd, name, sandbox_path, os.stat(name, dir_fd=dir_fd, follow_symlinks=False), hashes, budget)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+        for part in [p for p in path.split("/") if p]:
+            nxt = os.open(part, _OPEN_DIR, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _add(snap: Snapshot, dir_fd: int, name: str, path: str, st: os.stat_result, hashes: HashCache | None,
@@ -147,7 +175,8 @@ def _add(snap: Snapshot, dir_fd: int, name: str, path: str, st: os.stat_result, 
     if stat.S_ISREG(st.st_mode) and hashes is not None:
         digest, note = hashes.digest(dir_fd, name, st, budget)
         snap.unhashed += not digest
-    snap.entries[path] = Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, note)
+    snap.entries[path] = Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, note,
+                               st.st_dev)
 
 
 def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, budget: HashBudget,
@@ -165,8 +194,11 @@ def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, bud
                     for e in it:
                         try:
                             st = e.stat(follow_symlinks=False)
-                        except OSError:
+                        except FileNotFoundError:
                             continue  # gone since the listing
+                        except OSError as exc:
+                            snap.gaps.append(f"{base}/{e.name}: not examined ({exc.strerror})")
+                            continue
                         if len(entries) >= max_entries:
                             snap.gaps.append(f"more than {max_entries} entries in the write roots: "
                                              "the rest were not compared")
@@ -177,10 +209,10 @@ def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, bud
                             digest, note = hashes.digest(fd, name, st, budget)
                             snap.unhashed += not digest
                             entries[f"{base}/{name}"] = Entry(st.st_ino, mode, st.st_size, st.st_mtime_ns,
-                                                              st.st_ctime_ns, digest, note)
+                                                              st.st_ctime_ns, digest, note, st.st_dev)
                         else:
                             entries[f"{base}/{name}"] = Entry(st.st_ino, mode, st.st_size, st.st_mtime_ns,
-                                                              st.st_ctime_ns)
+                                                              st.st_ctime_ns, "", "", st.st_dev)
                             if S_ISDIR(mode):
                                 subdirs.append(name)
             except OSError as exc:
@@ -199,8 +231,13 @@ def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, bud
                 name = left.pop()
                 try:
                     fd, base = os.open(name, _OPEN_DIR, dir_fd=parent_fd), f"{parent}/{name}"
-                except OSError:
+                except (FileNotFoundError, NotADirectoryError):
                     fd = -1  # replaced by a non-directory or removed: listed as it was
+                except OSError as exc:
+                    fd = -1
+                    if exc.errno == errno.ELOOP:
+                        continue  # replaced by a symlink since the listing: listed as it was
+                    snap.gaps.append(f"{parent}/{name}: not walked ({exc.strerror})")
             if fd < 0:
                 return True
     finally:  # a directory's descriptor is either `fd` or on the stack, never both
@@ -214,7 +251,7 @@ def diff(before: dict[str, Entry], after: dict[str, Entry]) -> list[dict[str, An
     """create | delete | rename (path -> renamedTo) | write (content changed or the path
     replaced) | chmod, in path order, with the content hashes the snapshots hold."""
     gone = {p: e for p, e in before.items() if p not in after}
-    by_inode = {e.inode: p for p, e in gone.items()}
+    by_inode = {(e.dev, e.inode): p for p, e in gone.items()}
     out: list[dict[str, Any]] = []
     renamed_from: set[str] = set()
     for path, now in sorted(after.items()):
@@ -226,12 +263,14 @@ def diff(before: dict[str, Entry], after: dict[str, Entry]) -> list[dict[str, An
                 out.append({"path": path, "operation": "chmod",
                             "modeBefore": f"{stat.S_IMODE(was.mode):04o}", "modeAfter": f"{stat.S_IMODE(now.mode):04o}"})
             continue
-        source = by_inode.get(now.inode)
+        source = by_inode.get((now.dev, now.inode))
         moved = gone.get(source) if source is not None else None
-        # A rename keeps the inode, the type, the size and the mtime; a file created in
-        # a deleted one's place may reuse only the inode.
+        # A rename keeps the inode, the type, the size, the mtime and the content; a file
+        # created in a deleted one's place may reuse the inode (and a command can set
+        # the mtime).
         if moved is not None and stat.S_IFMT(moved.mode) == stat.S_IFMT(now.mode) \
-                and moved.size == now.size and moved.mtime_ns == now.mtime_ns:
+                and moved.size == now.size and moved.mtime_ns == now.mtime_ns \
+                and not (moved.sha256 and now.sha256 and moved.sha256 != now.sha256):
             out.append(_hashed({"path": source, "operation": "rename", "renamedTo": path}, "sha256", now))
             renamed_from.add(source)
         elif was is None or not (was.regular and now.regular):

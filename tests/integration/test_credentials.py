@@ -241,18 +241,22 @@ def test_a_leased_sandbox_takes_file_credentials_per_command_and_never_follows_a
             import hashlib, os
             st = os.lstat("/tmp/creds/gh")
             print(hashlib.sha256(open("/tmp/creds/gh").read().encode()).hexdigest(), oct(st.st_mode & 0o777))
-        """), [{"bindingId": "gh", "filePath": "/tmp/creds/gh"}])
+            print(hashlib.sha256(open("/tmp/abcdefghij").read().encode()).hexdigest())
+        """), [{"bindingId": "gh", "filePath": "/tmp/creds/gh"}, {"bindingId": "cmdtok", "filePath": "/tmp/abcdefghij"}])
         assert out.result.status == "success", out.stderr
-        assert out.stdout.decode().split() == [sha(FILE_SECRET), "0o400"]
+        assert out.stdout.decode().split() == [sha(FILE_SECRET), "0o400", sha(CMD_SECRET)]
         assert not (ws / "stolen").exists()
         # A directory link on the way is refused, not followed into the workspace.
         refused = leased(["true"], [{"bindingId": "gh", "filePath": "/tmp/via/gh"}])
         assert refused.result.status == "error" and "symlink" in refused.result.error.message
         assert not (ws / "gh").exists()
         # The next command finds nothing of it.
-        after = leased(["sh", "-c", "ls /tmp/creds; cat /tmp/creds/gh 2>&1 || echo gone"], [])
-        assert after.stdout == b"gone\n" or b"No such file" in after.stdout, after.stdout
-        assert FILE_SECRET.encode() not in after.stdout
+        after = leased(["sh", "-c", "ls -a /tmp/creds /tmp; cat /tmp/creds/gh /tmp/abcdefghij 2>&1 || echo gone"], [])
+        assert after.stdout.endswith(b"gone\n"), after.stdout
+        assert FILE_SECRET.encode() not in after.stdout and CMD_SECRET.encode() not in after.stdout
+        listing = after.stdout.split(b"cat:")[0].split()
+        assert b"abcdefghij" not in listing and b"gh" not in listing  # both went, not only one of them
         injected = [json.loads(e.payload_json) for e in c.get_trace(out.tool_call_id) if e.type == "CredentialInjected"]
-        assert injected == [{"bindingId": "gh", "principal": "root", "target": {"file": "/tmp/creds/gh"}}]
+        assert injected == [{"bindingId": "gh", "principal": "root", "target": {"file": "/tmp/creds/gh"}},
+                            {"bindingId": "cmdtok", "principal": "root", "target": {"file": "/tmp/abcdefghij"}}]
         c.release_sandbox(lease.lease_id)

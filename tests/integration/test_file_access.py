@@ -152,3 +152,19 @@ def test_a_record_past_its_caps_says_it_is_incomplete(spare_daemon):
         assert any(p.get("incomplete") == incomplete for p in logged)
         # What the watch saw is still recorded.
         assert "/workspace/f1.txt" in out.result.effects_observed.reads
+
+
+def test_a_link_left_in_place_of_a_write_roots_parent_is_never_walked(client, daemon, tmp_path_factory):
+    # The command renames the parent of a nested write root (allowed: it is not the
+    # mount point) and leaves a link to a host directory in its place.
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "keys").mkdir()
+    (outside / "keys" / "host-secret").write_text("not the sandbox's\n")
+    ws = daemon.new_workspace({"a/keys/k.txt": "k\n"})
+    out = client.run(call(ws, sh(f"mv /workspace/a /workspace/a2 && ln -s {outside} /workspace/a"),
+                          {"filesystem": {"writeRoots": ["/workspace", "/workspace/a/keys"]}}))
+    assert out.result.status == "success", out.stderr
+    recorded = accesses(client, out.tool_call_id)
+    assert not [a for a in recorded if "host-secret" in a["path"]], recorded
+    assert any("/workspace/a/keys: not walked" in r for r in out.result.effects_observed.incomplete), \
+        out.result.effects_observed.incomplete

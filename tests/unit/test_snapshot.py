@@ -119,7 +119,8 @@ def test_a_bind_of_one_file_is_listed_and_a_missing_root_is_a_gap(tmp_path):
     assert snap.gaps == ["/workspace/gone: not walked (No such file or directory)"]
 
 
-def test_hashes_are_reused_until_the_file_changes(tmp_path):
+def test_hashes_are_reused_until_the_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "RACY_NS", 0)  # the files below were just written
     for i in range(20):
         (tmp_path / f"f{i}").write_bytes(b"a" * 1000)
     cache = HashCache()
@@ -133,7 +134,57 @@ def test_hashes_are_reused_until_the_file_changes(tmp_path):
     assert snap.entries["/w/f3"].sha256 == h(b"changed")
 
 
-def test_the_cache_is_bounded(tmp_path):
+def test_a_file_changed_moments_ago_is_hashed_again_every_time(tmp_path):
+    # Its stamp could stay the same through a write in the same timestamp tick.
+    (tmp_path / "fresh").write_bytes(b"x" * 100)
+    cache = HashCache()
+    take([("/w", str(tmp_path))], cache)
+    take([("/w", str(tmp_path))], cache)
+    assert cache.hashed_bytes == 200
+
+
+def test_a_rename_needs_the_same_content_when_both_are_known():
+    # rm A; write B with A's size; touch -r A B; the freed inode number reused.
+    before = {"/w/A": e(7, size=4, mtime=5, sha="AAAA")}
+    after = {"/w/B": e(7, size=4, mtime=5, sha="BBBB")}
+    assert [c["operation"] for c in diff(before, after)] == ["delete", "create"]
+    # On another device the same inode number is another file.
+    other = {"/w/B": Entry(7, 0o100644, 4, 5, 1, "AAAA", "", dev=99)}
+    assert [c["operation"] for c in diff(before, other)] == ["delete", "create"]
+
+
+def test_a_symlink_on_the_way_to_a_write_root_is_never_followed(tmp_path):
+    # The command renamed a parent of a nested write root and left a link in its place.
+    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    (ws / "a2" / "keys").mkdir(parents=True)
+    (outside / "keys").mkdir(parents=True)
+    (outside / "keys" / "id_rsa").write_bytes(b"host key")
+    os.symlink(outside, ws / "a")
+    snap = take([("/workspace", str(ws)), ("/workspace/a/keys", str(ws / "a" / "keys"))], HashCache())
+    assert not any(p.startswith("/workspace/a/keys/") for p in snap.entries)
+    assert snap.gaps == ["/workspace/a/keys: not walked (a symlink or a non-directory is on its way)"]
+
+
+def test_a_directory_that_cannot_be_opened_is_a_gap_not_silence(tmp_path, monkeypatch):
+    import errno
+
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / "f").write_bytes(b"")
+    real_open = os.open
+
+    def failing_open(path, flags, mode=0o777, *, dir_fd=None):
+        if path == "locked":
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(snapshot.os, "open", failing_open)
+    snap = take([("/w", str(tmp_path))])
+    assert "/w/locked/f" not in snap.entries
+    assert not snap.complete and snap.gaps == ["/w/locked: not walked (Too many open files)"]
+
+
+def test_the_cache_is_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "RACY_NS", 0)
     for i in range(5):
         (tmp_path / f"f{i}").write_bytes(b"z")
     cache = HashCache(max_entries=3)

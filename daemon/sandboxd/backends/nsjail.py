@@ -549,11 +549,12 @@ class NsjailBackend:
         try:
             written = os.write(early.config_w, config)
         except OSError as exc:
-            early.discard()
+            early.discard()  # closes the pipe too
             raise InternalError(f"cannot start nsjail: {exc}") from None
         finally:
-            os.close(early.config_w)
-            early.config_w = -1
+            if early.config_w >= 0:
+                os.close(early.config_w)
+                early.config_w = -1
             if slot is not None:
                 slot.release(wait=False)  # its thread's work is done: it ends on its own
         if written != len(config):
@@ -1008,7 +1009,7 @@ class _Slot:
                     os.rename(f"{CGROUP_ROOT}/{c}/{cgroup}", f"{CGROUP_ROOT}/{c}/{self.cgroup}")
                 except OSError:
                     pass
-            self.release()
+            self.release(remove=True)  # its waiting nsjail and cgroup go too
             return False
         self.cgroup = cgroup
         return True
