@@ -134,6 +134,7 @@ def _start_backends(settings: DaemonSettings, daemon_id: str) -> tuple[dict, dic
             if reaped:
                 log.warning("removed %d jails left by an earlier run of this daemon", reaped)
             nsjail_backend.warm(daemon_id)
+            nsjail_backend.prune_exports()
             backends["nsjail"] = nsjail_backend
         except SandboxdError as exc:
             unavailable["nsjail"] = exc.message

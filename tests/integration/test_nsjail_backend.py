@@ -571,3 +571,39 @@ def _status(pid: int) -> dict[str, str]:
             key, _, value = line.partition(":")
             out[key] = value.strip()
     return out
+
+
+def test_exports_of_images_the_engine_no_longer_has_are_pruned_unless_mounted(tmp_path):
+    import subprocess
+
+    rootfs_dir = _public_tmpdir("sandboxd-nsjail-prune-")
+    b = NsjailBackend(rootfs_dir)
+    try:
+        current = b.image_digest(BUSYBOX_IMAGE).split(":", 1)[-1]
+        stale, mounted = secrets.token_hex(32), secrets.token_hex(32)
+        for image_id in (stale, mounted):
+            (rootfs_dir / image_id / "bin").mkdir(parents=True)
+            (rootfs_dir / image_id / "bin" / "sh").write_text("old\n")
+        index = json.loads((rootfs_dir / "images.json").read_text())
+        (rootfs_dir / "images.json").write_text(json.dumps({**index, "gone:old": f"sha256:{stale}"}))
+        # Another mount namespace (a jail of another daemon, say) still has one mounted.
+        target = tmp_path / "mnt"
+        target.mkdir()
+        holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                   f"mount --bind {rootfs_dir / mounted} {target} && echo up && exec sleep 60"],
+                                  stdout=subprocess.PIPE)
+        try:
+            assert holder.stdout.readline() == b"up\n"
+            assert b.prune_exports() == [stale]
+        finally:
+            holder.kill()
+            holder.wait()
+        assert not (rootfs_dir / stale).exists() and (rootfs_dir / mounted).is_dir()
+        assert (rootfs_dir / current).is_dir()  # the engine still has it
+        assert "gone:old" not in json.loads((rootfs_dir / "images.json").read_text())
+        assert not list(rootfs_dir.glob(".trash-*"))
+        # Unmounted now, it goes on the next prune.
+        assert b.prune_exports() == [mounted]
+    finally:
+        b.close()
+        shutil.rmtree(rootfs_dir, ignore_errors=True)

@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import queue
+import re
 import secrets
 import select
 import shutil
@@ -416,6 +417,46 @@ class NsjailBackend:
             finally:
                 os.close(lock_fd)
 
+    def prune_exports(self) -> list[str]:
+        """Removes exported root filesystems of images the engine no longer has (a
+        rebuilt image gets a new id; the old export would stay forever), unless a mount
+        anywhere on the host still uses one (a jail of another daemon sharing the
+        directory). Skipped when dockerd cannot list its images. Returns the ids removed."""
+        try:
+            present = {i["Id"].split(":", 1)[-1] for i in self._docker().images(all=True)}
+        except Exception as exc:  # noqa: BLE001 - nothing is removed on doubt
+            log.info("exported images not pruned: %s", exc)
+            return []
+        if not self._rootfs_dir.is_dir():
+            return []
+        removed: list[str] = []
+        with self._export_lock:
+            lock_fd = os.open(self._rootfs_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX)
+                stale = [e for e in os.scandir(self._rootfs_dir) if e.is_dir(follow_symlinks=False)
+                         and _IMAGE_ID.fullmatch(e.name) and e.name not in present]
+                if stale:
+                    in_use = _mounted_image_ids()
+                    for e in stale:
+                        if e.name in in_use:
+                            continue
+                        trash = self._rootfs_dir / f".trash-{e.name[:12]}-{secrets.token_hex(4)}"
+                        os.rename(e.path, trash)  # gone from view at once, then deleted
+                        shutil.rmtree(trash, ignore_errors=True)
+                        removed.append(e.name)
+                    index = {k: v for k, v in self._read_index().items() if v.split(":", 1)[-1] not in removed}
+                    tmp_index = self._index_path().with_suffix(".tmp")
+                    tmp_index.write_text(json.dumps(index, indent=1, sort_keys=True))
+                    os.replace(tmp_index, self._index_path())
+                for leftover in self._rootfs_dir.glob(".trash-*"):  # a prune that was interrupted
+                    shutil.rmtree(leftover, ignore_errors=True)
+            finally:
+                os.close(lock_fd)
+        for image_id in removed:
+            log.info("removed the export of image %s (no longer in the engine)", image_id[:12])
+        return removed
+
     def _extract(self, image: str, dest: Path) -> None:
         import docker
 
@@ -716,6 +757,29 @@ class NsjailBackend:
             data = data[os.write(fd, data):]
         os.lseek(fd, 0, os.SEEK_SET)
         return fd
+
+
+_IMAGE_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def _mounted_image_ids() -> set[str]:
+    """Image ids (64 hex digits) that name a directory in the root or the mount point of
+    any mount of any process on the host: an export some jail still has mounted. (The
+    root field is relative to its filesystem's root, so whole paths cannot be compared.)"""
+    found: set[str] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/mountinfo") as f:
+                for line in f:
+                    fields = line.split(" ", 6)
+                    if len(fields) > 4:
+                        for path in (fields[3], fields[4]):
+                            found.update(part for part in path.split("/") if _IMAGE_ID.fullmatch(part))
+        except OSError:
+            continue
+    return found
 
 
 def _log_tail(text: str, lines: int = 6) -> str:
