@@ -422,18 +422,18 @@ class NsjailBackend:
         rebuilt image gets a new id; the old export would stay forever), unless a mount
         anywhere on the host still uses one (a jail of another daemon sharing the
         directory). Skipped when dockerd cannot list its images. Returns the ids removed."""
-        try:
-            present = {i["Id"].split(":", 1)[-1] for i in self._docker().images(all=True)}
-        except Exception as exc:  # noqa: BLE001 - nothing is removed on doubt
-            log.info("exported images not pruned: %s", exc)
-            return []
         if not self._rootfs_dir.is_dir():
             return []
         removed: list[str] = []
         with self._export_lock:
             lock_fd = os.open(self._rootfs_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX)
+                fcntl.flock(lock_fd, fcntl.LOCK_EX)  # no export (of any daemon) meanwhile
+                try:  # listed under the lock: an image exported just now is in the list
+                    present = {i["Id"].split(":", 1)[-1] for i in self._docker().images(all=True)}
+                except Exception as exc:  # noqa: BLE001 - nothing is removed on doubt
+                    log.info("exported images not pruned: %s", exc)
+                    return []
                 stale = [e for e in os.scandir(self._rootfs_dir) if e.is_dir(follow_symlinks=False)
                          and _IMAGE_ID.fullmatch(e.name) and e.name not in present]
                 if stale:
