@@ -264,6 +264,21 @@ def test_pools_are_capped_per_principal_and_retire_when_unused(spare_daemon, doc
         assert alice.create_pool(str(second), adapter="nsjail").pool_key != key
 
 
+
+def test_the_daemon_keeps_at_most_max_pools(spare_daemon):
+    d = spare_daemon(principals={0: "root", ALICE: "alice", BOB: "bob"}, socket_mode=0o666,
+                     pools={"min_idle": 0, "max_size": 2, "max_pools": 1}).start()
+    with client_as(d, ALICE) as alice, client_as(d, BOB) as bob:
+        alice.create_pool(str(d.new_workspace(uid=ALICE)), adapter="nsjail")
+        with pytest.raises(errors.ResourceExhausted) as exc:
+            bob.acquire_sandbox(str(d.new_workspace(uid=BOB)), adapter="nsjail")
+        assert "its maximum of 1 pools" in exc.value.message
+        with d.client() as admin:
+            assert admin.drain_pools() == 0  # nothing warm (min_idle 0): the pool just goes
+        lease = bob.acquire_sandbox(str(d.new_workspace(uid=BOB)), adapter="nsjail")
+        bob.release_sandbox(lease.lease_id)
+
+
 def test_a_graceful_stop_leaves_no_warm_sandbox_on_either_backend(spare_daemon, docker_engine):
     d = spare_daemon(pools={"min_idle": 2, "max_size": 3}).start()
     ws = d.new_workspace()

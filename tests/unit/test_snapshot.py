@@ -304,3 +304,25 @@ def test_a_replacement_the_watch_saw_under_the_final_name_is_listed_once_as_repl
     events = file_events([Access("/w/cfg", 1, 1)], diff(before, after), before, after)
     assert events == [{"path": "/w/cfg", "operation": "write", "opens": 1, "writes": 1, "sha256Before": "OLD",
                        "sha256After": "NEW", "replaced": True}]
+
+
+def test_a_call_s_record_says_why_it_may_be_incomplete():
+    from types import SimpleNamespace
+
+    from sandboxd.executor import _file_record
+    from sandboxd.filewatch import MAX_PATHS
+
+    full = snapshot.Snapshot({"/w/a": e(1, sha="A")})
+    watch = SimpleNamespace(overflowed=True, dropped=3)
+    record = _file_record([Access("/w/a", 1, 0)], watch, full, full)
+    assert record.incomplete == ["the kernel's event queue overflowed: some opens were not recorded",
+                                 f"more than {MAX_PATHS} paths were opened: 3 opens of further paths are not listed"]
+    quiet = SimpleNamespace(overflowed=False, dropped=0)
+    cut = snapshot.Snapshot({"/w/a": e(1, sha="A")}, gaps=["more than 1 entries in the write roots: ..."])
+    record = _file_record([], quiet, full, cut)
+    assert record.incomplete == ["more than 1 entries in the write roots: ...",
+                                 "creations, deletions and renames were not compared"]
+    assert _file_record([], quiet, full, None).incomplete[0].startswith("the write roots could not be walked after")
+    unhashed = snapshot.Snapshot({"/w/big": Entry(2, 0o100644, 9, 1, 1, "", "larger than the hashing cap")})
+    assert "1 files have no content hash" in _file_record([], quiet, unhashed, unhashed).incomplete[0]
+    assert _file_record([], quiet, full, full).incomplete == []
