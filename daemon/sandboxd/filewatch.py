@@ -26,6 +26,7 @@ log = logging.getLogger("sandboxd.filewatch")
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
 _libc.fanotify_init.argtypes = [ctypes.c_uint, ctypes.c_uint]
 _libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
+_libc.statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
 
 FAN_CLASS_NOTIF = 0x0
 FAN_CLOEXEC = 0x1
@@ -194,7 +195,35 @@ _closer: "queue.SimpleQueue[int]" = queue.SimpleQueue()
 threading.Thread(target=_close_groups, args=(_closer,), daemon=True, name="fanotify-closer").start()
 
 
+class _Statx(ctypes.Structure):
+    """struct statx (linux/stat.h), up to stx_mnt_id, padded to its 256 bytes."""
+    _fields_ = [("stx_mask", ctypes.c_uint32), ("stx_blksize", ctypes.c_uint32), ("stx_attributes", ctypes.c_uint64),
+                ("stx_nlink", ctypes.c_uint32), ("stx_uid", ctypes.c_uint32), ("stx_gid", ctypes.c_uint32),
+                ("stx_mode", ctypes.c_uint16), ("_spare0", ctypes.c_uint16), ("stx_ino", ctypes.c_uint64),
+                ("stx_size", ctypes.c_uint64), ("stx_blocks", ctypes.c_uint64),
+                ("stx_attributes_mask", ctypes.c_uint64), ("_times", ctypes.c_byte * 64),
+                ("stx_rdev_major", ctypes.c_uint32), ("stx_rdev_minor", ctypes.c_uint32),
+                ("stx_dev_major", ctypes.c_uint32), ("stx_dev_minor", ctypes.c_uint32),
+                ("stx_mnt_id", ctypes.c_uint64), ("_spare", ctypes.c_uint64 * 13)]
+
+
+_STATX_MNT_ID = 0x1000
+_AT_EMPTY_PATH = 0x1000
+_statx_buffers = threading.local()  # one per reader thread
+
+
 def _mount_id(fd: int) -> int:
+    """The mount id of an open file: statx(STATX_MNT_ID), ~1.5 µs; reading
+    /proc/self/fdinfo costs ~17 µs, once per event (the fallback for kernels before 5.8)."""
+    buf = getattr(_statx_buffers, "buf", None)
+    if buf is None:
+        buf = _statx_buffers.buf = _Statx()
+    if _libc.statx(fd, b"", _AT_EMPTY_PATH, _STATX_MNT_ID, ctypes.byref(buf)) == 0 and buf.stx_mask & _STATX_MNT_ID:
+        return buf.stx_mnt_id
+    return _fdinfo_mount_id(fd)
+
+
+def _fdinfo_mount_id(fd: int) -> int:
     with open(f"/proc/self/fdinfo/{fd}") as f:
         for line in f:
             if line.startswith("mnt_id:"):

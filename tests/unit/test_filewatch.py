@@ -31,3 +31,18 @@ def test_the_gate_holds_the_command_until_the_watch_is_on():
     assert att.wrap(("cat", "f")) == (SHIM_PATH, "--gate", GATE_PATH, "--", "cat", "f")
     assert (GATE_PATH, "/rt/gates/sbx-1") in att.binds()
     assert Attachments().wrap(("cat", "f")) == ("cat", "f")
+
+
+def test_the_mount_id_of_a_descriptor_is_the_kernel_s(tmp_path):
+    import ctypes
+    import os
+
+    from sandboxd.filewatch import _Statx, _fdinfo_mount_id, _mount_id
+
+    assert ctypes.sizeof(_Statx) == 256 and _Statx.stx_mnt_id.offset == 144
+    for path in (tmp_path, "/proc/self", "/"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert _mount_id(fd) == _fdinfo_mount_id(fd) > 0
+        finally:
+            os.close(fd)
