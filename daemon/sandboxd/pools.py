@@ -18,9 +18,8 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import events as ev
@@ -141,7 +140,9 @@ class CommandSpec:
     temp_dir: str = "/tmp"  # where the command's credential files go
 
     def to_json_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Flat fields: a shallow copy (asdict's deep copy is paid once per command).
+        return {f.name: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, dict) else v)
+                for f in fields(self) for v in (getattr(self, f.name),)}
 
 
 class PoolManager:
@@ -777,26 +778,27 @@ class LeaseBackend:
 
 def sandbox_processes(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> set[int] | None:
     """Host pids in the sandbox's cgroup subtree (the v1 pids hierarchy, or the unified
-    one on a v2 host), None if unknown."""
+    one on a v2 host), None if unknown. Plain strings and scandir: this runs twice per
+    leased command."""
     rel = getattr(spec, "cgroup_parent", None) or getattr(spec, "cgroup", None)
     if not rel:
         return None
-    base = Path(cgroup_root)
-    hierarchy = base / "pids" if (base / "pids").is_dir() else base
-    root = hierarchy / str(rel).strip("/")
-    if not root.is_dir():
+    hierarchy = f"{cgroup_root}/pids" if os.path.isdir(f"{cgroup_root}/pids") else cgroup_root
+    root = f"{hierarchy}/{str(rel).strip('/')}"
+    if not os.path.isdir(root):
         return None
     pids: set[int] = set()
     todo = [root]
     while todo:  # cgroup trees are shallow, but never recurse on what a sandbox can shape
         d = todo.pop()
         try:
-            with open(d / "cgroup.procs") as f:
-                pids |= {int(line) for line in f if line.strip()}
+            with open(f"{d}/cgroup.procs") as f:
+                pids.update(int(line) for line in f if line.strip())
         except OSError:
             pass
         try:
-            todo += [c for c in d.iterdir() if c.is_dir()]
+            with os.scandir(d) as it:
+                todo += [e.path for e in it if e.is_dir(follow_symlinks=False)]
         except OSError:
             pass  # removed meanwhile
     return pids
