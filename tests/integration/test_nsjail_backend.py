@@ -607,3 +607,50 @@ def test_exports_of_images_the_engine_no_longer_has_are_pruned_unless_mounted(tm
     finally:
         b.close()
         shutil.rmtree(rootfs_dir, ignore_errors=True)
+
+
+def test_jails_start_from_an_nsjail_waiting_in_their_slot_and_a_dead_one_fails_cleanly(backend, host):
+    backend.warm(host.daemon_id)
+    data = {"toolId": "it", "argv": ["echo", "warm"], "workspace": str(host.ws),
+            "authorization": {"status": "not_required"}}
+    pol = resolve_policy(parse_call(data), LIMITS, {})
+    plan = preflight(pol, str(host.ws), host.settings)
+
+    def create(name):
+        spec = backend.compile(pol, plan, SandboxIdentity(host.daemon_id, name, "tc"), argv=("echo", "warm"),
+                               image=DEFAULT_IMAGE, stdin_open=False)
+        deadline = time.monotonic() + 10
+        while True:  # the slot pool fills in the background
+            handle = backend.create(spec)
+            if backend._jails[name].early is not None or time.monotonic() > deadline:
+                return spec, handle
+            backend.destroy(handle)
+            time.sleep(0.05)
+
+    spec, handle = create(f"sbx-early-{secrets.token_hex(3)}")
+    early = backend._jails[handle.sandbox_id].early
+    assert early is not None, "no slot came with a waiting nsjail"
+    # It is already in the jail's cgroup, limits written, before the call says anything.
+    assert early.proc.pid in cgroup_procs(spec)
+    assert open(f"{CGROUP_ROOT}/pids/{spec.cgroup}/pids.max").read().strip() == str(spec.pids_max)
+    spool = OutputSpool(host.tmp / "early", {STDOUT: 1 << 20, STDERR: 1 << 20}, 64)
+    backend.start(handle, spool, b"")
+    assert backend.wait(handle, 10)
+    assert backend.collect(handle)[0].exit_code == 0
+    backend.destroy(handle)
+    spool.close()
+    assert spool.summary(STDOUT).path.read_bytes() == b"warm\n"
+
+    # A waiting nsjail that died: start fails with an internal error, and nothing is left.
+    spec, handle = create(f"sbx-dead-{secrets.token_hex(3)}")
+    early = backend._jails[handle.sandbox_id].early
+    assert early is not None
+    early.proc.kill()
+    early.proc.wait()
+    spool = OutputSpool(host.tmp / "dead", {STDOUT: 1 << 20, STDERR: 1 << 20}, 64)
+    with pytest.raises(InternalError):
+        backend.start(handle, spool, b"")
+    backend.destroy(handle)
+    spool.close()
+    assert cgroup_procs(spec) == []
+    assert not any(os.path.exists(f"{CGROUP_ROOT}/{c}/{spec.cgroup}") for c in CONTROLLERS)
