@@ -348,6 +348,32 @@ struct placed {
     const char *name;
 };
 
+static int bad_component(const char *name) {
+    return !*name || strcmp(name, ".") == 0 || strcmp(name, "..") == 0;
+}
+
+/* Copies `content` into a new file; NULL or why not. */
+static const char *copy_into(int fd, int content) {
+    char chunk[4096];
+    off_t off = 0;
+    ssize_t r;
+    while ((r = pread(content, chunk, sizeof chunk, off)) != 0) {
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return "the credential could not be read";
+        }
+        for (ssize_t done = 0; done < r;) {
+            ssize_t w = write(fd, chunk + done, r - done);
+            if (w < 0)
+                return "the file cannot be written";
+            done += w;
+        }
+        off += r;
+    }
+    return NULL;
+}
+
 static const char *place_secret(const char *tmpdir, const char *path, int content, struct placed *out) {
     size_t n = strlen(tmpdir);
     if (strncmp(path, tmpdir, n) != 0 || path[n] != '/' || !path[n + 1])
@@ -359,64 +385,51 @@ static const char *place_secret(const char *tmpdir, const char *path, int conten
     int dir = open(tmpdir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (dir < 0)
         return "tempDir cannot be opened";
+    const char *why = NULL;
     char *name = rel;
     for (char *slash; (slash = strchr(name, '/')) != NULL; name = slash + 1) {
         *slash = 0;
-        if (!*name || strcmp(name, ".") == 0 || strcmp(name, "..") == 0) {
-            close(dir);
-            return "the path is not normalized";
+        if (bad_component(name)) {
+            why = "the path is not normalized";
+            goto fail;
         }
         if (mkdirat(dir, name, 0700) < 0 && errno != EEXIST) {
-            close(dir);
-            return "a directory on the way cannot be made";
+            why = "a directory on the way cannot be made";
+            goto fail;
         }
         int next = openat(dir, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (next < 0) {
+            why = "a directory on the way is not one (or is a symlink)";
+            goto fail;
+        }
         close(dir);
-        if (next < 0)
-            return "a directory on the way is not one (or is a symlink)";
         dir = next;
     }
-    if (!*name || strcmp(name, ".") == 0 || strcmp(name, "..") == 0) {
-        close(dir);
-        return "the path is not normalized";
+    if (bad_component(name)) {
+        why = "the path is not normalized";
+        goto fail;
     }
     if (unlinkat(dir, name, 0) < 0 && errno != ENOENT) {
-        close(dir);
-        return "something that is not a file is in the way";
+        why = "something that is not a file is in the way";
+        goto fail;
     }
     int fd = openat(dir, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0400);
     if (fd < 0) {
-        close(dir);
-        return "the file cannot be created";
+        why = "the file cannot be created";
+        goto fail;
     }
-    char chunk[4096];
-    off_t off = 0;
-    ssize_t r;
-    while ((r = pread(content, chunk, sizeof chunk, off)) != 0) {
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            close(fd);
-            unlinkat(dir, name, 0);
-            close(dir);
-            return "the credential could not be read";
-        }
-        for (ssize_t done = 0; done < r;) {
-            ssize_t w = write(fd, chunk + done, r - done);
-            if (w < 0) {
-                close(fd);
-                unlinkat(dir, name, 0);
-                close(dir);
-                return "the file cannot be written";
-            }
-            done += w;
-        }
-        off += r;
-    }
+    why = copy_into(fd, content);
     close(fd);
+    if (why) {
+        unlinkat(dir, name, 0);
+        goto fail;
+    }
     out->dir = dir;
     out->name = name;
     return NULL;
+fail:
+    close(dir);
+    return why;
 }
 
 static void remove_placed(struct placed *placed, int count) {

@@ -105,6 +105,15 @@ def tunnel(target):
     while b"\\r\\n\\r\\n" not in head:
         head += s.recv(1)
     return s, head.split(b"\\r\\n")[0].decode()
+def client_hello(server_name):
+    # The first TLS record a client would send for server_name, without a connection.
+    ctx = ssl.create_default_context(cafile="/workspace/cert.pem")
+    outg = ssl.MemoryBIO()
+    try:
+        ctx.wrap_bio(ssl.MemoryBIO(), outg, server_hostname=server_name).do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return outg.read()
 """
 
 
@@ -272,13 +281,7 @@ def test_sni_or_host_that_disagrees_with_connect_never_reaches_the_other_host(ec
             print("sni", status, "failed", type(e).__name__)
         # The same hello, split over two writes: the check waits for all of it.
         s, status = tunnel("allowed.test:443")
-        inc, outg = ssl.MemoryBIO(), ssl.MemoryBIO()
-        obj = ctx.wrap_bio(inc, outg, server_hostname="other.test")
-        try:
-            obj.do_handshake()
-        except ssl.SSLWantReadError:
-            pass
-        hello = outg.read()
+        hello = client_hello("other.test")
         s.sendall(hello[:40]); time.sleep(0.3); s.sendall(hello[40:])
         print("split", status, s.recv(100))
         s, status = tunnel("allowed.test:80")
@@ -310,15 +313,7 @@ def test_delayed_split_or_disguised_names_inside_a_tunnel_are_refused(ec, egress
                 return s.recv(100)
             except OSError as e:
                 return type(e).__name__
-        ctx = ssl.create_default_context(cafile="/workspace/cert.pem")
-        inc, outg = ssl.MemoryBIO(), ssl.MemoryBIO()
-        obj = ctx.wrap_bio(inc, outg, server_hostname="other.test")
-        try:
-            obj.do_handshake()
-        except ssl.SSLWantReadError:
-            pass
-        hello = outg.read()
-        s, _ = tunnel("allowed.test:443"); time.sleep(1.5); s.sendall(hello)
+        s, _ = tunnel("allowed.test:443"); time.sleep(1.5); s.sendall(client_hello("other.test"))
         print("delayed", answer(s))
         s, _ = tunnel("allowed.test:80"); s.sendall(b"\\r\\nGET / HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n")
         print("crlf", answer(s))

@@ -170,3 +170,12 @@ def test_load_settings_refuses_unsafe_root_from_file(tmp_path):
 def test_load_settings_missing_file(tmp_path):
     with pytest.raises(OSError):
         load_settings(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("file_audit", {"max_entries": 0}), ("file_audit", {"hash_budget_mb": -1}), ("file_audit", {"walk": 1}),
+    ("pools", {"max_pools": 0}), ("quotas", {"pools": -1}), ("quotas", {"leases": -1}),
+])
+def test_caps_below_their_minimum_or_unknown_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        DaemonSettings(**{field: value})

@@ -501,14 +501,14 @@ class NsjailBackend:
             early, slot_early = None, slot.take_early() if slot is not None else None
             try:
                 # Before the early nsjail reads its config: nothing runs unlimited.
-                _make_cgroups(spec, slot.limits if slot is not None else None)
+                _make_cgroups(spec.cgroup, limits, slot.limits if slot is not None else None)
             except OSError:
                 if slot_early is None:
                     raise
                 # A limit below what the waiting nsjail holds (memory): start one late instead.
                 slot_early.discard()
                 slot_early = None
-                _make_cgroups(spec, slot.limits)
+                _make_cgroups(spec.cgroup, limits, slot.limits)
             if slot_early is not None and len(spec.config_text().encode()) > slot_early.config_room:
                 slot_early.discard()
                 slot_early = None
@@ -543,13 +543,7 @@ class NsjailBackend:
             self._start_early(handle, jail, sink, stdin)
             return
         spec = jail.spec
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        for fd in (out_r, err_r):
-            try:
-                fcntl.fcntl(fd, _F_SETPIPE_SZ, _READ_BYTES)
-            except OSError:
-                pass  # above the host's pipe-max-size: the default size works too
+        out_r, out_w, err_r, err_w = _output_pipes()
         command = spec.command(f"/proc/self/fd/{jail.config_fd}", jail.log_fd)
 
         def spawn() -> subprocess.Popen:
@@ -573,12 +567,7 @@ class NsjailBackend:
         finally:
             os.close(out_w)
             os.close(err_w)
-        handle.reader = threading.Thread(target=_pump, args=(out_r, err_r, sink, handle), daemon=True,
-                                         name=f"pump-{handle.sandbox_id}")
-        handle.reader.start()
-        if spec.stdin_open:
-            threading.Thread(target=_feed, args=(jail.proc.stdin, stdin), daemon=True,
-                             name=f"stdin-{handle.sandbox_id}").start()
+        _attach(handle, sink, out_r, err_r, jail.proc.stdin if spec.stdin_open else None, stdin)
 
     def _start_early(self, handle: SandboxHandle, jail: _Jail, sink: OutputSpool, stdin: bytes) -> None:
         """Hands the config to the nsjail that is already waiting in the jail's cgroup:
@@ -602,16 +591,11 @@ class NsjailBackend:
             early.discard()
             raise InternalError("cannot start nsjail: its config did not fit its pipe")
         jail.proc = early.proc
-        handle.reader = threading.Thread(target=_pump, args=(early.out_r, early.err_r, sink, handle), daemon=True,
-                                         name=f"pump-{handle.sandbox_id}")
-        early.out_r = early.err_r = -1
-        handle.reader.start()
-        stdin_w, early.stdin_w = early.stdin_w, -1
-        if jail.spec.stdin_open:
-            threading.Thread(target=_feed, args=(os.fdopen(stdin_w, "wb"), stdin), daemon=True,
-                             name=f"stdin-{handle.sandbox_id}").start()
-        else:
+        out_r, err_r, stdin_w = early.out_r, early.err_r, early.stdin_w
+        early.out_r = early.err_r = early.stdin_w = -1  # the jail's from here on
+        if not jail.spec.stdin_open:
             os.close(stdin_w)  # EOF at once, like /dev/null
+        _attach(handle, sink, out_r, err_r, os.fdopen(stdin_w, "wb") if jail.spec.stdin_open else None, stdin)
 
     def wait(self, handle: SandboxHandle, timeout_s: float) -> bool:
         deadline = time.monotonic() + max(0.0, timeout_s)
@@ -900,12 +884,12 @@ def cgroup_limits(spec: NsjailSpec) -> dict[str, str]:
     return limits
 
 
-def _make_cgroups(spec: NsjailSpec, present: dict[str, str] | None = None) -> None:
+def _make_cgroups(cgroup: str, limits: dict[str, str], present: dict[str, str] | None = None) -> None:
     """Makes the jail's cgroups and writes its limits, skipping those `present` says are
     already there (a spawn slot writes the usual ones ahead: each write costs ~0.4 ms)."""
     for c in CONTROLLERS:
-        os.makedirs(f"{CGROUP_ROOT}/{c}/{spec.cgroup}", exist_ok=True)
-    _write_limits(spec.cgroup, cgroup_limits(spec), present or {})
+        os.makedirs(f"{CGROUP_ROOT}/{c}/{cgroup}", exist_ok=True)
+    _write_limits(cgroup, limits, present or {})
 
 
 def _write_limits(cgroup: str, limits: dict[str, str], present: dict[str, str]) -> None:
@@ -973,14 +957,9 @@ class _Early:
             log_fd = os.memfd_create("sandboxd-nsjail.log", os.MFD_CLOEXEC)
             made.append(log_fd)
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
-            out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            err_r, err_w = os.pipe2(os.O_CLOEXEC)
-            made += [in_r, in_w, out_r, out_w, err_r, err_w]
-            for fd in (out_r, err_r):
-                try:
-                    fcntl.fcntl(fd, _F_SETPIPE_SZ, _READ_BYTES)
-                except OSError:
-                    pass
+            made += [in_r, in_w]
+            out_r, out_w, err_r, err_w = _output_pipes()
+            made += [out_r, out_w, err_r, err_w]
             proc = subprocess.Popen(nsjail_command(binary, f"/proc/self/fd/{config_r}", log_fd), env={}, cwd="/",
                                     close_fds=True, pass_fds=(config_r, log_fd), stdin=in_r, stdout=out_w,
                                     stderr=err_w, start_new_session=True)
@@ -1202,6 +1181,33 @@ class _SlotPool:
             self._cond.notify_all()
         for slot in slots:
             slot.release(remove=True)
+
+
+def _output_pipes() -> tuple[int, int, int, int]:
+    """(stdout read, write, stderr read, write), as large as the host allows."""
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    except BaseException:
+        os.close(out_r)
+        os.close(out_w)
+        raise
+    for fd in (out_r, err_r):
+        try:
+            fcntl.fcntl(fd, _F_SETPIPE_SZ, _READ_BYTES)
+        except OSError:
+            pass  # above the host's pipe-max-size: the default size works too
+    return out_r, out_w, err_r, err_w
+
+
+def _attach(handle: SandboxHandle, sink: OutputSpool, out_r: int, err_r: int, stdin_writer, stdin: bytes) -> None:
+    """Output pumped into the spool on a thread; stdin fed (then closed) on another."""
+    handle.reader = threading.Thread(target=_pump, args=(out_r, err_r, sink, handle), daemon=True,
+                                     name=f"pump-{handle.sandbox_id}")
+    handle.reader.start()
+    if stdin_writer is not None:
+        threading.Thread(target=_feed, args=(stdin_writer, stdin), daemon=True,
+                         name=f"stdin-{handle.sandbox_id}").start()
 
 
 def _pump(out_r: int, err_r: int, sink: OutputSpool, handle: SandboxHandle) -> None:
