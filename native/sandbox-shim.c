@@ -1,7 +1,7 @@
 /*
  * sandbox-shim: what the daemon sets up inside a sandbox just before the command runs.
  *
- *   sandbox-shim [--egress SOCKET PORT] [--env NAME=FILE]... -- ARGV...
+ *   sandbox-shim [--stdio DIR] [--gate FIFO] [--egress SOCKET PORT] [--env NAME=FILE]... -- ARGV...
  *   sandbox-shim [--egress SOCKET PORT] [--env NAME=FILE]... --supervise CONTROL
  *
  * --env NAME=FILE  reads FILE (a secret bound in from the daemon's tmpfs) into the
@@ -13,6 +13,13 @@
  *                  [::1]:PORT when the sandbox has IPv6 loopback) and starts a forwarder
  *                  that relays every accepted connection to the Unix socket SOCKET (the
  *                  daemon's per-sandbox proxy, bind-mounted in).
+ *
+ * --stdio DIR     makes DIR/stdout and DIR/stderr (FIFOs the daemon reads, bound in)
+ *                  the command's stdout and stderr: its output goes straight to the
+ *                  daemon instead of through the engine's copy of the container's
+ *                  stdio (containerd-shim, dockerd, the attach socket). Opened first:
+ *                  the daemon holds their read ends before the sandbox starts, so the
+ *                  opens never block.
  *
  * --gate FIFO      waits until the daemon writes a byte into FIFO before the command
  *                  runs (the daemon first attaches its file-access watch to the
@@ -644,17 +651,36 @@ static void wait_at_gate(const char *path) {
     }
 }
 
+static void stdio_to(const char *dir) {
+    static const char *names[] = {"stdout", "stderr"};
+    char path[4096];
+    for (int target = 1; target <= 2; target++) {
+        if (snprintf(path, sizeof path, "%s/%s", dir, names[target - 1]) >= (int)sizeof path) {
+            errno = ENAMETOOLONG;
+            die("the stdio directory");
+        }
+        int fd = open(path, O_WRONLY | O_CLOEXEC);
+        if (fd < 0)
+            die("open the daemon's output pipe");
+        if (dup2(fd, target) < 0)  /* dup2 clears close-on-exec on the copy */
+            die("dup2 the daemon's output pipe");
+        close(fd);
+    }
+}
+
 static void usage(void) {
-    fprintf(stderr, "usage: sandbox-shim [--egress SOCKET PORT] [--env NAME=FILE]... (-- ARGV... | --supervise CONTROL)\n");
+    fprintf(stderr, "usage: sandbox-shim [--stdio DIR] [--gate FIFO] [--egress SOCKET PORT] [--env NAME=FILE]... (-- ARGV... | --supervise CONTROL)\n");
     exit(2);
 }
 
 int main(int argc, char **argv) {
     int i = 1;
-    const char *egress_sock = NULL, *egress_port = NULL, *control = NULL, *gate = NULL;
+    const char *egress_sock = NULL, *egress_port = NULL, *control = NULL, *gate = NULL, *stdio = NULL;
     for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
         if (strcmp(argv[i], "--supervise") == 0 && i + 1 < argc) {
             control = argv[++i];
+        } else if (strcmp(argv[i], "--stdio") == 0 && i + 1 < argc) {
+            stdio = argv[++i];
         } else if (strcmp(argv[i], "--gate") == 0 && i + 1 < argc) {
             gate = argv[++i];
         } else if (strcmp(argv[i], "--egress") == 0 && i + 2 < argc) {
@@ -676,6 +702,8 @@ int main(int argc, char **argv) {
     if (i + 1 >= argc)
         usage();
     char **cmd = &argv[i + 1];
+    if (stdio)
+        stdio_to(stdio);
     if (egress_sock)
         start_egress(egress_sock, egress_port);
     if (gate)

@@ -57,6 +57,9 @@ class DockerSpec:
     max_stdout_bytes: int
     max_stderr_bytes: int
     seccomp_profile: str
+    # The host directory of the FIFOs the command's output reaches the daemon through
+    # ("" when it comes over the attach socket).
+    stdio_host_dir: str = ""
     hostname: str = "sandbox"
     read_only_rootfs: bool = True
     cap_drop: tuple[str, ...] = ("ALL",)
@@ -76,6 +79,8 @@ EGRESS_SOCKET_PATH = "/dev/sandboxd/egress.sock"
 SECRETS_DIR = "/dev/sandboxd/secrets"
 # The shim waits here until the daemon's file-access watch is attached.
 GATE_PATH = "/dev/sandboxd/gate"
+# The directory of the FIFOs the command's stdout and stderr are written to (Docker).
+STDIO_DIR = "/dev/sandboxd/stdio"
 # A warm sandbox's supervisor connects to the daemon here (a socket the daemon listens
 # on, bound read-only; the daemon takes exactly one connection, the supervisor's).
 CONTROL_SOCKET = "/dev/sandboxd/control.sock"
@@ -126,11 +131,14 @@ class Attachments:
     control_host_socket: str = ""
     # Set when the call's file accesses are recorded: the FIFO the shim waits on.
     gate_host_path: str = ""
+    # Set when the command's output goes to the daemon through FIFOs in this host
+    # directory (named stdout and stderr) instead of the engine's copy of its stdio.
+    stdio_host_dir: str = ""
 
     @property
     def needs_shim(self) -> bool:
         return (self.egress is not None or any(s.env_name for s in self.secrets) or bool(self.control_host_socket)
-                or bool(self.gate_host_path))
+                or bool(self.gate_host_path) or bool(self.stdio_host_dir))
 
     def wrap(self, argv: tuple[str, ...]) -> tuple[str, ...]:
         if not self.needs_shim:
@@ -145,6 +153,8 @@ class Attachments:
                 out += ["--env", f"{s.env_name}={s.sandbox_path}"]
         if self.control_host_socket:
             return (*out, "--supervise", CONTROL_SOCKET)
+        if self.stdio_host_dir:
+            out += ["--stdio", STDIO_DIR]
         if self.gate_host_path:
             out += ["--gate", GATE_PATH]
         return (*out, "--", *argv)
@@ -164,6 +174,8 @@ class Attachments:
             out.append((CONTROL_SOCKET, self.control_host_socket))
         if self.gate_host_path:
             out.append((GATE_PATH, self.gate_host_path))
+        if self.stdio_host_dir:
+            out.append((STDIO_DIR, self.stdio_host_dir))
         return out
 
 
@@ -263,5 +275,6 @@ def compile_docker(
         max_stdout_bytes=policy.max_stdout_bytes,
         max_stderr_bytes=policy.max_stderr_bytes,
         seccomp_profile=seccomp_profile,
+        stdio_host_dir=attachments.stdio_host_dir,
     )
 

@@ -115,7 +115,8 @@ def _start_backends(settings: DaemonSettings, daemon_id: str) -> tuple[dict, dic
     backends: dict = {}
     unavailable: dict[str, str] = {}
     try:
-        docker_backend = DockerBackend(settings.docker_host, str(settings.seccomp_profile), _mask_file(settings))
+        docker_backend = DockerBackend(settings.docker_host, str(settings.seccomp_profile), _mask_file(settings),
+                                       stdio_dir=str(settings.runtime_dir / "stdio"))
         docker_backend.check()
         reaped = docker_backend.reap_orphans(daemon_id)
         if reaped:

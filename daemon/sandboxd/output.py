@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,10 @@ from .redact import Redactor
 STDOUT, STDERR = 1, 2
 STREAM_NAMES = {STDOUT: "stdout", STDERR: "stderr"}
 MAX_CHUNK_BYTES = 1024 * 1024
+# The newest stored chunks (immutable bytes only) are kept to hand to a reader that is
+# keeping up, instead of reading them back from the file: a copy and a syscall fewer
+# per chunk of a live stream.
+RECENT_BYTES = 8 * 1024 * 1024
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
@@ -43,6 +48,8 @@ class OutputSpool:
         self._stored = {STDOUT: 0, STDERR: 0}
         self._truncated = {STDOUT: False, STDERR: False}
         self._previews = {STDOUT: bytearray(), STDERR: bytearray()}
+        self._recent: dict[int, deque[tuple[int, bytes]]] = {STDOUT: deque(), STDERR: deque()}
+        self._recent_bytes = {STDOUT: 0, STDERR: 0}
         self._closed = False
         self._cond = threading.Condition()
         # Secrets are struck before a byte is stored: the live stream, the artifact and
@@ -90,10 +97,18 @@ class OutputSpool:
                     rest = rest[os.write(self._fds[stream], rest):]
         digest = self._hashes[stream]
         preview = self._previews[stream]
+        recent = self._recent[stream]
+        offset = self._stored[stream]
         for part in keep:
             digest.update(part)
             if len(preview) < self._preview_bytes:
                 preview += part[: self._preview_bytes - len(preview)]
+            if type(part) is bytes:  # a view may be of a buffer its writer reuses
+                recent.append((offset, part))
+                self._recent_bytes[stream] += len(part)
+            offset += len(part)
+        while self._recent_bytes[stream] > RECENT_BYTES:
+            self._recent_bytes[stream] -= len(recent.popleft()[1])
         self._produced[stream] += n
         self._stored[stream] += kept
         if kept < sum(len(p) for p in parts):
@@ -133,7 +148,7 @@ class OutputSpool:
                 for s in (STDOUT, STDERR):
                     while sent[s] < available[s]:
                         n = min(MAX_CHUNK_BYTES, available[s] - sent[s])
-                        data = os.pread(readers[s].fileno(), n, sent[s])
+                        data = self._recent_chunk(s, sent[s], n) or os.pread(readers[s].fileno(), n, sent[s])
                         if not data:
                             break
                         yield s, sent[s], data
@@ -146,6 +161,16 @@ class OutputSpool:
         finally:
             for f in readers.values():
                 f.close()
+
+    def _recent_chunk(self, stream: int, offset: int, limit: int) -> bytes:
+        """The kept chunk stored at `offset` (at most `limit` bytes of it), or b""."""
+        with self._cond:
+            for start, data in self._recent[stream]:
+                if start == offset:
+                    return data if len(data) <= limit else data[:limit]
+                if start > offset:
+                    break
+        return b""
 
     def summary(self, stream: int) -> StreamSummary:
         with self._cond:

@@ -446,7 +446,9 @@ def test_sandbox_cannot_reach_daemon_socket_docker_api_or_another_sandbox(ec, ws
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "daemon FileNotFoundError"
     assert lines[1] == "docker FileNotFoundError FileNotFoundError"
-    assert lines[2] == "dev ['egress.sock', 'gate', 'shim']"
+    # Docker's output FIFOs (a directory bound read-only); nsjail hands the jail its pipes.
+    assert lines[2] == ("dev ['egress.sock', 'gate', 'shim', 'stdio']" if ec.adapter == "docker"
+                        else "dev ['egress.sock', 'gate', 'shim']")
     assert lines[3] == "peer ConnectionRefusedError"
     # NO_PROXY keeps loopback direct, and the sandbox's own loopback has nothing there.
     assert lines[4] == "0 0"
@@ -562,7 +564,8 @@ def test_explain_shows_the_network_plan(egress_daemon, ws):
     assert plan["allowDomains"] == ["pypi.test", "*.files.test"]
     spec = json.loads(resp.spec_json)
     assert spec["argv"][:4] == ["/dev/sandboxd/shim", "--egress", "/dev/sandboxd/egress.sock", "3128"]
-    assert spec["argv"][4:7] == ["--gate", "/dev/sandboxd/gate", "--"]  # file accesses recorded (the default)
+    # Docker hands the command its output FIFOs; file accesses are recorded (the default).
+    assert spec["argv"][4:9] == ["--stdio", "/dev/sandboxd/stdio", "--gate", "/dev/sandboxd/gate", "--"]
 
 
 def test_fifty_parallel_sandboxes_all_get_correct_decisions(egress_daemon, hosts):

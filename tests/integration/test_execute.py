@@ -43,6 +43,41 @@ def test_stream_order_and_offsets(client, workspace):
     assert all(e.tool_call_id == events[0].tool_call_id for e in events)
 
 
+def test_a_command_that_closes_its_stdout_early_still_delivers_the_rest(client, workspace):
+    out = client.run(call(workspace, sh("echo early; exec 1>&-; sleep 0.5; echo late >&2; exit 3")))
+    assert out.stdout == b"early\n" and out.stderr == b"late\n"
+    assert out.result.exit_code == 3
+
+
+def test_a_command_cannot_read_back_or_replace_its_own_output_streams(client, workspace):
+    # Reading its stdout pipe back would hide printed output from the record.
+    script = """
+import os
+def attempt(fn):
+    try:
+        fn(); return "ok"
+    except OSError as e:
+        return type(e).__name__
+print("proc-read", attempt(lambda: open("/proc/self/fd/1", "rb")), flush=True)
+print("proc-read-err", attempt(lambda: open("/proc/self/fd/2", "rb")), flush=True)
+stdio = "/dev/sandboxd/stdio"
+if os.path.isdir(stdio):  # Docker: the FIFOs the shim hands the command
+    print("fifo-read", attempt(lambda: open(stdio + "/stdout", "rb")), flush=True)
+    print("fifo-chmod", attempt(lambda: os.chmod(stdio + "/stdout", 0o666)), flush=True)
+    print("fifo-unlink", attempt(lambda: os.unlink(stdio + "/stdout")), flush=True)
+    print("fifo-create", attempt(lambda: os.mkfifo(stdio + "/other")), flush=True)
+print("end", flush=True)
+"""
+    out = client.run(call(workspace, ["python3", "-c", script]))
+    lines = out.stdout.decode().splitlines()
+    assert out.result.exit_code == 0, out.stderr
+    assert lines[:2] == ["proc-read PermissionError", "proc-read-err PermissionError"]
+    if client.adapter == "docker":
+        assert lines[2:6] == ["fifo-read PermissionError", "fifo-chmod OSError", "fifo-unlink OSError",
+                              "fifo-create OSError"], lines
+    assert lines[-1] == "end"
+
+
 def test_exit_code_and_stderr_pass_through(client, workspace):
     out = client.run(call(workspace, sh("echo to-out; echo oops >&2; exit 7")))
     r = out.result

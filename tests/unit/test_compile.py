@@ -15,6 +15,8 @@ from sandboxd.compile import (
     MAX_OPEN_FILES,
     WORKSPACE_BASE_TMPFS_BYTES,
     SHIM_PATH,
+    STDIO_DIR,
+    GATE_PATH,
     Attachments,
     SecretMount,
     EGRESS_SOCKET_PATH,
@@ -378,6 +380,25 @@ def test_secrets_are_read_only_file_binds_and_env_ones_go_through_the_shim():
     # Only file secrets: no shim needed.
     files_only = Attachments("/rt/sandbox-shim", None, (SecretMount("npmrc", "/h/1", "/tmp/.npmrc"),))
     assert _compile(policy, plan, attachments=files_only).argv == ("python3", "-c", "print(1)")
+
+
+def test_output_fifos_are_a_read_only_bind_and_the_shim_opens_them_before_the_gate():
+    policy, plan, _ = case_default()
+    att = Attachments("/rt/sandbox-shim", gate_host_path="/rt/gates/sbx-1", stdio_host_dir="/rt/stdio/sbx-1")
+    assert att.needs_shim
+    spec = _compile(policy, plan, attachments=att, argv=("ls",))
+    assert spec.argv == (SHIM_PATH, "--stdio", STDIO_DIR, "--gate", GATE_PATH, "--", "ls")
+    binds = {m.target: m for m in spec.mounts if m.type == "bind"}
+    assert binds[STDIO_DIR].source == "/rt/stdio/sbx-1" and binds[STDIO_DIR].read_only
+    assert spec.stdio_host_dir == "/rt/stdio/sbx-1"
+    # Alone, the FIFOs still need the shim (it is what opens them).
+    only = _compile(policy, plan, attachments=Attachments("/rt/sandbox-shim", stdio_host_dir="/rt/stdio/sbx-1"),
+                    argv=("ls",))
+    assert only.argv == (SHIM_PATH, "--stdio", STDIO_DIR, "--", "ls")
+    # A warm sandbox's supervisor passes each command its own descriptors instead.
+    warm = Attachments("/rt/sandbox-shim", control_host_socket="/rt/c.sock", stdio_host_dir="/rt/stdio/sbx-1")
+    assert "--stdio" not in _compile(policy, plan, attachments=warm, argv=("ls",)).argv
+    assert _compile(policy, plan, argv=("ls",)).stdio_host_dir == ""
 
 
 def test_network_plan_shows_the_proxy_and_patterns():

@@ -3,12 +3,29 @@ attach stream's frame parser and signal names. No dockerd involved."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import stat
 import struct
+import subprocess
+import threading
+import time
 
 import pytest
 
-from sandboxd.backends.docker import _signal_name, create_args, host_config_args, load_seccomp_profile, parse_frames
+from sandboxd.backends import SandboxHandle
+from sandboxd.backends.docker import (
+    _signal_name,
+    create_args,
+    host_config_args,
+    load_seccomp_profile,
+    make_stdio_fifos,
+    open_stdio_fifos,
+    parse_frames,
+    pump_fifos,
+    remove_stdio_fifos,
+)
 from sandboxd.compile import SandboxIdentity, compile_docker
 from sandboxd.errors import BackendUnavailable
 from sandboxd.output import STDERR, STDOUT, OutputSpool
@@ -300,3 +317,91 @@ def test_pre_encoded_output_events_parse_as_the_proto_message(stream, offset, si
     assert event.output.offset == offset and event.output.data == data
     want = pb.ExecuteEvent(tool_call_id="tc-é1", output=pb.OutputChunk(stream=event.output.stream, offset=offset, data=data))
     assert encode_output_event("tc-é1", stream, offset, data) == want.SerializeToString()
+
+
+# ------------------------------------------------------------------ output FIFOs
+
+
+def _fifo_pump(tmp_path, uid=os.getuid(), gid=os.getgid()):
+    """make + open the FIFOs and start pump_fifos, as create() and start() do."""
+    directory = str(tmp_path / "stdio" / "sbx-1")
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    make_stdio_fifos(directory, uid, gid)
+    spool = OutputSpool(tmp_path / "spool", {STDOUT: 1 << 30, STDERR: 1 << 30}, preview_bytes=8)
+    fifos = open_stdio_fifos(directory)
+    wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
+    handle = SandboxHandle("sbx-1", "c1", None)
+    thread = threading.Thread(target=pump_fifos, args=(fifos, wake_r, spool, handle), daemon=True)
+    thread.start()
+    return directory, spool, handle, thread, wake_w
+
+
+def _writer(directory: str, script: str) -> subprocess.Popen:
+    """A process standing in for the shim: its stdout and stderr are the FIFOs."""
+    out = os.open(f"{directory}/stdout", os.O_WRONLY)
+    err = os.open(f"{directory}/stderr", os.O_WRONLY)
+    try:
+        return subprocess.Popen(["/bin/sh", "-c", script], stdout=out, stderr=err)
+    finally:
+        os.close(out)
+        os.close(err)
+
+
+def test_stdio_fifos_are_write_only_for_the_sandbox_user(tmp_path):
+    directory = str(tmp_path / "sbx-1")
+    make_stdio_fifos(directory, 12345, 23456)
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o711
+    for name in ("stdout", "stderr"):
+        st = os.stat(f"{directory}/{name}")
+        assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o200
+        assert (st.st_uid, st.st_gid) == (12345, 23456)
+    make_stdio_fifos(directory, 12345, 23456)  # a leftover of the same name is replaced
+    remove_stdio_fifos(directory)
+    assert not os.path.exists(directory)
+
+
+def test_fifo_pump_reads_both_streams_and_ends_after_the_container(tmp_path):
+    directory, spool, handle, thread, wake_w = _fifo_pump(tmp_path)
+    _writer(directory, "head -c 3000000 /dev/zero; echo err >&2").wait()
+    # The writers are gone, but output stays open until the container has ended too.
+    assert not handle.output_closed.wait(0.3)
+    os.close(wake_w)
+    assert handle.output_closed.wait(5)
+    thread.join(5)
+    spool.close()
+    assert spool.summary(STDOUT).stored_bytes == 3_000_000
+    assert spool.summary(STDOUT).content_hash == "sha256:" + hashlib.sha256(b"\0" * 3_000_000).hexdigest()
+    assert (tmp_path / "spool" / "stderr.out").read_bytes() == b"err\n"
+
+
+def test_fifo_pump_ends_when_the_container_ended_before_anything_opened_them(tmp_path):
+    _, spool, handle, thread, wake_w = _fifo_pump(tmp_path)
+    assert not handle.output_closed.wait(0.2)
+    os.close(wake_w)  # e.g. the container died before its shim ran
+    assert handle.output_closed.wait(5)
+    thread.join(5)
+    assert not thread.is_alive()
+    assert spool.summary(STDOUT).produced_bytes == 0
+
+
+def test_fifo_pump_waits_for_a_writer_still_dying_after_the_container_ended(tmp_path):
+    directory, spool, handle, thread, wake_w = _fifo_pump(tmp_path)
+    proc = _writer(directory, "echo one; sleep 0.5; echo two")
+    time.sleep(0.1)
+    os.close(wake_w)
+    assert not handle.output_closed.wait(0.2), "a process still holds the pipe: its last bytes must land"
+    proc.wait()
+    assert handle.output_closed.wait(5)
+    spool.close()
+    assert (tmp_path / "spool" / "stdout.out").read_bytes() == b"one\ntwo\n"
+
+
+def test_fifo_pump_does_not_end_a_stream_before_its_writer_came(tmp_path):
+    # A FIFO read returns 0 while no writer has opened it: that is not the end.
+    directory, spool, handle, thread, wake_w = _fifo_pump(tmp_path)
+    time.sleep(0.3)
+    _writer(directory, "echo late").wait()
+    os.close(wake_w)
+    assert handle.output_closed.wait(5)
+    spool.close()
+    assert (tmp_path / "spool" / "stdout.out").read_bytes() == b"late\n"

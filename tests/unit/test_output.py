@@ -313,3 +313,42 @@ def test_write_parts_keeps_order_caps_and_hash_across_many_small_parts(tmp_path)
     assert summary.truncated and summary.produced_bytes == len(whole) and summary.stored_bytes == cap
     assert summary.content_hash == "sha256:" + hashlib.sha256(whole[:cap]).hexdigest()
     assert summary.preview == whole[:16].decode()
+
+
+def test_a_live_reader_gets_what_was_stored_even_from_a_reused_buffer(tmp_path):
+    spool = spool_at(tmp_path)
+    buf = bytearray(b"first")
+    spool.write(STDOUT, memoryview(buf))
+    buf[:] = b"XXXXX"  # the writer reuses its buffer: only immutable chunks may be kept
+    spool.write(STDOUT, b"second")
+    spool.close()
+    assert collect(spool)[STDOUT] == b"firstsecond"
+
+
+def test_kept_chunks_and_read_back_ones_join_seamlessly(tmp_path):
+    from sandboxd.output import RECENT_BYTES
+
+    chunk = 256 * 1024
+    count = 2 * RECENT_BYTES // chunk  # the older half is read back from the file
+    spool = spool_at(tmp_path, out_cap=1 << 30)
+    blobs = [bytes([i % 251]) * chunk for i in range(count)]
+    for blob in blobs:
+        spool.write(STDOUT, blob)
+    spool.close()
+    assert collect(spool)[STDOUT] == b"".join(blobs)
+
+
+def test_a_reader_following_a_writer_sees_every_byte_in_order(tmp_path):
+    spool = spool_at(tmp_path, out_cap=1 << 30)
+    blobs = [os.urandom(100_000 + i) for i in range(120)]
+
+    def produce():
+        for blob in blobs:
+            spool.write(STDOUT, blob)
+        spool.close()
+
+    writer = threading.Thread(target=produce)
+    writer.start()
+    got = collect(spool)[STDOUT]
+    writer.join()
+    assert got == b"".join(blobs)
