@@ -1,7 +1,7 @@
 """Cold start: N runs of `true` through the daemon (one fresh sandbox per call, end to
 end through gRPC) on Docker and on nsjail, versus `docker run --rm` with the same image,
 the bare nsjail binary chrooted into the same exported image, and a bare subprocess,
-all measured in one run. Prints a table of medians and ratios to `docker run`.
+all measured in one run, round by round. Prints a table of medians and ratios to `docker run`.
 
     .venv/bin/python bench/cold_start.py [-n 30] [--image sandboxd/default:latest]
 """
@@ -23,7 +23,7 @@ import docker  # noqa: E402
 from sandboxd.backends.nsjail import find_nsjail_binary  # noqa: E402
 from sandboxd.settings import NsjailSettings  # noqa: E402
 from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
-from sandboxd.testing import timed_ms  # noqa: E402
+from sandboxd.testing import timed_interleaved_ms  # noqa: E402
 
 
 
@@ -64,13 +64,15 @@ def main() -> int:
         bare_nsjail = [find_nsjail_binary(), "-Mo", "-q", "--chroot", str(rootfs), "-u", "1000:1000:1",
                        "-g", "1000:1000:1", "--", "/bin/true"]
         docker_cmd = ["docker", "run", "--rm", "--pull", "never", "--network", "none", args.image, "true"]
-        results = {
-            "bare subprocess `true`": timed_ms(lambda: subprocess.run(["true"], check=True), args.n),
-            "bare nsjail binary (chroot, userns)": timed_ms(lambda: subprocess.run(bare_nsjail, check=True), args.n),
-            "sandboxd Execute on nsjail (gRPC)": timed_ms(through_daemon("nsjail"), args.n),
-            "docker run --rm (CLI)": timed_ms(lambda: subprocess.run(docker_cmd, check=True), args.n),
-            "sandboxd Execute on docker (gRPC)": timed_ms(through_daemon("docker"), args.n),
-        }
+        # Round by round: every path once per round, so the machine's slow spells (large
+        # on this 2-core VM) fall on all of them alike.
+        results = timed_interleaved_ms({
+            "bare subprocess `true`": lambda: subprocess.run(["true"], check=True),
+            "bare nsjail binary (chroot, userns)": lambda: subprocess.run(bare_nsjail, check=True),
+            "sandboxd Execute on nsjail (gRPC)": through_daemon("nsjail"),
+            "docker run --rm (CLI)": lambda: subprocess.run(docker_cmd, check=True),
+            "sandboxd Execute on docker (gRPC)": through_daemon("docker"),
+        }, args.n)
         client.close()
     finally:
         d.stop()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,3 +151,20 @@ def timed_ms(fn, n: int, warmup: int = 2) -> list[float]:
         fn()
         out.append((time.perf_counter() - t) * 1000)
     return out
+
+
+def timed_interleaved_ms(fns: dict[str, Callable[[], object]], n: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Wall times in ms of n calls of each fn, taken round by round (each path once per
+    round) so that a slow spell of the machine lands on every path alike, not on the one
+    that happened to be running (for bench/)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(n):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            out[name].append((time.perf_counter() - t) * 1000)
+    return out
+
