@@ -73,7 +73,7 @@
 #define MAX_SECRET (64 * 1024)
 
 static void die(const char *what) {
-    fprintf(stderr, "sandboxd egress-shim: %s: %s\n", what, strerror(errno));
+    fprintf(stderr, "sandboxd shim: %s: %s\n", what, strerror(errno));
     exit(126);
 }
 
@@ -662,6 +662,11 @@ static void stdio_to(const char *dir) {
         int fd = open(path, O_WRONLY | O_CLOEXEC);
         if (fd < 0)
             die("open the daemon's output pipe");
+        if (fd == target) {  /* fd 1 or 2 was closed: the open took its place */
+            if (fcntl(fd, F_SETFD, 0) < 0)
+                die("keep the daemon's output pipe open across exec");
+            continue;
+        }
         if (dup2(fd, target) < 0)  /* dup2 clears close-on-exec on the copy */
             die("dup2 the daemon's output pipe");
         close(fd);

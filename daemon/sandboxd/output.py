@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +17,12 @@ from .redact import Redactor
 STDOUT, STDERR = 1, 2
 STREAM_NAMES = {STDOUT: "stdout", STDERR: "stderr"}
 MAX_CHUNK_BYTES = 1024 * 1024
-# The newest stored chunks (immutable bytes only) are kept to hand to a reader that is
-# keeping up, instead of reading them back from the file: a copy and a syscall fewer
-# per chunk of a live stream.
-RECENT_BYTES = 8 * 1024 * 1024
+# The newest large stored chunks (immutable bytes only) are kept to hand to a reader
+# that is keeping up, instead of reading them back from the file: a copy and a syscall
+# fewer per chunk of a bulk stream. Small chunks are never kept: a reader then reads
+# many of them back at once.
+RECENT_MIN_CHUNK = 64 * 1024
+RECENT_CHUNKS = 16
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
@@ -48,8 +49,8 @@ class OutputSpool:
         self._stored = {STDOUT: 0, STDERR: 0}
         self._truncated = {STDOUT: False, STDERR: False}
         self._previews = {STDOUT: bytearray(), STDERR: bytearray()}
-        self._recent: dict[int, deque[tuple[int, bytes]]] = {STDOUT: deque(), STDERR: deque()}
-        self._recent_bytes = {STDOUT: 0, STDERR: 0}
+        # stream -> {offset: chunk}, oldest first (at most RECENT_CHUNKS each)
+        self._recent: dict[int, dict[int, bytes]] = {STDOUT: {}, STDERR: {}}
         self._closed = False
         self._cond = threading.Condition()
         # Secrets are struck before a byte is stored: the live stream, the artifact and
@@ -103,12 +104,11 @@ class OutputSpool:
             digest.update(part)
             if len(preview) < self._preview_bytes:
                 preview += part[: self._preview_bytes - len(preview)]
-            if type(part) is bytes:  # a view may be of a buffer its writer reuses
-                recent.append((offset, part))
-                self._recent_bytes[stream] += len(part)
+            if type(part) is bytes and len(part) >= RECENT_MIN_CHUNK:  # a view may be of a reused buffer
+                recent[offset] = part
+                if len(recent) > RECENT_CHUNKS:
+                    del recent[next(iter(recent))]
             offset += len(part)
-        while self._recent_bytes[stream] > RECENT_BYTES:
-            self._recent_bytes[stream] -= len(recent.popleft()[1])
         self._produced[stream] += n
         self._stored[stream] += kept
         if kept < sum(len(p) for p in parts):
@@ -127,6 +127,8 @@ class OutputSpool:
             self._closed = True
             for fd in self._fds.values():
                 os.close(fd)
+            for recent in self._recent.values():
+                recent.clear()  # a reader still draining reads the rest back
             self._cond.notify_all()
 
     # -- reader side --------------------------------------------------------------
@@ -165,12 +167,8 @@ class OutputSpool:
     def _recent_chunk(self, stream: int, offset: int, limit: int) -> bytes:
         """The kept chunk stored at `offset` (at most `limit` bytes of it), or b""."""
         with self._cond:
-            for start, data in self._recent[stream]:
-                if start == offset:
-                    return data if len(data) <= limit else data[:limit]
-                if start > offset:
-                    break
-        return b""
+            data = self._recent[stream].get(offset, b"")
+        return data if len(data) <= limit else data[:limit]
 
     def summary(self, stream: int) -> StreamSummary:
         with self._cond:

@@ -588,6 +588,10 @@ class LeaseBackend:
         self._status: int | None = None
         self._done = threading.Event()
         self._healthy = True
+        # Set when the command's end found nothing of it left in the sandbox: nothing
+        # can start another process there until the next command, so destroy() need not
+        # look again.
+        self._found_clean = False
 
     def create(self, spec: CommandSpec) -> SandboxHandle:
         return SandboxHandle(self._ws.sandbox_id, self._ws.handle.engine_id, spec)
@@ -732,7 +736,10 @@ class LeaseBackend:
         baseline = self._ws.baseline_pids
         if baseline is None:
             return
-        for pid in (sandbox_processes(self._ws.prepared.spec) or set()) - baseline:
+        present = sandbox_processes(self._ws.prepared.spec)
+        left = (present or set()) - baseline
+        self._found_clean = present is not None and not left
+        for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -761,7 +768,7 @@ class LeaseBackend:
         The supervisor kills what it can see; a process it cannot see (nsjail's /proc
         hides non-dumpable ones) still counts in the sandbox's cgroup, and then the
         sandbox is retired rather than handed the next command."""
-        if self._healthy and self._ws.baseline_pids is not None:
+        if self._healthy and self._ws.baseline_pids is not None and not self._found_clean:
             deadline = time.monotonic() + 0.5
             while True:
                 left = (sandbox_processes(self._ws.prepared.spec) or set()) - self._ws.baseline_pids

@@ -54,8 +54,12 @@ def resolve_workspace(raw: str, settings: DaemonSettings) -> str:
         raise PermissionDenied(
             f"{raw} (resolved {real}) is not below a configured workspace root", field="workspace"
         )
+    # The daemon's own places: its state, its socket, and what it hands sandboxes (the
+    # shim, gates and output FIFOs, secrets, egress sockets), which another sandbox
+    # must never see.
     forbidden = [str(DOCKER_SOCKET), os.path.realpath(DOCKER_SOCKET), os.path.realpath(settings.state_dir),
-                 os.path.realpath(settings.socket_path)]
+                 os.path.realpath(settings.socket_path), os.path.realpath(settings.runtime_dir),
+                 os.path.realpath(settings.secrets_dir), os.path.realpath(settings.egress.socket_dir)]
     for f in forbidden:
         if _within(f, real) or _within(real, f):
             raise PermissionDenied(f"{raw} contains or lies in {f}, which is never mounted", field="workspace")

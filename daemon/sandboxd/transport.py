@@ -25,7 +25,7 @@ from .settings import DaemonSettings
 
 log = logging.getLogger("sandboxd.transport")
 _RELAY_BYTES = 1 << 20
-_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Python 3.10+ on Linux)
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -322,16 +323,16 @@ def test_pre_encoded_output_events_parse_as_the_proto_message(stream, offset, si
 # ------------------------------------------------------------------ output FIFOs
 
 
-def _fifo_pump(tmp_path, uid=os.getuid(), gid=os.getgid()):
+def _fifo_pump(tmp_path, uid=os.getuid(), gid=os.getgid(), grace_s=5.0, sink=None):
     """make + open the FIFOs and start pump_fifos, as create() and start() do."""
     directory = str(tmp_path / "stdio" / "sbx-1")
     os.makedirs(os.path.dirname(directory), exist_ok=True)
     make_stdio_fifos(directory, uid, gid)
-    spool = OutputSpool(tmp_path / "spool", {STDOUT: 1 << 30, STDERR: 1 << 30}, preview_bytes=8)
+    spool = sink or OutputSpool(tmp_path / "spool", {STDOUT: 1 << 30, STDERR: 1 << 30}, preview_bytes=8)
     fifos = open_stdio_fifos(directory)
     wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
     handle = SandboxHandle("sbx-1", "c1", None)
-    thread = threading.Thread(target=pump_fifos, args=(fifos, wake_r, spool, handle), daemon=True)
+    thread = threading.Thread(target=pump_fifos, args=(fifos, wake_r, spool, handle, grace_s), daemon=True)
     thread.start()
     return directory, spool, handle, thread, wake_w
 
@@ -375,7 +376,7 @@ def test_fifo_pump_reads_both_streams_and_ends_after_the_container(tmp_path):
 
 
 def test_fifo_pump_ends_when_the_container_ended_before_anything_opened_them(tmp_path):
-    _, spool, handle, thread, wake_w = _fifo_pump(tmp_path)
+    _, spool, handle, thread, wake_w = _fifo_pump(tmp_path, grace_s=0.2)
     assert not handle.output_closed.wait(0.2)
     os.close(wake_w)  # e.g. the container died before its shim ran
     assert handle.output_closed.wait(5)
@@ -405,3 +406,54 @@ def test_fifo_pump_does_not_end_a_stream_before_its_writer_came(tmp_path):
     assert handle.output_closed.wait(5)
     spool.close()
     assert (tmp_path / "spool" / "stdout.out").read_bytes() == b"late\n"
+
+
+def test_fifo_pump_does_not_wait_on_a_writer_outside_the_container(tmp_path):
+    # A host process of the sandbox's uid can hold the command's stdout (through
+    # /proc/<pid>/fd): once the container has ended, the call does not wait on it.
+    directory, spool, handle, thread, wake_w = _fifo_pump(tmp_path, grace_s=0.3)
+    holder = _writer(directory, "echo before; exec sleep 30")
+    try:
+        time.sleep(0.2)
+        start = time.monotonic()
+        os.close(wake_w)
+        assert handle.output_closed.wait(5)
+        assert 0.25 < time.monotonic() - start < 3
+        thread.join(5)
+        assert not thread.is_alive()
+        spool.close()
+        assert (tmp_path / "spool" / "stdout.out").read_bytes() == b"before\n"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_fifo_pump_keeps_reading_when_the_output_cannot_be_stored(tmp_path):
+    class FullDisk:
+        def write(self, stream, data):
+            raise OSError(28, "No space left on device")
+
+    directory, _, handle, thread, wake_w = _fifo_pump(tmp_path, sink=FullDisk())
+    writer = _writer(directory, "head -c 3000000 /dev/zero")
+    # Far more than a pipe holds: the command finishes only if the pump reads on.
+    assert writer.wait(10) == 0
+    os.close(wake_w)
+    assert handle.output_closed.wait(5)
+
+
+def test_the_shim_hands_the_command_the_fifos_even_with_stdio_closed(tmp_path):
+    shim = Path(__file__).resolve().parents[2] / "build" / "sandbox-shim"
+    directory = str(tmp_path / "sbx-1")
+    make_stdio_fifos(directory, os.getuid(), os.getgid())
+    fifos = open_stdio_fifos(directory)
+    try:
+        # The shim starts with fds 1 and 2 closed: its opens land on them.
+        proc = subprocess.run(["/bin/sh", "-c", f'exec 1>&- 2>&-; exec {shim} --stdio {directory} -- '
+                               '/bin/sh -c "echo out; echo err >&2; ls -l /proc/self/fd/ >/dev/null"'],
+                              timeout=10)
+        assert proc.returncode == 0
+        got = {stream: os.read(fd, 100) for stream, fd in fifos.items()}
+        assert got == {STDOUT: b"out\n", STDERR: b"err\n"}
+    finally:
+        for fd in fifos.values():
+            os.close(fd)

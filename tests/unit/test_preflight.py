@@ -387,3 +387,17 @@ def test_preflight_does_not_modify_the_workspace(host):
     before = sorted(os.walk(host.ws))
     plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["a", "missing"]})
     assert sorted(os.walk(host.ws)) == before
+
+
+@pytest.mark.parametrize("place", ["runtime_dir", "secrets_dir"])
+def test_the_daemons_own_directories_are_never_a_workspace(host, place):
+    # They hold what the daemon hands other sandboxes (output FIFOs, gates, secrets).
+    inside = host.roots / "daemon-place"
+    inside.mkdir()
+    os.chown(inside, WORKSPACE_UID, WORKSPACE_GID)
+    settings = host.settings.model_copy(update={place: inside})
+    refused(PermissionDenied, resolve_workspace, str(inside), settings)
+    below = inside / "ws"
+    below.mkdir()
+    os.chown(below, WORKSPACE_UID, WORKSPACE_GID)
+    refused(PermissionDenied, resolve_workspace, str(below), settings)

@@ -8,7 +8,6 @@ hands over. Docker SDK exceptions are translated here and nowhere else."""
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import functools
 import glob
@@ -20,6 +19,7 @@ import shutil
 import signal as signal_module
 import socket
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +35,8 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 _RECV_BYTES = 4 << 20
 _FIFO_READ_BYTES = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+# How long output FIFOs stay open after their container has ended (pump_fifos).
+WRITER_GRACE_S = 0.5
 
 
 def create_args(spec: DockerSpec) -> dict[str, Any]:
@@ -185,8 +187,11 @@ class DockerBackend:
         # Where each sandbox's output FIFOs live; "" reads output from the attach socket.
         self._stdio_dir = stdio_dir
         if stdio_dir:
-            os.makedirs(stdio_dir, mode=0o711, exist_ok=True)
-            os.chmod(stdio_dir, 0o711)
+            # Root's alone: a sandbox sees only its own directory, bound in.
+            os.makedirs(stdio_dir, mode=0o700, exist_ok=True)
+            os.chmod(stdio_dir, 0o700)
+            for name in os.listdir(stdio_dir):  # before any call: an earlier run's
+                remove_stdio_fifos(os.path.join(stdio_dir, name))
 
         self._errors = docker.errors
         self._seccomp_name = os.path.basename(seccomp_path)
@@ -247,19 +252,25 @@ class DockerBackend:
         spec: DockerSpec = handle.spec
         # The read ends are open before the sandbox starts: the shim's opens never block.
         fifos = open_stdio_fifos(spec.stdio_host_dir) if spec.stdio_host_dir else {}
+        wake_r = wake_w = -1
+        raw: socket.socket | None = None
         try:
+            if fifos:
+                wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
             sock = self._api.attach_socket(handle.engine_id, params={
                 "stdin": 1 if spec.stdin_open else 0, "stdout": 1, "stderr": 1, "stream": 1})
-            raw: socket.socket = getattr(sock, "_sock", sock)
+            raw = getattr(sock, "_sock", sock)
             self._api.start(handle.engine_id)
         except BaseException as exc:
-            for fd in fifos.values():
-                os.close(fd)
+            for fd in (*fifos.values(), wake_r, wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            if raw is not None:
+                raw.close()
             if isinstance(exc, self._errors.APIError):
                 raise InternalError(f"dockerd failed to start the sandbox: {exc.explanation}") from None
             raise
         if fifos:
-            wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
             threading.Thread(target=self._pump, args=(raw, sink, handle, wake_w), daemon=True,
                              name=f"attach-{handle.sandbox_id}").start()
             handle.reader = threading.Thread(target=pump_fifos, args=(fifos, wake_r, sink, handle), daemon=True,
@@ -364,9 +375,6 @@ class DockerBackend:
             sandbox_id = (c.get("Labels") or {}).get(f"{LABEL_PREFIX}sandbox_id")
             if sandbox_id:
                 remove_cgroup(cgroup_parent_for(sandbox_id))
-        if self._stdio_dir:  # before any call of this run: every FIFO here is an earlier run's
-            for name in os.listdir(self._stdio_dir):
-                remove_stdio_fifos(os.path.join(self._stdio_dir, name))
         return len(containers)
 
 
@@ -404,20 +412,23 @@ def open_stdio_fifos(directory: str) -> dict[int, int]:
     return fds
 
 
-def pump_fifos(fifos: dict[int, int], wake_fd: int, sink: OutputSpool, handle: SandboxHandle) -> None:
+def pump_fifos(fifos: dict[int, int], wake_fd: int, sink: OutputSpool, handle: SandboxHandle,
+               grace_s: float = WRITER_GRACE_S) -> None:
     """Reads the output FIFOs into `sink` until every writer is gone and the container
     has ended (EOF on `wake_fd`, from the attach pump), then closes the output.
 
     A FIFO read returns 0 whenever no process holds a write end: before the shim opened
     it, and after the command and all its children closed it. poll() reports a hang-up
-    only for the second, so a stream ends at a 0 read after poll said it was ready, or,
-    once the container has ended, at any 0 read (the shim never opened it)."""
+    only for the second, so a stream ends at a 0 read after poll said it was ready. Once
+    the container has ended, what is left ends `grace_s` later whatever holds it: a
+    stream no process ever opened, or one a process outside the container holds open
+    (through /proc/<pid>/fd of the command, as the same uid): the call never waits on it."""
     streams = {fd: stream for stream, fd in fifos.items()}
     poller = select.poll()
     for fd in streams:
         poller.register(fd, select.POLLIN)
     poller.register(wake_fd, select.POLLIN)
-    container_ended = False
+    unstored: list[OSError] = []
 
     def drain(fd: int) -> bool:
         """Reads what is there; True when the stream is over."""
@@ -426,14 +437,19 @@ def pump_fifos(fifos: dict[int, int], wake_fd: int, sink: OutputSpool, handle: S
                 data = os.read(fd, _FIFO_READ_BYTES)
             except BlockingIOError:
                 return False  # a writer is still there
+            except InterruptedError:
+                continue
             except OSError as exc:
-                if exc.errno == errno.EINTR:
-                    continue
                 log.warning("output pipe of %s broke: %s", handle.sandbox_id, exc)
                 return True
             if not data:
                 return True
-            sink.write(streams[fd], data)
+            try:
+                sink.write(streams[fd], data)
+            except OSError as exc:  # e.g. the spool's disk is full: read on, never block the command
+                if not unstored:
+                    log.error("output of %s could not be stored: %s", handle.sandbox_id, exc)
+                unstored.append(exc)
 
     def end(fd: int) -> None:
         poller.unregister(fd)
@@ -441,14 +457,22 @@ def pump_fifos(fifos: dict[int, int], wake_fd: int, sink: OutputSpool, handle: S
         del streams[fd]
 
     try:
-        while streams or not container_ended:
-            for fd, _ in poller.poll():
+        deadline: float | None = None  # set once the container has ended
+        while streams or deadline is None:
+            if deadline is None:
+                ready = poller.poll()
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for fd in list(streams):
+                        drain(fd)
+                        end(fd)
+                    break
+                ready = poller.poll(left * 1000)
+            for fd, _ in ready:
                 if fd == wake_fd:
-                    container_ended = True
+                    deadline = time.monotonic() + grace_s
                     poller.unregister(wake_fd)
-                    for other in list(streams):
-                        if drain(other):
-                            end(other)
                 elif fd in streams and drain(fd):
                     end(fd)
     finally:
