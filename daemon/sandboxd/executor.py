@@ -732,17 +732,20 @@ class CallExecutor:
             self.pools.command_done(ws, True)
             raise
 
-    def _pool_template(self, raw: Mapping[str, Any], caller: Principal) -> Prepared:
+    def _pool_template(self, raw: Mapping[str, Any], caller: Principal, *, sandbox: bool = True) -> Prepared:
+        """What a pool's sandboxes are made from. `sandbox` False skips the image lookup
+        and the compile (an acquire from an existing pool needs neither; a sandbox made
+        later looks its image up and compiles then)."""
         if self.pools is None:
             raise FailedPrecondition("this daemon keeps no pools")
-        template = self._prepare(parse_call(raw), "pool", None)
+        template = self._prepare(parse_call(raw), "pool", None, sandbox=sandbox)
         if not caller.admin and template.plan.uid != caller.uid:
             raise PermissionDenied("the workspace belongs to another user", field="workspace")
         return template
 
     def acquire(self, raw: Mapping[str, Any], caller: Principal, lease_ms: int, wait_ms: int):
         """A lease on a warm sandbox for this workspace, image and policy."""
-        return self.pools.acquire(self._pool_template(raw, caller), caller, lease_ms, wait_ms)
+        return self.pools.acquire(self._pool_template(raw, caller, sandbox=False), caller, lease_ms, wait_ms)
 
     def create_pool(self, raw: Mapping[str, Any], caller: Principal) -> dict[str, Any]:
         return self.pools.ensure(self._pool_template(raw, caller), caller)

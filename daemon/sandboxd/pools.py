@@ -355,6 +355,9 @@ class PoolManager:
     # -- sandboxes ------------------------------------------------------------------------
     def _create(self, pool: Pool) -> WarmSandbox:
         ex, t = self._ex, pool.template
+        # Looked up for each sandbox: the image a tag names may have changed since the
+        # pool was made, and a lease's record names what its sandbox runs.
+        image_digest = t.backend.image_digest(t.image)
         sandbox_id = "sbx-" + ev.new_id("x")[2:]
         # The supervisor calls in: a socket only the sandbox's user may reach, accepted
         # once (before any command exists) and then removed, so no command can ever
@@ -420,7 +423,7 @@ class PoolManager:
         finally:
             listener.close()
             control_path.unlink(missing_ok=True)
-        prepared = replace(t, spec=spec, sandbox_id=sandbox_id, attachments=attachments)
+        prepared = replace(t, spec=spec, sandbox_id=sandbox_id, attachments=attachments, image_digest=image_digest)
         log.info("warm sandbox %s ready for %s", sandbox_id, pool.key)
         return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, conn, endpoint=endpoint,
                            baseline_pids=sandbox_processes(spec))

@@ -15,7 +15,7 @@ import pytest
 
 from sandboxd_client import errors
 
-from .conftest import call, leftover_sandboxes, sh, wait_for
+from .conftest import BUSYBOX_IMAGE, call, leftover_sandboxes, sh, wait_for
 from .test_tenants import ALICE, BOB, client_as
 
 
@@ -460,3 +460,44 @@ def test_each_leased_command_records_its_own_file_accesses(pooled, adapter):
         one = "sha256:" + hashlib.sha256(b"one\n").hexdigest()
         assert {"path": "/workspace/out.txt", "operation": "delete", "sha256Before": one} in recorded(second)
         assert recorded(quiet) == [] and list(quiet.result.effects_observed.reads) == []
+
+
+def test_a_lease_records_the_image_its_sandbox_was_made_from_after_a_retag(pooled, docker_engine):
+    # A pool keeps making sandboxes from a tag; when the tag moves, the sandboxes made
+    # after it run the new image, and their leases' records must say so (not the digest
+    # the pool was first made with).
+    tag = "sandboxd/retag-test:latest"
+    default = docker_engine.images.get("sandboxd/default:latest")
+    busybox = docker_engine.images.get(BUSYBOX_IMAGE)
+    default.tag(tag)
+    d = pooled
+    ws = d.new_workspace()
+
+    def warm(c) -> bool:
+        return any(p.idle >= 1 for p in c.list_pools())
+
+    def recorded_digest(c, lease) -> str:
+        event = next(e for e in c.get_trace(lease.lease_id) if e.type == "SandboxLeased")
+        return json.loads(event.payload_json)["imageDigest"]
+
+    try:
+        with d.client() as c:
+            first = c.acquire_sandbox(str(ws), image=tag)
+            assert wait_for(lambda: warm(c), 60)  # a second sandbox, made before the retag
+            busybox.tag(tag)
+            c.release_sandbox(first.lease_id)
+            second = c.acquire_sandbox(str(ws), image=tag)  # the warm one: still the old image
+            c.release_sandbox(second.lease_id)
+            assert wait_for(lambda: warm(c), 60)  # made after the retag
+            third = c.acquire_sandbox(str(ws), image=tag)
+            command = leased(ws, third, sh("test -d /usr/lib/python3* && echo debian || echo busybox"))
+            command["runtime"]["image"] = tag
+            ran = c.run(command)
+            c.release_sandbox(third.lease_id)
+            assert [recorded_digest(c, lease) for lease in (first, second, third)] == [default.id, default.id,
+                                                                                        busybox.id]
+            assert ran.stdout == b"busybox\n"
+            policy_checked = next(e for e in c.get_trace(ran.tool_call_id) if e.type == "ToolPolicyChecked")
+            assert json.loads(policy_checked.payload_json)["imageDigest"] == busybox.id
+    finally:
+        docker_engine.images.remove(tag, noprune=True)
