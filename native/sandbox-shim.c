@@ -1,7 +1,7 @@
 /*
  * sandbox-shim: what the daemon sets up inside a sandbox just before the command runs.
  *
- *   sandbox-shim [--stdio DIR] [--gate FIFO] [--egress SOCKET PORT] [--env NAME=FILE]... -- ARGV...
+ *   sandbox-shim [--seccomp FILE] [--stdio DIR] [--gate FIFO] [--egress SOCKET PORT] [--env NAME=FILE]... -- ARGV...
  *   sandbox-shim [--egress SOCKET PORT] [--env NAME=FILE]... --supervise CONTROL
  *
  * --env NAME=FILE  reads FILE (a secret bound in from the daemon's tmpfs) into the
@@ -20,6 +20,12 @@
  *                  stdio (containerd-shim, dockerd, the attach socket). Opened first:
  *                  the daemon holds their read ends before the sandbox starts, so the
  *                  opens never block.
+ *
+ * --seccomp FILE   loads FILE (a classic BPF program: the daemon's seccomp profile,
+ *                  compiled by libseccomp) as this process's seccomp filter, with
+ *                  no_new_privs, before anything else; whatever it execs inherits it.
+ *                  The nsjail backend runs the shim this way as the jail's first
+ *                  process, ahead of the jail's init.
  *
  * --gate FIFO      waits until the daemon writes a byte into FIFO before the command
  *                  runs (the daemon first attaches its file-access watch to the
@@ -61,7 +67,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/socket.h>
@@ -651,6 +660,29 @@ static void wait_at_gate(const char *path) {
     }
 }
 
+static void load_seccomp(const char *path) {
+    static struct sock_filter program[BPF_MAXINSNS + 1];
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        die("open the seccomp program");
+    size_t n = 0;
+    ssize_t got;
+    while ((got = read(fd, (char *)program + n, sizeof program - n)) > 0)
+        n += (size_t)got;
+    if (got < 0)
+        die("read the seccomp program");
+    close(fd);
+    if (n == 0 || n % sizeof(struct sock_filter) || n > BPF_MAXINSNS * sizeof(struct sock_filter)) {
+        errno = EINVAL;
+        die("the seccomp program");
+    }
+    struct sock_fprog fprog = {.len = (unsigned short)(n / sizeof(struct sock_filter)), .filter = program};
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+        die("set no_new_privs");
+    if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &fprog) < 0)
+        die("load the seccomp program");
+}
+
 static void stdio_to(const char *dir) {
     static const char *names[] = {"stdout", "stderr"};
     char path[4096];
@@ -674,7 +706,7 @@ static void stdio_to(const char *dir) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: sandbox-shim [--stdio DIR] [--gate FIFO] [--egress SOCKET PORT] [--env NAME=FILE]... (-- ARGV... | --supervise CONTROL)\n");
+    fprintf(stderr, "usage: sandbox-shim [--seccomp FILE] [--stdio DIR] [--gate FIFO] [--egress SOCKET PORT] [--env NAME=FILE]... (-- ARGV... | --supervise CONTROL)\n");
     exit(2);
 }
 
@@ -684,6 +716,8 @@ int main(int argc, char **argv) {
     for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
         if (strcmp(argv[i], "--supervise") == 0 && i + 1 < argc) {
             control = argv[++i];
+        } else if (strcmp(argv[i], "--seccomp") == 0 && i + 1 < argc) {
+            load_seccomp(argv[++i]);  /* at once: everything after runs under it */
         } else if (strcmp(argv[i], "--stdio") == 0 && i + 1 < argc) {
             stdio = argv[++i];
         } else if (strcmp(argv[i], "--gate") == 0 && i + 1 < argc) {

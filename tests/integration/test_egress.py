@@ -446,9 +446,10 @@ def test_sandbox_cannot_reach_daemon_socket_docker_api_or_another_sandbox(ec, ws
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "daemon FileNotFoundError"
     assert lines[1] == "docker FileNotFoundError FileNotFoundError"
-    # Docker's output FIFOs (a directory bound read-only); nsjail hands the jail its pipes.
+    # Docker's output FIFOs (a directory bound read-only); nsjail hands the jail its pipes
+    # and binds the seccomp program its shim loads.
     assert lines[2] == ("dev ['egress.sock', 'gate', 'shim', 'stdio']" if ec.adapter == "docker"
-                        else "dev ['egress.sock', 'gate', 'shim']")
+                        else "dev ['egress.sock', 'gate', 'seccomp', 'shim']")
     assert lines[3] == "peer ConnectionRefusedError"
     # NO_PROXY keeps loopback direct, and the sandbox's own loopback has nothing there.
     assert lines[4] == "0 0"

@@ -14,7 +14,8 @@ import pytest
 
 from sandboxd.compile import (EGRESS_SOCKET_PATH, MAX_OPEN_FILES, SHIM_PATH, Attachments, EgressAttachment, SandboxIdentity,
                               compile_docker)
-from sandboxd.compile_nsjail import (CPU_PERIOD_US, INIT_PATH, NSJAIL_CGROUP_ROOT, TIME_LIMIT_SLACK_S, NsjailMount,
+from sandboxd.compile_nsjail import (CPU_PERIOD_US, INIT_PATH, NSJAIL_CGROUP_ROOT, SECCOMP_PROGRAM_PATH, TIME_LIMIT_SLACK_S,
+                                     NsjailMount,
                                      NsjailSpec, cgroup_for, compile_nsjail, quote)
 from sandboxd.errors import FailedPrecondition, Unimplemented
 from sandboxd.policy import is_within
@@ -25,7 +26,8 @@ from .conftest import resolve
 GOLDEN = Path(__file__).parent / "golden"
 MASK_FILE = "/var/lib/sandboxd-rootfs/mask"
 ROOTFS = "/var/lib/sandboxd-rootfs/78556e5995ea7e893f9f4a87836b9f569a512bb793d12acd8a56ea0a1dcac5bc"
-SECCOMP = "/opt/sandboxd/seccomp/sandboxd-nsjail.kafel"
+SECCOMP = "/var/lib/sandboxd-rootfs/seccomp-0123456789abcdef.bpf"
+SHIM = "/var/lib/sandboxd-runtime/sandbox-shim"
 NSJAIL = "/opt/sandboxd/.venv/lib/python3.11/site-packages/nsjail/bin/nsjail"
 INIT = "/usr/bin/tini-static"
 WS = "/srv/sandboxd/workspaces/alice/project"
@@ -36,7 +38,7 @@ def _compile(policy, plan, *, stdin_open=False, argv=("python3", "-c", "print(1)
              attachments=None) -> NsjailSpec:
     return compile_nsjail(policy, plan, ident or SandboxIdentity("daemon-1", "sbx-0001", "tc-0001"),
                           argv=argv, rootfs=ROOTFS, stdin_open=stdin_open, mask_file=MASK_FILE,
-                          seccomp_policy_path=SECCOMP, nsjail_binary=NSJAIL, init_binary=INIT,
+                          shim_binary=SHIM, seccomp_program_path=SECCOMP, nsjail_binary=NSJAIL, init_binary=INIT,
                           attachments=attachments or Attachments())
 
 
@@ -151,10 +153,18 @@ def test_hardening_is_always_on(compiled):
     for line in ("keep_env: false", "keep_caps: false", "disable_no_new_privs: false", "skip_setsid: false",
                  "clone_newnet: true", "clone_newuser: true", "clone_newns: true", "clone_newpid: true",
                  "clone_newipc: true", "clone_newuts: true", "clone_newcgroup: true", "mode: ONCE",
-                 f"seccomp_policy_file: {quote(SECCOMP)}", "rlimit_as_type: INF", "nice_level: 0"):
+                 "rlimit_as_type: INF", "nice_level: 0"):
         assert line in lines, line
-    assert not any(line.startswith(("cap:", "pass_fd", "disable_clone", "seccomp_string", "keep_env: true"))
-                   for line in lines)
+    assert not any(line.startswith(("cap:", "pass_fd", "disable_clone", "seccomp_string", "seccomp_policy_file",
+                                    "keep_env: true")) for line in lines)
+    # The jail's first process is the shim, which loads the seccomp program, then the init.
+    assert spec.init_argv == (SHIM_PATH, "--seccomp", SECCOMP_PROGRAM_PATH, "--", INIT_PATH, "--")
+    assert lines[-1].startswith(f'exec_bin {{ path: "{SHIM_PATH}" arg0: "{SHIM_PATH}" arg: "--seccomp" '
+                                f'arg: "{SECCOMP_PROGRAM_PATH}" arg: "--" arg: "{INIT_PATH}" arg: "--" ')
+    mounts = {m.dst: m for m in spec.mounts}
+    assert mounts[SHIM_PATH].src == SHIM and not mounts[SHIM_PATH].rw and not mounts[SHIM_PATH].noexec
+    assert mounts[SECCOMP_PROGRAM_PATH].src == SECCOMP and not mounts[SECCOMP_PROGRAM_PATH].rw
+    assert mounts[SECCOMP_PROGRAM_PATH].noexec
 
 
 def test_ids_are_mapped_to_themselves_and_never_root(compiled):
@@ -233,8 +243,8 @@ def test_command_line():
     # The same for every jail: the command is the config's last line.
     assert spec.command("/proc/self/fd/7", 9) == [NSJAIL, "--config", "/proc/self/fd/7", "--log_fd", "9"]
     assert spec.config_text().splitlines()[-1] == (
-        'exec_bin { path: "/dev/init" arg0: "/dev/init" arg: "--" arg: "make" arg: "-C" arg: "/workspace/src" '
-        'arg: "test" }')
+        'exec_bin { path: "/dev/sandboxd/shim" arg0: "/dev/sandboxd/shim" arg: "--seccomp" arg: "/dev/sandboxd/seccomp" '
+        'arg: "--" arg: "/dev/init" arg: "--" arg: "make" arg: "-C" arg: "/workspace/src" arg: "test" }')
     assert spec.stdin_open is True
     assert _compile(*case_default()[:2]).stdin_open is False
 
@@ -255,10 +265,11 @@ def test_root_first_read_only_and_system_mounts(compiled):
     assert devices == ["/dev/full", "/dev/null", "/dev/random", "/dev/tty", "/dev/urandom", "/dev/zero"]
     assert all(m.src == m.dst and m.rw and m.noexec for m in spec.mounts if m.dst in devices)
     assert by_dst["/dev/shm"].noexec and by_dst["/dev/pts"].fstype == "devpts"
-    # Nothing of the host but the image, the workspace, the mask file, devices and init.
+    # Nothing of the host but the image, the workspace, the mask file, devices, init,
+    # the shim and the seccomp program.
     for m in spec.mounts:
         if m.is_bind:
-            assert m.src in (ROOTFS, INIT, MASK_FILE) or m.src.startswith("/dev/") or \
+            assert m.src in (ROOTFS, INIT, MASK_FILE, SHIM, SECCOMP) or m.src.startswith("/dev/") or \
                 is_within(m.src, spec.labels["sandboxd.workspace"]), m
 
 
@@ -339,11 +350,13 @@ def test_egress_allowlist_binds_the_proxy_socket_and_wraps_the_command():
     by_dst = {m.dst: m for m in spec.mounts}
     sock = by_dst[EGRESS_SOCKET_PATH]
     assert sock.src == att.egress.socket_host_path and sock.is_bind and not sock.rw and sock.noexec
-    shim = by_dst[SHIM_PATH]
-    assert shim.src == att.shim_host_path and not shim.rw and not shim.noexec
+    shim = by_dst[SHIM_PATH]  # the backend's shim, bound once
+    assert shim.src == SHIM and not shim.rw and not shim.noexec
+    assert [m.dst for m in spec.mounts].count(SHIM_PATH) == 1
     assert spec.argv[:5] == (SHIM_PATH, "--egress", EGRESS_SOCKET_PATH, "3128", "--")
     assert spec.config_text().splitlines()[-1].startswith(
-        f'exec_bin {{ path: "{INIT_PATH}" arg0: "{INIT_PATH}" arg: "--" arg: "{SHIM_PATH}" arg: "--egress" ')
+        f'exec_bin {{ path: "{SHIM_PATH}" arg0: "{SHIM_PATH}" arg: "--seccomp" arg: "{SECCOMP_PROGRAM_PATH}" '
+        f'arg: "--" arg: "{INIT_PATH}" arg: "--" arg: "{SHIM_PATH}" arg: "--egress" ')
     assert spec.env["HTTPS_PROXY"] == spec.env["http_proxy"] == "http://127.0.0.1:3128"
     assert "127.0.0.1" in spec.env["NO_PROXY"]
 
@@ -361,59 +374,6 @@ def test_compile_is_deterministic_and_json_serializable():
         a, b = _compile(policy, plan, **kwargs), _compile(policy, plan, **kwargs)
         assert a.to_json_dict() == b.to_json_dict()
         assert json.loads(json.dumps(a.to_json_dict()))["config"] == a.config_text().splitlines()
-
-
-# ------------------------------------------------------------------ the kafel policy
-
-KAFEL = Path(__file__).resolve().parents[2] / "seccomp" / "sandboxd-nsjail.kafel"
-DOCKER_PROFILE = Path(__file__).resolve().parents[2] / "seccomp" / "sandboxd-docker.json"
-# kafel's x86_64 names for what the Docker profile calls stat, fstat, lstat, uname, sendfile.
-KAFEL_NAMES = {"stat": "newstat", "fstat": "newfstat", "lstat": "newlstat", "uname": "newuname",
-               "sendfile": "sendfile64"}
-
-
-def _kafel_rules() -> tuple[dict[str, list[str]], str]:
-    text = re.sub(r"/\*.*?\*/", "", KAFEL.read_text(), flags=re.S)
-    actions: dict[str, list[str]] = {}
-    for action, body in re.findall(r"(ALLOW|ERRNO\(\d+\)|KILL\w*|TRAP\(\d+\)|LOG|TRACE\(\d+\)|USER_NOTIF)\s*\{(.*?)\n  \}",
-                                   text, flags=re.S):
-        flat = re.sub(r"\{[^{}]*\}", "", body)  # argument conditions
-        flat = re.sub(r"\([^()]*\)", "", flat)  # argument names
-        actions.setdefault(action, []).extend(n for n in re.split(r"[\s,]+", flat) if n)
-    return actions, text
-
-
-def test_kafel_policy_is_an_errno_allowlist_within_the_docker_profile():
-    actions, text = _kafel_rules()
-    assert re.search(r"DEFAULT\s+ERRNO\(1\)\s*$", text.strip())
-    assert set(actions) == {"ALLOW", "ERRNO(38)"}, "denials are errnos, never kill/trap"
-    assert actions["ERRNO(38)"] == ["clone3"]
-    profile = json.loads(DOCKER_PROFILE.read_text())
-    docker_allowed = {KAFEL_NAMES.get(n, n) for rule in profile["syscalls"] if rule["action"] == "SCMP_ACT_ALLOW"
-                      and not rule.get("includes", {}).get("caps") for n in rule["names"]}
-    allowed = set(actions["ALLOW"])
-    assert len(allowed) == len(actions["ALLOW"]), "a syscall is listed twice"
-    assert len(allowed) > 280 and {"read", "execve", "socket", "socketpair", "clone", "arch_prctl"} <= allowed
-    assert allowed <= docker_allowed, allowed - docker_allowed
-    for name in ("io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace", "process_vm_readv",
-                 "process_vm_writev", "kcmp", "pidfd_getfd", "bpf", "perf_event_open", "keyctl", "add_key",
-                 "request_key", "userfaultfd", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot",
-                 "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
-                 "open_by_handle_at", "fsopen", "fsmount", "move_mount", "open_tree", "socketcall"):
-        assert name not in allowed, name
-
-
-def test_kafel_argument_rules():
-    _, text = _kafel_rules()
-    assert re.search(r"socket\(family, type, protocol\) \{\s*family == AF_UNIX,\s*family == AF_NETLINK,\s*"
-                     r"\(family == AF_INET \|\| family == AF_INET6\) &&\s*\(\(type & SOCK_TYPE_MASK\) == SOCK_STREAM "
-                     r"\|\| \(type & SOCK_TYPE_MASK\) == SOCK_DGRAM\)\s*\}", text)
-    assert "socketpair(family, type, protocol, usockvec) { family == AF_UNIX }" in text
-    assert "clone(clone_flags) { (clone_flags & CLONE_NAMESPACE_FLAGS) == 0 }" in text
-    defines = dict(re.findall(r"#define (\w+) (\S+)", text))
-    assert {k: int(v, 0) for k, v in defines.items()} == {
-        "AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16, "SOCK_STREAM": 1, "SOCK_DGRAM": 2,
-        "SOCK_TYPE_MASK": 0xF, "CLONE_NAMESPACE_FLAGS": 0x7E020000}
 
 
 @pytest.mark.parametrize("arg", ['say "hi"', "back\\slash", "two\nlines", "caf\u00e9 \u2603", '" } mount { src: "/"',

@@ -27,8 +27,9 @@ How a jail runs:
 Known differences from Docker (also in compile_nsjail):
 - egress 'open' is refused (Unimplemented): nsjail would share the host's network
   namespace, which is not what Docker's bridge gives.
-- 32-bit syscalls are killed (SIGSYS) instead of failing with EPERM: kafel compiles
-  for x86_64 only and kills any other architecture before its rules.
+- Seccomp is the Docker profile itself (seccomp_bpf.py, loaded by the shim as the
+  jail's first process), so 32-bit calls get its errnos as in a container; a syscall
+  newer than the profile gets EPERM where runc's stub gives ENOSYS.
 - /proc is read-only as a whole (Docker: read-write with read-only parts); /sys is
   empty; tmpfs mounts and /dev belong to the sandbox user (read-only where they must
   not be written); the image's files show as owned by nobody; no HOSTNAME variable
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import importlib.util
 import io
 import json
@@ -64,6 +66,7 @@ from typing import Any, Callable
 from ..compile import LABEL_PREFIX, Attachments, SandboxIdentity
 from ..compile_nsjail import (DEFAULT_INIT_BINARY, INIT_PATH, NSJAIL_CGROUP_ROOT, NsjailSpec, _system_mounts,
                               compile_nsjail, nsjail_command, render_config)
+from .. import seccomp_bpf
 from ..errors import BackendUnavailable, FailedPrecondition, InternalError
 from ..output import STDERR, STDOUT, OutputSpool
 from ..policy import WORKSPACE, is_within
@@ -81,7 +84,8 @@ _CONTROLLER_FILES = {
     "cpu": ("cpu.cfs_quota_us", "cpu.cfs_period_us"),
     "cpuacct": ("cpuacct.usage",),
 }
-DEFAULT_SECCOMP_POLICY = REPO_ROOT / "seccomp" / "sandboxd-nsjail.kafel"
+# The Docker backend's profile: compiled to BPF here, loaded in each jail by the shim.
+DEFAULT_SECCOMP_PROFILE = REPO_ROOT / "seccomp" / "sandboxd-docker.json"
 _READ_BYTES = 1 << 20
 _F_SETPIPE_SZ = 1031
 # An early nsjail's config pipe: a config (argv included) up to this size goes in one write.
@@ -249,7 +253,7 @@ class NsjailBackend:
     name = "nsjail"
 
     def __init__(self, rootfs_dir: str | os.PathLike, *,
-                 seccomp_policy_path: str | os.PathLike = DEFAULT_SECCOMP_POLICY,
+                 seccomp_profile_path: str | os.PathLike = DEFAULT_SECCOMP_PROFILE, shim_binary: str = "",
                  nsjail_binary: str | None = None, init_binary: str = DEFAULT_INIT_BINARY,
                  docker_host: str | None = None, image_cache_ttl_s: float = 5.0, warm_slots: int = 2):
         # nsjail mounts as the sandbox user (it switches uid before it mounts), so every
@@ -258,7 +262,11 @@ class NsjailBackend:
         # the daemon's private state directory.
         self._rootfs_dir = Path(rootfs_dir)
         self._mask_file = str(self._rootfs_dir / "mask")
-        self._seccomp_policy = str(seccomp_policy_path)
+        self._seccomp_profile = str(seccomp_profile_path)
+        # The compiled program, beside the exported images (reachable by sandbox users:
+        # nsjail binds it as them); made by check().
+        self._seccomp_program = ""
+        self._shim = shim_binary
         self._binary = nsjail_binary or find_nsjail_binary()
         self._init_binary = init_binary
         self._docker_host = docker_host
@@ -279,8 +287,14 @@ class NsjailBackend:
             raise BackendUnavailable(f"the jail's init {self._init_binary} is missing (Debian package 'tini')")
         if not is_static_elf(self._init_binary):
             raise BackendUnavailable(f"the jail's init {self._init_binary} is not a static executable")
-        if not os.access(self._seccomp_policy, os.R_OK):
-            raise BackendUnavailable(f"the seccomp policy {self._seccomp_policy} is not readable")
+        if not self._shim or not os.access(self._shim, os.X_OK) or not is_static_elf(self._shim):
+            raise BackendUnavailable(f"the sandbox shim ({self._shim or 'none'}) is missing or not static: every "
+                                     "jail starts with it (it loads the seccomp profile); build it with `make native`")
+        try:
+            with open(self._seccomp_profile, encoding="utf-8") as f:
+                program = seccomp_bpf.compile_profile(f.read())
+        except (OSError, ValueError, seccomp_bpf.ProfileError) as exc:
+            raise BackendUnavailable(f"the seccomp profile {self._seccomp_profile} cannot be compiled: {exc}") from None
         try:
             self._rootfs_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
             os.chmod(self._rootfs_dir, 0o755)
@@ -288,6 +302,13 @@ class NsjailBackend:
                 fd = os.open(self._mask_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0)
                 os.close(fd)
             os.chmod(self._mask_file, 0)
+            self._seccomp_program = str(self._rootfs_dir / f"seccomp-{hashlib.sha256(program).hexdigest()[:16]}.bpf")
+            if not os.path.exists(self._seccomp_program):
+                tmp = f"{self._seccomp_program}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(program)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, self._seccomp_program)
         except OSError as exc:
             raise BackendUnavailable(f"cannot prepare {self._rootfs_dir}: {exc}") from None
         blocked = unreachable_by(str(self._rootfs_dir), 65534, 65534)
@@ -320,7 +341,8 @@ class NsjailBackend:
         spec = NsjailSpec(
             name="sandboxd-probe", labels={}, nsjail_binary=self._binary, init_binary=self._init_binary,
             argv=(INIT_PATH, "--version"), rootfs="/", uid=65534, gid=65534, cwd="/", env={"PATH": "/usr/bin:/bin"},
-            mounts=tuple(_system_mounts("/", self._init_binary)), seccomp_policy_path=self._seccomp_policy,
+            mounts=tuple(_system_mounts("/", self._init_binary, self._shim, self._seccomp_program)),
+            shim_binary=self._shim, seccomp_program_path=self._seccomp_program,
             network="none", cgroup="", memory_bytes=0, pids_max=0, cpu_quota_us=0, cpu_period_us=0,
             rlimits=(("fsize_mb", 1), ("nofile", 64), ("core_mb", 0), ("stack_mb", 8)), time_limit_s=10,
             stdin_open=False, timeout_ms=10_000, max_stdout_bytes=0, max_stderr_bytes=0)
@@ -484,7 +506,8 @@ class NsjailBackend:
                 stdin_open: bool, attachments=None) -> NsjailSpec:
         _, rootfs = self._resolve(image)
         return compile_nsjail(policy, plan, identity, argv=argv, rootfs=rootfs, stdin_open=stdin_open,
-                              mask_file=self._mask_file, seccomp_policy_path=self._seccomp_policy,
+                              mask_file=self._mask_file, shim_binary=self._shim,
+                              seccomp_program_path=self._seccomp_program,
                               nsjail_binary=self._binary or "nsjail", init_binary=self._init_binary,
                               attachments=attachments or Attachments())
 
