@@ -667,8 +667,14 @@ static void load_seccomp(const char *path) {
         die("open the seccomp program");
     size_t n = 0;
     ssize_t got;
-    while ((got = read(fd, (char *)program + n, sizeof program - n)) > 0)
+    for (;;) {
+        got = read(fd, (char *)program + n, sizeof program - n);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            break;
         n += (size_t)got;
+    }
     if (got < 0)
         die("read the seccomp program");
     close(fd);

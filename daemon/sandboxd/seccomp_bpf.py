@@ -16,7 +16,9 @@ from typing import Any
 
 # libseccomp's values (seccomp.h).
 SCMP_ACT_ALLOW = 0x7FFF0000
+SCMP_ACT_KILL_THREAD = 0x00000000  # runc's SCMP_ACT_KILL
 SCMP_ACT_KILL_PROCESS = 0x80000000
+EPERM = 1
 _ARCHES = {  # SCMP_ARCH_* (AUDIT_ARCH_* values)
     "SCMP_ARCH_X86_64": 0xC000003E,
     "SCMP_ARCH_X86": 0x40000003,
@@ -61,14 +63,24 @@ def _libseccomp() -> ctypes.CDLL:
     return lib
 
 
-def _action(name: str, errno_ret: int | None, default_errno: int) -> int:
+def _action(name: str, errno_ret: int | None) -> int:
+    """runc's reading: an errno action without its own errnoRet is EPERM (the profile's
+    defaultErrnoRet is for the default action only)."""
     if name == "SCMP_ACT_ALLOW":
         return SCMP_ACT_ALLOW
     if name == "SCMP_ACT_ERRNO":
-        return _errno_action(default_errno if errno_ret is None else errno_ret)
-    if name in ("SCMP_ACT_KILL", "SCMP_ACT_KILL_PROCESS"):
+        return _errno_action(EPERM if errno_ret is None else errno_ret)
+    if name == "SCMP_ACT_KILL":
+        return SCMP_ACT_KILL_THREAD
+    if name == "SCMP_ACT_KILL_PROCESS":
         return SCMP_ACT_KILL_PROCESS
     raise ProfileError(f"unsupported seccomp action {name!r}")
+
+
+def _default_action(profile: dict[str, Any]) -> int:
+    if profile.get("defaultAction") == "SCMP_ACT_ERRNO":
+        return _errno_action(int(profile.get("defaultErrnoRet") or EPERM))
+    return _action(str(profile.get("defaultAction")), None)
 
 
 def rules_for(profile: dict[str, Any], machine: str, caps: frozenset[str] = frozenset()) -> list[tuple[int, str, list]]:
@@ -79,9 +91,9 @@ def rules_for(profile: dict[str, Any], machine: str, caps: frozenset[str] = froz
     if machine not in _NATIVE:
         raise ProfileError(f"no seccomp architecture map for {machine}")
     _, native_names = _NATIVE[machine]
-    default_errno = int(profile.get("defaultErrnoRet", 1))
+    default = _default_action(profile)
     out: list[tuple[int, str, list]] = []
-    for rule in profile.get("syscalls", []):
+    for rule in profile.get("syscalls") or []:
         inc, exc = rule.get("includes") or {}, rule.get("excludes") or {}
         if inc.get("arches") and not native_names & set(inc["arches"]):
             continue
@@ -93,40 +105,52 @@ def rules_for(profile: dict[str, Any], machine: str, caps: frozenset[str] = froz
             continue
         if inc.get("minKernel") or exc.get("minKernel"):
             raise ProfileError("minKernel in a seccomp rule is not supported")
-        action = _action(rule["action"], rule.get("errnoRet"), default_errno)
-        args = [(int(a["index"]), _OPS[a["op"]], int(a["value"]), int(a.get("valueTwo", 0)))
-                for a in rule.get("args") or []]
+        action = _action(rule["action"], rule.get("errnoRet"))
+        if action == default:
+            continue  # what the default does anyway (libseccomp refuses such a rule; runc skips it)
+        try:
+            args = [(int(a["index"]), _OPS[a["op"]], int(a["value"]), int(a.get("valueTwo", 0)))
+                    for a in rule.get("args") or []]
+        except KeyError as exc:
+            raise ProfileError(f"unsupported seccomp argument condition: {exc}") from None
         indexes = [a[0] for a in args]
         groups = [[a] for a in args] if len(set(indexes)) < len(indexes) else [args]
-        for name in rule["names"]:
+        names = rule.get("names") or ([rule["name"]] if rule.get("name") else [])  # "name": the old format
+        for name in names:
             for conditions in groups:
                 out.append((action, name, conditions))
     return out
 
 
 def compile_profile(profile_text: str, machine: str | None = None) -> bytes:
-    """The BPF program (struct sock_filter[]) for the profile on this machine."""
-    profile = json.loads(profile_text)
-    machine = machine or platform.machine()
+    """The BPF program (struct sock_filter[]) for the profile on this machine.
+    ProfileError for anything it cannot read the way runc would."""
+    try:
+        return _compile(json.loads(profile_text), machine or platform.machine())
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProfileError(f"malformed seccomp profile: {type(exc).__name__}: {exc}") from None
+
+
+def _compile(profile: dict[str, Any], machine: str) -> bytes:
     native, _ = _NATIVE.get(machine, (None, None))
     if native is None:
         raise ProfileError(f"no seccomp architecture map for {machine}")
-    default_errno = int(profile.get("defaultErrnoRet", 1))
-    default = _action(profile["defaultAction"], profile.get("defaultErrnoRet"), default_errno)
+    default = _default_action(profile)
+    rules = rules_for(profile, machine)
     lib = _libseccomp()
     ctx = lib.seccomp_init(default)
     if not ctx:
         raise ProfileError("seccomp_init failed")
     try:
-        for entry in profile.get("archMap") or []:
-            if entry["architecture"] != native:
-                continue
-            for sub in entry.get("subArchitectures") or []:
-                if sub in _ARCHES:
-                    rc = lib.seccomp_arch_add(ctx, _ARCHES[sub])
-                    if rc not in (0, -17):  # -EEXIST: already there
-                        raise ProfileError(f"seccomp_arch_add {sub}: {os.strerror(-rc)}")
-        for action, name, conditions in rules_for(profile, machine):
+        arches = [sub for entry in profile.get("archMap") or [] if entry["architecture"] == native
+                  for sub in entry.get("subArchitectures") or []]
+        arches += profile.get("architectures") or []  # the old format's flat list
+        for arch in arches:
+            if arch in _ARCHES and arch != native:
+                rc = lib.seccomp_arch_add(ctx, _ARCHES[arch])
+                if rc not in (0, -17):  # -EEXIST: already there
+                    raise ProfileError(f"seccomp_arch_add {arch}: {os.strerror(-rc)}")
+        for action, name, conditions in rules:
             nr = lib.seccomp_syscall_resolve_name(name.encode())
             if nr == _NR_SCMP_ERROR:
                 continue  # unknown to this libseccomp (runc skips these too)

@@ -213,6 +213,23 @@ def test_check_refuses_to_run_jails_without_the_shim_or_a_usable_seccomp_profile
         NsjailBackend(tmp_path / "r", shim_binary=_shim_in(tmp_path), seccomp_profile_path=broken).check()
 
 
+def test_the_seccomp_program_is_written_afresh_where_no_one_else_can_write():
+    d = _public_tmpdir("sandboxd-nsjail-program-")
+    try:
+        shim = _shim_in(d)
+        NsjailBackend(d / "rootfs", shim_binary=shim).check()
+        program = next(d.glob("seccomp-*.bpf"))
+        good = program.read_bytes()
+        program.write_bytes(good[:-8])  # one instruction short: still loadable, and wrong
+        NsjailBackend(d / "rootfs", shim_binary=shim).check()
+        assert program.read_bytes() == good, "an earlier run's program must never be trusted"
+        os.chmod(d, 0o777)
+        with pytest.raises(BackendUnavailable, match="not writable by others"):
+            NsjailBackend(d / "rootfs", shim_binary=shim).check()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 # ------------------------------------------------------------------ output and exit codes
 
 

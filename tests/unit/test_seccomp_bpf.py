@@ -84,3 +84,32 @@ def test_a_program_the_shim_cannot_load_stops_it_before_the_command(tmp_path):
     out = subprocess.run([str(SHIM), "--seccomp", str(tmp_path / "missing"), "--", "/bin/echo", "ran"],
                          capture_output=True, timeout=10)
     assert out.returncode == 126 and out.stdout == b""
+
+
+def test_profiles_runc_accepts_compile_as_runc_reads_them():
+    base = json.loads(PROFILE)
+    # A rule that repeats the default action (libseccomp refuses it; runc skips it), an
+    # errno rule without errnoRet (EPERM, not defaultErrnoRet), the old "name" key.
+    base["defaultErrnoRet"] = 13
+    base["syscalls"] += [{"names": ["swapon"], "action": "SCMP_ACT_ERRNO", "errnoRet": 13},
+                         {"names": ["acct"], "action": "SCMP_ACT_ERRNO"},
+                         {"name": "vhangup", "action": "SCMP_ACT_KILL"}]
+    rules = seccomp_bpf.rules_for(base, "x86_64")
+    assert "swapon" not in names(rules)
+    assert (0x00050000 | 1, "acct", []) in rules
+    assert (seccomp_bpf.SCMP_ACT_KILL_THREAD, "vhangup", []) in rules
+    assert len(seccomp_bpf.compile_profile(json.dumps(base))) > 0
+
+
+@pytest.mark.parametrize("broken", [
+    {"syscalls": []},  # no defaultAction
+    {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": "read"},
+    {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW",
+                                                      "args": [{"index": 0, "value": 1, "op": "SCMP_CMP_WHAT"}]}]},
+    {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"action": "SCMP_ACT_ALLOW"}], "archMap": "x"},
+])
+def test_a_malformed_profile_is_a_profile_error_never_a_crash(broken):
+    with pytest.raises(seccomp_bpf.ProfileError):
+        seccomp_bpf.compile_profile(json.dumps(broken))
+    with pytest.raises(seccomp_bpf.ProfileError):
+        seccomp_bpf.compile_profile("{not json")

@@ -57,6 +57,7 @@ import stat as stat_module
 import signal as signal_module
 import subprocess
 import tarfile
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -249,6 +250,28 @@ class _Jail:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+def _write_program(directory: str, program: bytes) -> str:
+    """The seccomp program written afresh (never trusted from an earlier run) under a
+    name of its content, readable by all, in `directory`, which must be root's and
+    writable by no one else (nobody may swap the program a jail loads)."""
+    st = os.stat(directory)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{directory} must be the daemon's own and not writable by others")
+    path = os.path.join(directory, f"seccomp-{hashlib.sha256(program).hexdigest()[:16]}.bpf")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".seccomp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(program)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
 class NsjailBackend:
     name = "nsjail"
 
@@ -263,8 +286,8 @@ class NsjailBackend:
         self._rootfs_dir = Path(rootfs_dir)
         self._mask_file = str(self._rootfs_dir / "mask")
         self._seccomp_profile = str(seccomp_profile_path)
-        # The compiled program, beside the exported images (reachable by sandbox users:
-        # nsjail binds it as them); made by check().
+        # The compiled program, written by check() beside the shim (a root-owned directory
+        # that sandbox users can traverse: nsjail binds both as them).
         self._seccomp_program = ""
         self._shim = shim_binary
         self._binary = nsjail_binary or find_nsjail_binary()
@@ -293,8 +316,12 @@ class NsjailBackend:
         try:
             with open(self._seccomp_profile, encoding="utf-8") as f:
                 program = seccomp_bpf.compile_profile(f.read())
-        except (OSError, ValueError, seccomp_bpf.ProfileError) as exc:
+        except (OSError, UnicodeDecodeError, seccomp_bpf.ProfileError) as exc:
             raise BackendUnavailable(f"the seccomp profile {self._seccomp_profile} cannot be compiled: {exc}") from None
+        try:
+            self._seccomp_program = _write_program(os.path.dirname(self._shim), program)
+        except OSError as exc:
+            raise BackendUnavailable(f"cannot write the seccomp program beside {self._shim}: {exc}") from None
         try:
             self._rootfs_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
             os.chmod(self._rootfs_dir, 0o755)
@@ -302,13 +329,6 @@ class NsjailBackend:
                 fd = os.open(self._mask_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0)
                 os.close(fd)
             os.chmod(self._mask_file, 0)
-            self._seccomp_program = str(self._rootfs_dir / f"seccomp-{hashlib.sha256(program).hexdigest()[:16]}.bpf")
-            if not os.path.exists(self._seccomp_program):
-                tmp = f"{self._seccomp_program}.{os.getpid()}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(program)
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, self._seccomp_program)
         except OSError as exc:
             raise BackendUnavailable(f"cannot prepare {self._rootfs_dir}: {exc}") from None
         blocked = unreachable_by(str(self._rootfs_dir), 65534, 65534)
@@ -513,6 +533,8 @@ class NsjailBackend:
 
     def create(self, spec: NsjailSpec) -> SandboxHandle:
         sandbox_id = spec.labels[f"{LABEL_PREFIX}sandbox_id"]
+        if not os.path.isfile(spec.seccomp_program_path):  # said plainly, not as a jail that cannot start
+            raise BackendUnavailable(f"the seccomp program {spec.seccomp_program_path} is gone; restart the daemon")
         config_fd = log_fd = -1
         slot = None
         early = slot_early = None
