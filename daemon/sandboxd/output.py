@@ -17,12 +17,6 @@ from .redact import Redactor
 STDOUT, STDERR = 1, 2
 STREAM_NAMES = {STDOUT: "stdout", STDERR: "stderr"}
 MAX_CHUNK_BYTES = 1024 * 1024
-# The newest large stored chunks (immutable bytes only) are kept to hand to a reader
-# that is keeping up, instead of reading them back from the file: a copy and a syscall
-# fewer per chunk of a bulk stream. Small chunks are never kept: a reader then reads
-# many of them back at once.
-RECENT_MIN_CHUNK = 64 * 1024
-RECENT_CHUNKS = 16
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
@@ -49,8 +43,6 @@ class OutputSpool:
         self._stored = {STDOUT: 0, STDERR: 0}
         self._truncated = {STDOUT: False, STDERR: False}
         self._previews = {STDOUT: bytearray(), STDERR: bytearray()}
-        # stream -> {offset: chunk}, oldest first (at most RECENT_CHUNKS each)
-        self._recent: dict[int, dict[int, bytes]] = {STDOUT: {}, STDERR: {}}
         self._closed = False
         self._cond = threading.Condition()
         # Secrets are struck before a byte is stored: the live stream, the artifact and
@@ -98,17 +90,10 @@ class OutputSpool:
                     rest = rest[os.write(self._fds[stream], rest):]
         digest = self._hashes[stream]
         preview = self._previews[stream]
-        recent = self._recent[stream]
-        offset = self._stored[stream]
         for part in keep:
             digest.update(part)
             if len(preview) < self._preview_bytes:
                 preview += part[: self._preview_bytes - len(preview)]
-            if type(part) is bytes and len(part) >= RECENT_MIN_CHUNK:  # a view may be of a reused buffer
-                recent[offset] = part
-                if len(recent) > RECENT_CHUNKS:
-                    del recent[next(iter(recent))]
-            offset += len(part)
         self._produced[stream] += n
         self._stored[stream] += kept
         if kept < sum(len(p) for p in parts):
@@ -127,8 +112,6 @@ class OutputSpool:
             self._closed = True
             for fd in self._fds.values():
                 os.close(fd)
-            for recent in self._recent.values():
-                recent.clear()  # a reader still draining reads the rest back
             self._cond.notify_all()
 
     # -- reader side --------------------------------------------------------------
@@ -150,7 +133,7 @@ class OutputSpool:
                 for s in (STDOUT, STDERR):
                     while sent[s] < available[s]:
                         n = min(MAX_CHUNK_BYTES, available[s] - sent[s])
-                        data = self._recent_chunk(s, sent[s], n) or os.pread(readers[s].fileno(), n, sent[s])
+                        data = os.pread(readers[s].fileno(), n, sent[s])
                         if not data:
                             break
                         yield s, sent[s], data
@@ -163,12 +146,6 @@ class OutputSpool:
         finally:
             for f in readers.values():
                 f.close()
-
-    def _recent_chunk(self, stream: int, offset: int, limit: int) -> bytes:
-        """The kept chunk stored at `offset` (at most `limit` bytes of it), or b""."""
-        with self._cond:
-            data = self._recent[stream].get(offset, b"")
-        return data if len(data) <= limit else data[:limit]
 
     def summary(self, stream: int) -> StreamSummary:
         with self._cond:

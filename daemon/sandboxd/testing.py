@@ -143,14 +143,7 @@ def prepared_call(workspace: Path, argv: list[str], policy: dict | None = None, 
 
 def timed_ms(fn, n: int, warmup: int = 2) -> list[float]:
     """Wall times of n calls of fn, in ms, after `warmup` untimed ones (for bench/)."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1000)
-    return out
+    return timed_interleaved_ms({"": fn}, n, warmup)[""]
 
 
 def timed_interleaved_ms(fns: dict[str, Callable[[], object]], n: int, warmup: int = 2) -> dict[str, list[float]]:

@@ -25,7 +25,6 @@ from .settings import DaemonSettings
 
 log = logging.getLogger("sandboxd.transport")
 _RELAY_BYTES = 1 << 20
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
     r, w = os.pipe()
     try:
         try:  # a 1 MiB pipe: a sixteenth of the splices of the default 64 KiB
-            fcntl.fcntl(w, _F_SETPIPE_SZ, _RELAY_BYTES)
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, _RELAY_BYTES)
         except OSError:
             pass
         while True:

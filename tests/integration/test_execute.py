@@ -78,6 +78,28 @@ print("end", flush=True)
     assert lines[-1] == "end"
 
 
+def test_without_the_shim_docker_output_comes_over_the_attach_socket(spare_daemon, docker_engine):
+    # The shim (and with it the output FIFOs) missing: calls that need it are refused,
+    # the others still stream and finish through the attach socket.
+    d = spare_daemon(shim_binary="/nonexistent/sandbox-shim").start()
+    ws = d.new_workspace()
+    with d.client() as c:
+        arrivals = []
+        for event in c.execute(call(ws, sh("echo out; echo err >&2; sleep 1; echo late; exit 4"),
+                                    {"audit": {"recordFileAccess": False}})):
+            if event.WhichOneof("kind") == "output":
+                arrivals.append((time.monotonic(), event.output.stream, event.output.data))
+            elif event.WhichOneof("kind") == "finished":
+                result = event.finished.result
+        assert result.exit_code == 4
+        assert b"".join(d for _, s, d in arrivals if s == pb.OUTPUT_STREAM_STDOUT) == b"out\nlate\n"
+        assert b"".join(d for _, s, d in arrivals if s == pb.OUTPUT_STREAM_STDERR) == b"err\n"
+        assert arrivals[-1][0] - arrivals[0][0] > 0.5, "output is streamed, not delivered at the end"
+        with pytest.raises(errors.Unavailable):
+            c.run(call(ws, ["true"]))  # file-access recording (the default) needs the shim
+    assert not leftover_sandboxes(docker_engine, d)
+
+
 def test_exit_code_and_stderr_pass_through(client, workspace):
     out = client.run(call(workspace, sh("echo to-out; echo oops >&2; exit 7")))
     r = out.result

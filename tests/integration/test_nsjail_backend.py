@@ -35,13 +35,12 @@ from sandboxd.policy import parse_call, resolve_policy
 from sandboxd.preflight import preflight
 from sandboxd.settings import DaemonSettings, LimitSettings
 
+from ..probes import ALLOWED, PROBE
 from .conftest import sh, wait_for
-from .test_escape import ALLOWED
 
 DEFAULT_IMAGE = "sandboxd/default:latest"
 BUSYBOX_IMAGE = "sandboxd/busybox:latest"
 UID = 1000
-PROBE = (Path(__file__).resolve().parents[1] / "probes" / "escape_probe.py").read_bytes()
 LIMITS = LimitSettings(max_timeout_ms=120_000)
 TEST_SECRET = "nsjail-test-process-secret-5c1e"
 _seq = itertools.count()

@@ -34,7 +34,6 @@ log = logging.getLogger("sandboxd.docker")
 CGROUP_ROOT = "/sys/fs/cgroup"
 _RECV_BYTES = 4 << 20
 _FIFO_READ_BYTES = 1 << 20
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 # How long output FIFOs stay open after their container has ended (pump_fifos).
 WRITER_GRACE_S = 0.5
 
@@ -402,7 +401,7 @@ def open_stdio_fifos(directory: str) -> dict[int, int]:
         for stream, name in ((STDOUT, "stdout"), (STDERR, "stderr")):
             fds[stream] = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
-                fcntl.fcntl(fds[stream], _F_SETPIPE_SZ, _FIFO_READ_BYTES)
+                fcntl.fcntl(fds[stream], fcntl.F_SETPIPE_SZ, _FIFO_READ_BYTES)
             except OSError:
                 pass
     except OSError as exc:
@@ -428,17 +427,16 @@ def pump_fifos(fifos: dict[int, int], wake_fd: int, sink: OutputSpool, handle: S
     for fd in streams:
         poller.register(fd, select.POLLIN)
     poller.register(wake_fd, select.POLLIN)
-    unstored: list[OSError] = []
+    unstored = False  # a write to the spool failed (said once)
 
     def drain(fd: int) -> bool:
         """Reads what is there; True when the stream is over."""
+        nonlocal unstored
         while True:
             try:
                 data = os.read(fd, _FIFO_READ_BYTES)
             except BlockingIOError:
                 return False  # a writer is still there
-            except InterruptedError:
-                continue
             except OSError as exc:
                 log.warning("output pipe of %s broke: %s", handle.sandbox_id, exc)
                 return True
@@ -449,7 +447,7 @@ def pump_fifos(fifos: dict[int, int], wake_fd: int, sink: OutputSpool, handle: S
             except OSError as exc:  # e.g. the spool's disk is full: read on, never block the command
                 if not unstored:
                     log.error("output of %s could not be stored: %s", handle.sandbox_id, exc)
-                unstored.append(exc)
+                unstored = True
 
     def end(fd: int) -> None:
         poller.unregister(fd)

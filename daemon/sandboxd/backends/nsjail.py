@@ -88,7 +88,6 @@ _CONTROLLER_FILES = {
 # The Docker backend's profile: compiled to BPF here, loaded in each jail by the shim.
 DEFAULT_SECCOMP_PROFILE = REPO_ROOT / "seccomp" / "sandboxd-docker.json"
 _READ_BYTES = 1 << 20
-_F_SETPIPE_SZ = 1031
 # An early nsjail's config pipe: a config (argv included) up to this size goes in one write.
 _CONFIG_PIPE_BYTES = 1 << 20
 # How long destroy() and reap_orphans() wait for a killed cgroup to empty.
@@ -998,7 +997,7 @@ class _Early:
         config_r, config_w = os.pipe2(os.O_CLOEXEC)
         made = [config_r, config_w]
         try:
-            room = fcntl.fcntl(config_w, _F_SETPIPE_SZ, _CONFIG_PIPE_BYTES)
+            room = fcntl.fcntl(config_w, fcntl.F_SETPIPE_SZ, _CONFIG_PIPE_BYTES)
             log_fd = os.memfd_create("sandboxd-nsjail.log", os.MFD_CLOEXEC)
             made.append(log_fd)
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
@@ -1239,7 +1238,7 @@ def _output_pipes() -> tuple[int, int, int, int]:
         raise
     for fd in (out_r, err_r):
         try:
-            fcntl.fcntl(fd, _F_SETPIPE_SZ, _READ_BYTES)
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _READ_BYTES)
         except OSError:
             pass  # above the host's pipe-max-size: the default size works too
     return out_r, out_w, err_r, err_w
