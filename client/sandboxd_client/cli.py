@@ -171,6 +171,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
             print(f"{e.seq:>8}  {e.time}  {e.type:<22} {e.event_id}  {'ok' if ok else 'HASH MISMATCH'}")
             if e.type == "NetworkAccessObserved" and not args.verbose:
                 print("          " + network_line(payload))
+            if e.type == "ToolCallExpired" and not args.verbose:
+                removed = payload.get("artifactsRemoved", [])
+                print(f"          past the retention period ({payload.get('periodDays')} days): "
+                      f"{len(removed)} artifact(s) and the call's index rows removed")
             if args.verbose:
                 print("          " + json.dumps(payload, sort_keys=True))
     if bad:

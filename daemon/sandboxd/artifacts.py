@@ -4,6 +4,9 @@ indexed in SQLite with the call and the event that persisted them."""
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -40,6 +43,9 @@ class FileArtifactStore:
     def __init__(self, blob_dir: Path, db: Database):
         self._blob_dir = blob_dir
         self._db = db
+        # Held while a blob is put and while retention removes one: a blob is never
+        # removed between a call putting it and that call's row naming it.
+        self._blob_lock = threading.Lock()
         blob_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def blob_path(self, content_hash: str) -> Path:
@@ -50,18 +56,40 @@ class FileArtifactStore:
         """Moves a finished, already-hashed spool file into the content address.
         Durable on return: file and directory fsynced."""
         dest = self.blob_path(content_hash)
-        if dest.exists():
-            src.unlink(missing_ok=True)
-            return dest
-        dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(src, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(src, dest)
-        _fsync_dir(dest.parent)
+        with self._blob_lock:
+            if dest.exists():
+                src.unlink(missing_ok=True)
+                os.utime(dest)  # put just now: see remove_unreferenced
+                return dest
+            dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(src, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.utime(src)
+            os.replace(src, dest)
+            _fsync_dir(dest.parent)
         return dest
+
+    def remove_unreferenced(self, content_hashes: Iterable[str], grace_s: float = 600.0) -> list[str]:
+        """Removes the blobs of these hashes that no artifact row names and that were not
+        put in the last `grace_s` (a call that put one names it in its result's commit,
+        which may not have happened yet). Returns the hashes removed."""
+        removed = []
+        for content_hash in sorted(set(content_hashes)):
+            path = self.blob_path(content_hash)
+            with self._blob_lock:
+                if self._db.query("SELECT 1 FROM artifacts WHERE content_hash = ? LIMIT 1", (content_hash,)):
+                    continue
+                try:
+                    if path.stat().st_mtime > time.time() - grace_s:
+                        continue
+                    path.unlink()
+                except FileNotFoundError:
+                    continue
+                removed.append(content_hash)
+        return removed
 
     def insert(self, conn, record: ArtifactRecord) -> None:
         """Indexes an artifact inside the caller's transaction (with its event)."""
@@ -77,6 +105,12 @@ class FileArtifactStore:
         if not rows:
             raise NotFound(f"no artifact {artifact_id}", field="artifactId")
         return ArtifactRecord(**rows[0])
+
+    def expired(self, artifact_id: str) -> tuple[str, str] | None:
+        """(tool_call_id, expired_at) of an artifact that retention removed."""
+        rows = self._db.query("SELECT tool_call_id, expired_at FROM expired_artifacts WHERE artifact_id = ?",
+                              (artifact_id,))
+        return (rows[0]["tool_call_id"], rows[0]["expired_at"]) if rows else None
 
     def list_for_call(self, tool_call_id: str) -> list[ArtifactRecord]:
         rows = self._db.query("SELECT * FROM artifacts WHERE tool_call_id = ? ORDER BY created_at, artifact_id", (tool_call_id,))

@@ -114,6 +114,13 @@ def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
                 " VALUES (?,?,?,?,?,?,?)",
                 [(e.seq, call_seq, e.tool_call_id, str(a["host"]), str(a["host"])[::-1], int(a.get("port", 0)),
                   str(a.get("decision", ""))) for a in attempts])
+    elif e.type == ev.EXPIRED:
+        # Retention: the call leaves the index (its events and this tombstone stay).
+        call_seq = _call_seq(conn, e.tool_call_id)
+        if call_seq is not None:
+            for table in ("audit_paths", "audit_network"):
+                conn.execute(f"DELETE FROM {table} WHERE call_seq = ?", (call_seq,))
+            conn.execute("DELETE FROM audit_calls WHERE seq = ?", (call_seq,))
     elif e.type == ev.FILE_ACCESS and ("path" in p or "accesses" in p):
         call_seq = _call_seq(conn, e.tool_call_id)
         if call_seq is not None:

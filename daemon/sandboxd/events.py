@@ -45,6 +45,9 @@ SANDBOX_LEASE_ENDED = "SandboxLeaseEnded"
 FILE_ACCESS = "FileAccessObserved"
 # A retry with an already accepted idempotency key, answered from the first call.
 REPLAYED = "ToolCallReplayed"
+# The tombstone of a call past the retention period: its artifacts and index rows are
+# gone (listed here by id and content hash), its events stay.
+EXPIRED = "ToolCallExpired"
 
 
 def new_id(prefix: str) -> str:

@@ -35,6 +35,7 @@ from .executor import CallExecutor, clean_spool
 from .metrics import MetricsServer, render
 from .pools import PoolManager
 from .proxy import EgressProxy
+from .retention import RetentionSweeper
 from .service import (ArtifactServicer, AuditServicer, Authenticator, ErrorInterceptor, ExecutionServicer, PoolServicer,
                       TraceServicer, add_execution_service)
 from .settings import DaemonSettings, load_settings
@@ -88,11 +89,14 @@ class Daemon:
     relay: PeerCredentialRelay
     proxy: EgressProxy | None = None
     metrics: MetricsServer | None = None
+    retention: RetentionSweeper | None = None
 
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.grace_period_s if grace_s is None else grace_s
         log.info("shutting down: cancelling running calls")
         self.relay.close()
+        if self.retention is not None:
+            self.retention.stop()
         self.executor.shutdown(grace)
         if self.executor.pools is not None:
             self.executor.pools.shutdown()
@@ -215,6 +219,8 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     if interrupted:
         log.warning("recorded %d calls that an earlier run of this daemon never finished", interrupted)
     clean_spool(settings)
+    retention = RetentionSweeper(settings.retention, db, events, artifacts,
+                                 on_swept=lambda: checkpoints.checkpoint(force=True))
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.max_concurrent_calls * 2 + 8, thread_name_prefix="rpc"),
@@ -258,7 +264,8 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     if settings.metrics_address:
         metrics = MetricsServer(settings.metrics_address, lambda: _metrics_text(executor))
         metrics.start()
-    return Daemon(settings, server, executor, db, daemon_id, relay, proxy, metrics)
+    retention.start()  # serving first: a backlog of expired calls never delays start-up
+    return Daemon(settings, server, executor, db, daemon_id, relay, proxy, metrics, retention)
 
 
 def _metrics_text(executor: CallExecutor) -> str:

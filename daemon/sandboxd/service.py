@@ -247,7 +247,18 @@ class ArtifactServicer(pb_grpc.ArtifactServiceServicer):
         if not request.artifact_id:
             raise InvalidArgument("required", field="artifactId")
         caller = self._authenticate(context)
-        record = self._store.get(request.artifact_id)
+        try:
+            record = self._store.get(request.artifact_id)
+        except NotFound:
+            expired = self._store.expired(request.artifact_id)
+            if expired is None:
+                raise
+            try:
+                self._executor.check_access(expired[0], caller)
+            except NotFound:  # another tenant's: as if it never existed
+                raise NotFound(f"no artifact {request.artifact_id}", field="artifactId") from None
+            raise NotFound(f"artifact {request.artifact_id} expired at {expired[1]}: its call is past the "
+                           f"retention period (its trace keeps the content hash)", field="artifactId") from None
         try:
             self._executor.check_access(record.tool_call_id, caller)
         except NotFound:

@@ -154,6 +154,19 @@ class FileAuditSettings(BaseModel):
     hash_budget_mb: int = Field(1024, ge=0)
 
 
+class RetentionSettings(BaseModel):
+    """How long a finished call keeps its artifacts and forensic index rows (retention.py).
+    Its events stay: expiry appends a ToolCallExpired tombstone instead."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Age (from the call's end) past which it expires; 0 keeps everything forever.
+    period_days: float = Field(default=0.0, ge=0)
+    # How often the daemon looks for expired calls (and once at start).
+    sweep_interval_s: float = Field(default=3600.0, gt=0)
+    # Calls expired per transaction: a large backlog never holds the log for long.
+    batch: int = Field(default=200, ge=1)
+
+
 class PoolSettings(BaseModel):
     """Warm sandboxes per (workspace, image, backend, policy class) (pools.py)."""
 
@@ -249,6 +262,7 @@ class DaemonSettings(BaseModel):
     # Record file accesses (fanotify) of calls whose audit.recordFileAccess is true.
     file_watch: bool = True
     file_audit: FileAuditSettings = Field(default_factory=FileAuditSettings)
+    retention: RetentionSettings = Field(default_factory=RetentionSettings)
     # host:port of the Prometheus endpoint (GET /metrics); unset: none.
     metrics_address: str | None = None
     # Peer uid on the Unix socket -> principal name; any other uid is refused.

@@ -34,6 +34,12 @@ CREATE TABLE IF NOT EXISTS artifacts (
     created_at TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS artifacts_by_call ON artifacts (tool_call_id);
+-- Artifacts removed by retention: a download names the expiry instead of "no artifact".
+CREATE TABLE IF NOT EXISTS expired_artifacts (
+    artifact_id TEXT PRIMARY KEY,
+    tool_call_id TEXT NOT NULL,
+    expired_at TEXT NOT NULL
+);
 -- An index over ToolCallRequested events that carried an idempotency key; written in
 -- the same transaction as those events.
 -- Who made each call (the principal of its ToolCallRequested event), for tenant checks.

@@ -4,6 +4,7 @@ tenants apart, and survives a restart (catching up from the log)."""
 
 from __future__ import annotations
 
+import io
 import json
 import sqlite3
 
@@ -11,7 +12,7 @@ import pytest
 
 from sandboxd_client import errors
 
-from .conftest import call, sh
+from .conftest import call, sh, wait_for
 from .test_cli import ctl
 from .test_tenants import ALICE, BOB, client_as
 
@@ -110,3 +111,45 @@ def test_index_catches_up_from_the_log_after_a_restart(audited):
     with d.client() as c:
         rows = c.query_calls(command_contains="rebuild-me").calls
     assert [x.tool_call_id for x in rows] == [done.tool_call_id] and rows[0].status == "success"
+
+
+def test_retention_turns_old_calls_into_tombstones_and_the_log_still_verifies(spare_daemon):
+    """Past the retention period a call's artifacts (blob included) and index rows go;
+    its events stay, closed by a ToolCallExpired tombstone naming what was removed, and
+    the whole log verifies. A call inside its period keeps everything."""
+    period_s = 5.0
+    d = spare_daemon(retention={"period_days": period_s / 86400, "sweep_interval_s": 0.2}).start()
+    ws = d.new_workspace({"notes.txt": "n"})
+    with d.client() as c:
+        old = c.run(call(ws, sh("cat notes.txt; echo expiring-output")))
+        assert old.result.status == "success"
+        [art] = [a for a in c.list_artifacts(old.tool_call_id) if a.kind == "stdout"]
+        hexdigest = art.content_hash.removeprefix("sha256:")
+        blob = d.state_dir / "blobs" / "sha256" / hexdigest[:2] / hexdigest
+        assert blob.read_bytes() == b"nexpiring-output\n"
+        assert [x.tool_call_id for x in c.query_calls(command_contains="expiring-output").calls] == [old.tool_call_id]
+        kept = [e.event_id for e in c.get_trace(old.tool_call_id)]
+
+        trace = wait_for(lambda: (t := c.get_trace(old.tool_call_id))[-1].type == "ToolCallExpired" and t,
+                         timeout_s=period_s + 20)
+        assert trace, "the call did not expire"
+        fresh = c.run(call(ws, sh("echo fresh-output")))
+
+        assert [e.event_id for e in trace[:-1]] == kept
+        tomb = json.loads(trace[-1].payload_json)
+        assert {a["artifactId"]: a["contentHash"] for a in tomb["artifactsRemoved"]}[art.artifact_id] == art.content_hash
+        assert trace[-1].parent_event_id == kept[-1]
+        assert c.verify_log().ok
+        assert not c.query_calls(command_contains="expiring-output").calls
+        assert c.list_artifacts(old.tool_call_id) == [] and not blob.exists()
+        with pytest.raises(errors.NotFound, match="expired at .*retention period"):
+            c.download_artifact(art.artifact_id, io.BytesIO())
+        # The call inside its period is whole.
+        assert [x.tool_call_id for x in c.query_calls(command_contains="fresh-output").calls] == [fresh.tool_call_id]
+        [fresh_art] = [a for a in c.list_artifacts(fresh.tool_call_id) if a.kind == "stdout"]
+        sink = io.BytesIO()
+        c.download_artifact(fresh_art.artifact_id, sink)
+        assert sink.getvalue() == b"fresh-output\n"
+    shown = ctl(d, "trace", old.tool_call_id)
+    assert shown.returncode == 0 and b"ToolCallExpired" in shown.stdout
+    assert b"1 artifact(s) and the call's index rows removed" in shown.stdout
