@@ -75,21 +75,21 @@ class FileArtifactStore:
     def remove_unreferenced(self, content_hashes: Iterable[str], grace_s: float = 600.0) -> list[str]:
         """Removes the blobs of these hashes that no artifact row names and that were not
         put in the last `grace_s` (a call that put one names it in its result's commit,
-        which may not have happened yet). Returns the hashes removed."""
-        removed = []
+        which may not have happened yet). Returns the hashes settled: removed, already
+        gone, or named by a row; the others (put too recently) are for a later try."""
+        settled = []
         for content_hash in sorted(set(content_hashes)):
             path = self.blob_path(content_hash)
             with self._blob_lock:
-                if self._db.query("SELECT 1 FROM artifacts WHERE content_hash = ? LIMIT 1", (content_hash,)):
-                    continue
-                try:
-                    if path.stat().st_mtime > time.time() - grace_s:
-                        continue
-                    path.unlink()
-                except FileNotFoundError:
-                    continue
-                removed.append(content_hash)
-        return removed
+                if not self._db.query("SELECT 1 FROM artifacts WHERE content_hash = ? LIMIT 1", (content_hash,)):
+                    try:
+                        if path.stat().st_mtime > time.time() - grace_s:
+                            continue
+                        path.unlink()
+                    except FileNotFoundError:
+                        pass
+            settled.append(content_hash)
+        return settled
 
     def insert(self, conn, record: ArtifactRecord) -> None:
         """Indexes an artifact inside the caller's transaction (with its event)."""

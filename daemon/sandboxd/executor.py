@@ -595,6 +595,30 @@ class ReplayRun:
         if not recorded:
             raise InternalError(f"call {tool_call_id} has no recorded result")
         self.result = recorded[-1].payload["result"]
+        # Opened now: a retention sweep from here on removes nothing this replay reads.
+        self._outputs: list[tuple[int, Any]] = []
+        records = executor.artifacts.list_for_call(tool_call_id)
+        named = {a.get("artifactId") for a in self.result.get("artifacts", []) if isinstance(a, dict)}
+        try:
+            for record in records:
+                stream = {"stdout": STDOUT, "stderr": STDERR}.get(record.kind)
+                if stream is not None:
+                    self._outputs.append((stream, executor.artifacts.open(record)))
+        except FileNotFoundError:
+            records = []
+        expired = [e for e in self._events if e.type == ev.EXPIRED]
+        if expired or not named <= {r.artifact_id for r in records}:
+            self.close()
+            when = expired[-1].payload.get("expiredAt", expired[-1].time) if expired else "just now"
+            raise FailedPrecondition(f"call {tool_call_id}, the first with this key, expired ({when}) under the "
+                                     "retention period: its output is gone, so it cannot be answered again, and "
+                                     "the key is not run twice; its trace remains", field="runtime.idempotencyKey",
+                                     tool_call_id=tool_call_id)
+
+    def close(self) -> None:
+        for _, f in self._outputs:
+            f.close()
+        self._outputs = []
 
     def cancel(self, reason: str) -> bool:
         return False
@@ -607,17 +631,16 @@ class ReplayRun:
         started = by_type.get(ev.STARTED)
         if started is not None:
             yield StreamItem("started", started.event_id, {"sandboxId": started.payload.get("sandboxId", "")})
-        for record in self._executor.artifacts.list_for_call(self.tool_call_id):
-            stream = {"stdout": STDOUT, "stderr": STDERR}.get(record.kind)
-            if stream is None:
-                continue
-            with self._executor.artifacts.open(record) as f:
+        try:
+            for stream, f in self._outputs:
                 offset = 0
                 while data := f.read(MAX_CHUNK_BYTES):
                     if not is_active():
                         return
                     yield StreamItem("output", "", (stream, offset, data))
                     offset += len(data)
+        finally:
+            self.close()
         yield StreamItem("finished", by_type[ev.FINISHED].event_id, self.result)
 
 
@@ -893,9 +916,11 @@ class CallExecutor:
         running = self._runs.get(first_id)
         answer: AttachedRun | ReplayRun = (AttachedRun(running) if running is not None and running.result is None
                                            else ReplayRun(self, first_id))
-        last = self.events.for_call(first_id)[-1]
-        self.events.record(first_id, last.event_id, [EventDraft(ev.REPLAYED, {
-            "principal": principal, "idempotencyKey": key, "attached": isinstance(answer, AttachedRun)})])
+        with self.db.transaction() as conn:  # the parent is the call's last event at this commit
+            last = conn.execute("SELECT event_id FROM events WHERE tool_call_id = ? ORDER BY seq DESC LIMIT 1",
+                                (first_id,)).fetchone()
+            self.events.append(conn, first_id, last[0], [EventDraft(ev.REPLAYED, {
+                "principal": principal, "idempotencyKey": key, "attached": isinstance(answer, AttachedRun)})])
         return answer
 
     def recover_interrupted(self) -> int:

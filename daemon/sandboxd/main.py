@@ -90,6 +90,7 @@ class Daemon:
     proxy: EgressProxy | None = None
     metrics: MetricsServer | None = None
     retention: RetentionSweeper | None = None
+    audit_index: audit.AuditIndex | None = None
 
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.grace_period_s if grace_s is None else grace_s
@@ -109,6 +110,9 @@ class Daemon:
             close = getattr(backend, "close", None)
             if close is not None:
                 close()
+        if self.audit_index is not None:
+            self.audit_index.stop()
+            self.audit_index.db.close()
         self.db.close()
         log.info("stopped")
 
@@ -201,12 +205,14 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
         raise BackendUnavailable(f"the default backend {settings.default_backend!r} is unavailable: "
                                  f"{unavailable.get(settings.default_backend, 'not configured')}")
     db = Database(settings.db_path)
-    audit.ensure_schema(db)
-    events = EventLog(db, on_append=audit.index_events)
+    audit.drop_from_log_db(db)
+    audit_index = audit.AuditIndex(db, Database(settings.audit_db_path, schema="", durable=False))
+    events = EventLog(db, on_append=audit_index.notify)
     checkpoints = CheckpointFile(settings.state_dir / "checkpoints.jsonl", events)
-    caught_up = audit.catch_up(db)
+    caught_up = audit_index.sync()
     if caught_up:
         log.info("indexed %d events the forensic index had not seen", caught_up)
+    audit_index.start()
     artifacts = FileArtifactStore(settings.blob_dir, db)
     proxy, no_proxy_reason = _start_egress(settings)
     broker = CredentialBroker(settings.credentials, settings.secrets_dir)
@@ -219,7 +225,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     if interrupted:
         log.warning("recorded %d calls that an earlier run of this daemon never finished", interrupted)
     clean_spool(settings)
-    retention = RetentionSweeper(settings.retention, db, events, artifacts,
+    retention = RetentionSweeper(settings.retention, db, events, artifacts, audit_index,
                                  on_swept=lambda: checkpoints.checkpoint(force=True))
 
     server = grpc.server(
@@ -233,7 +239,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     add_execution_service(ExecutionServicer(executor, authenticate), server)
     pb_grpc.add_ArtifactServiceServicer_to_server(ArtifactServicer(artifacts, executor, authenticate), server)
     pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events, executor, authenticate, checkpoints), server)
-    pb_grpc.add_AuditServiceServicer_to_server(AuditServicer(db, authenticate), server)
+    pb_grpc.add_AuditServiceServicer_to_server(AuditServicer(audit_index, authenticate), server)
     pb_grpc.add_PoolServiceServicer_to_server(PoolServicer(executor, authenticate), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -265,7 +271,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
         metrics = MetricsServer(settings.metrics_address, lambda: _metrics_text(executor))
         metrics.start()
     retention.start()  # serving first: a backlog of expired calls never delays start-up
-    return Daemon(settings, server, executor, db, daemon_id, relay, proxy, metrics, retention)
+    return Daemon(settings, server, executor, db, daemon_id, relay, proxy, metrics, retention, audit_index)
 
 
 def _metrics_text(executor: CallExecutor) -> str:

@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 
 from . import events as ev
 from .artifacts import FileArtifactStore
+from .audit import AuditIndex
 from .events import EventDraft, EventLog
 from .settings import RetentionSettings
 from .store import Database
@@ -21,6 +22,8 @@ log = logging.getLogger("sandboxd.retention")
 
 # Longest time a put blob may wait for the row that names it (see remove_unreferenced).
 BLOB_GRACE_S = 600.0
+# Between two batches of a backlog: the log's lock is free for the calls meanwhile.
+BATCH_PAUSE_S = 0.05
 
 
 def stored_time(t: datetime) -> str:
@@ -40,28 +43,37 @@ class ExpiredCall:
     content_hashes: tuple[str, ...]
 
 
-def expire_calls(db: Database, events: EventLog, before: str, period_days: float, limit: int) -> list[ExpiredCall]:
+def expire_calls(db: Database, events: EventLog, index: AuditIndex, before: str, period_days: float,
+                 limit: int) -> list[ExpiredCall]:
     """Expires up to `limit` calls that ended before `before` (oldest first), each with
     its tombstone, in one transaction. The blobs are left to the caller: removing one
     is not part of the transaction (see FileArtifactStore.remove_unreferenced)."""
+    index.sync()
+    # A call's end is never before its start: requested_at bounds the scan.
+    rows = index.db.query(
+        "SELECT tool_call_id, finished_at FROM audit_calls WHERE requested_at < ? AND status != 'running'"
+        " AND finished_at != '' AND finished_at < ? ORDER BY seq LIMIT ?", (before, before, limit))
     expired_at = ev.utc_now()
     out: list[ExpiredCall] = []
     with db.transaction() as conn:
-        # A call's end is never before its start: requested_at bounds the scan.
-        rows = conn.execute(
-            "SELECT tool_call_id, finished_at FROM audit_calls WHERE requested_at < ? AND status != 'running'"
-            " AND finished_at != '' AND finished_at < ? ORDER BY seq LIMIT ?", (before, before, limit)).fetchall()
-        for tool_call_id, finished_at in rows:
+        for row in rows:
+            tool_call_id, finished_at = row["tool_call_id"], row["finished_at"]
+            if conn.execute("SELECT 1 FROM events WHERE tool_call_id = ? AND type = ? LIMIT 1",
+                            (tool_call_id, ev.EXPIRED)).fetchone():
+                continue  # expired by a sweep whose tombstone the index has not seen yet
             artifacts = conn.execute(
                 "SELECT artifact_id, kind, content_hash, size_bytes FROM artifacts WHERE tool_call_id = ?"
                 " ORDER BY artifact_id", (tool_call_id,)).fetchall()
             last = conn.execute("SELECT event_id FROM events WHERE tool_call_id = ? ORDER BY seq DESC LIMIT 1",
                                 (tool_call_id,)).fetchone()
             conn.execute("DELETE FROM artifacts WHERE tool_call_id = ?", (tool_call_id,))
-            conn.executemany("INSERT OR REPLACE INTO expired_artifacts (artifact_id, tool_call_id, expired_at)"
-                             " VALUES (?,?,?)", [(a[0], tool_call_id, expired_at) for a in artifacts])
-            # A retry under the call's key would be answered from artifacts that are gone.
-            conn.execute("DELETE FROM idempotency_keys WHERE tool_call_id = ?", (tool_call_id,))
+            # Each blob stays pending here until it is gone: a crash after this commit
+            # leaves it to the next sweep, never on disk for good.
+            conn.executemany("INSERT OR REPLACE INTO expired_artifacts (artifact_id, tool_call_id, expired_at,"
+                             " content_hash, blob_pending) VALUES (?,?,?,?,1)",
+                             [(a[0], tool_call_id, expired_at, a[2]) for a in artifacts])
+            # The idempotency key stays: a retry under it is refused as expired, never
+            # run a second time (CallExecutor._answer_retry).
             # Indexing the tombstone removes the call's index rows (audit.index_event),
             # so an index rebuilt from the log leaves them out as well.
             events.append(conn, tool_call_id, last[0] if last else "", [EventDraft(ev.EXPIRED, {
@@ -70,6 +82,7 @@ def expire_calls(db: Database, events: EventLog, before: str, period_days: float
                                      for a in artifacts],
             })])
             out.append(ExpiredCall(tool_call_id, tuple(a[0] for a in artifacts), tuple(a[2] for a in artifacts)))
+    index.sync()  # the tombstones take the calls out of the index
     return out
 
 
@@ -77,11 +90,13 @@ class RetentionSweeper:
     """Expires calls at start and then every sweep interval, on a thread of its own."""
 
     def __init__(self, settings: RetentionSettings, db: Database, events: EventLog, artifacts: FileArtifactStore,
-                 on_swept: Callable[[], object] | None = None, now: Callable[[], datetime] | None = None):
+                 index: AuditIndex, on_swept: Callable[[], object] | None = None,
+                 now: Callable[[], datetime] | None = None):
         self._settings = settings
         self._db = db
         self._events = events
         self._artifacts = artifacts
+        self._index = index
         self._on_swept = on_swept
         self._now = now or (lambda: datetime.now(timezone.utc))
         self._stop = threading.Event()
@@ -97,22 +112,34 @@ class RetentionSweeper:
             self._thread.join(30)
 
     def sweep(self) -> list[ExpiredCall]:
-        """Everything expired now, batch by batch; the blobs no other call names go too."""
+        """Everything expired now, batch by batch; then the blobs no other call names."""
         period = self._settings.period_days
         before = cutoff(self._now(), period)
-        grace_s = min(BLOB_GRACE_S, period * 86400)
         done: list[ExpiredCall] = []
         while not self._stop.is_set():
-            batch = expire_calls(self._db, self._events, before, period, self._settings.batch)
+            batch = expire_calls(self._db, self._events, self._index, before, period, self._settings.batch)
             done += batch
-            self._artifacts.remove_unreferenced((h for c in batch for h in c.content_hashes), grace_s)
             if len(batch) < self._settings.batch:
                 break
+            self._stop.wait(BATCH_PAUSE_S)  # calls' own commits go between batches
+        self.remove_blobs(min(BLOB_GRACE_S, period * 86400))
         if done:
             log.info("retention: %d calls expired (ended before %s)", len(done), before)
             if self._on_swept is not None:
                 self._on_swept()
         return done
+
+    def remove_blobs(self, grace_s: float) -> int:
+        """Removes the blobs of expired artifacts that no call names any more (including
+        those an earlier sweep could not); returns how many hashes were settled."""
+        pending = [r["content_hash"] for r in self._db.query(
+            "SELECT DISTINCT content_hash FROM expired_artifacts WHERE blob_pending = 1")]
+        settled = self._artifacts.remove_unreferenced(pending, grace_s)
+        if settled:
+            with self._db.transaction() as conn:
+                conn.executemany("UPDATE expired_artifacts SET blob_pending = 0 WHERE blob_pending = 1"
+                                 " AND content_hash = ?", [(h,) for h in settled])
+        return len(settled)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

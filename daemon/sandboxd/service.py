@@ -243,6 +243,19 @@ class ArtifactServicer(pb_grpc.ArtifactServiceServicer):
         self._executor.check_access(request.tool_call_id, self._authenticate(context))
         return pb.ListArtifactsResponse(artifacts=[artifact_to_pb(r) for r in self._store.list_for_call(request.tool_call_id)])
 
+    def _not_found(self, artifact_id: str, caller) -> NotFound:
+        """NOT_FOUND for an artifact with no row: saying it expired if it did and the
+        caller may see its call; another tenant's is as if it never existed."""
+        expired = self._store.expired(artifact_id)
+        if expired is not None:
+            try:
+                self._executor.check_access(expired[0], caller)
+                return NotFound(f"artifact {artifact_id} expired at {expired[1]}: its call is past the "
+                                f"retention period (its trace keeps the content hash)", field="artifactId")
+            except NotFound:
+                pass
+        return NotFound(f"no artifact {artifact_id}", field="artifactId")
+
     def DownloadArtifact(self, request: pb.DownloadArtifactRequest, context) -> Iterator[pb.ArtifactChunk]:
         if not request.artifact_id:
             raise InvalidArgument("required", field="artifactId")
@@ -250,20 +263,16 @@ class ArtifactServicer(pb_grpc.ArtifactServiceServicer):
         try:
             record = self._store.get(request.artifact_id)
         except NotFound:
-            expired = self._store.expired(request.artifact_id)
-            if expired is None:
-                raise
-            try:
-                self._executor.check_access(expired[0], caller)
-            except NotFound:  # another tenant's: as if it never existed
-                raise NotFound(f"no artifact {request.artifact_id}", field="artifactId") from None
-            raise NotFound(f"artifact {request.artifact_id} expired at {expired[1]}: its call is past the "
-                           f"retention period (its trace keeps the content hash)", field="artifactId") from None
+            raise self._not_found(request.artifact_id, caller) from None
         try:
             self._executor.check_access(record.tool_call_id, caller)
         except NotFound:
             raise NotFound(f"no artifact {request.artifact_id}", field="artifactId") from None
-        with self._store.open(record) as f:
+        try:
+            blob = self._store.open(record)
+        except FileNotFoundError:  # expired between the row and the blob
+            raise self._not_found(request.artifact_id, caller) from None
+        with blob as f:
             offset = 0
             first = True
             while True:
@@ -331,8 +340,8 @@ def event_to_pb(e) -> pb.TraceEvent:
 class AuditServicer(pb_grpc.AuditServiceServicer):
     """Forensic queries (audit.py). A principal that is not an admin sees its own calls only."""
 
-    def __init__(self, db, authenticate: Authenticator):
-        self._db = db
+    def __init__(self, index: "audit.AuditIndex", authenticate: Authenticator):
+        self._index = index
         self._authenticate = authenticate
 
     def QueryCalls(self, request: pb.QueryCallsRequest, context) -> pb.QueryCallsResponse:
@@ -347,7 +356,9 @@ class AuditServicer(pb_grpc.AuditServiceServicer):
             domain=request.domain, principal=principal, workspace=request.workspace, status=request.status,
             since=request.since, until=request.until, page_size=request.page_size, page_token=request.page_token)
         try:
-            rows, token = audit.query_calls(self._db, q)
+            audit.check_query(q)  # a bad filter is refused before any indexing
+            self._index.sync()  # every call recorded before this query is in the answer
+            rows, token = audit.query_calls(self._index.db, q)
         except audit.BadFilter as exc:
             raise InvalidArgument(exc.reason, field=exc.field) from None
         return pb.QueryCallsResponse(calls=[_call_summary(r) for r in rows], next_page_token=token)

@@ -160,7 +160,7 @@ class RetentionSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     # Age (from the call's end) past which it expires; 0 keeps everything forever.
-    period_days: float = Field(default=0.0, ge=0)
+    period_days: float = Field(default=0.0, ge=0, le=36500)
     # How often the daemon looks for expired calls (and once at start).
     sweep_interval_s: float = Field(default=3600.0, gt=0)
     # Calls expired per transaction: a large backlog never holds the log for long.
@@ -315,6 +315,11 @@ class DaemonSettings(BaseModel):
     @property
     def db_path(self) -> Path:
         return self.state_dir / "sandboxd.db"
+
+    @property
+    def audit_db_path(self) -> Path:
+        """The forensic index: rebuilt from the log whenever it is behind or missing."""
+        return self.state_dir / "audit.db"
 
     @property
     def blob_dir(self) -> Path:

@@ -34,12 +34,17 @@ CREATE TABLE IF NOT EXISTS artifacts (
     created_at TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS artifacts_by_call ON artifacts (tool_call_id);
--- Artifacts removed by retention: a download names the expiry instead of "no artifact".
+CREATE INDEX IF NOT EXISTS artifacts_by_content ON artifacts (content_hash);
+-- Artifacts removed by retention: a download names the expiry instead of "no artifact";
+-- blob_pending until the blob is gone (or named by another call), across restarts.
 CREATE TABLE IF NOT EXISTS expired_artifacts (
     artifact_id TEXT PRIMARY KEY,
     tool_call_id TEXT NOT NULL,
-    expired_at TEXT NOT NULL
+    expired_at TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    blob_pending INTEGER NOT NULL
 );
+CREATE INDEX IF NOT EXISTS expired_artifacts_pending ON expired_artifacts (blob_pending, content_hash);
 -- An index over ToolCallRequested events that carried an idempotency key; written in
 -- the same transaction as those events.
 -- Who made each call (the principal of its ToolCallRequested event), for tenant checks.
@@ -57,18 +62,22 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
     request_digest TEXT NOT NULL,
     tool_call_id TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS idempotency_keys_by_call ON idempotency_keys (tool_call_id);
 """
 
 
 class Database:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, schema: str = SCHEMA, durable: bool = True):
+        """`durable` False: no commit is fsynced (a database rebuilt from another one,
+        like the forensic index); WAL still keeps it whole across a crash."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.RLock()
+        self._synchronous = "FULL" if durable else "NORMAL"
         with self._lock:
             self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=FULL")
-            self._conn.executescript(SCHEMA)
+            self._conn.execute(f"PRAGMA synchronous={self._synchronous}")
+            self._conn.executescript(schema)
 
     @contextmanager
     def transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
@@ -76,7 +85,8 @@ class Database:
         `durable` is False: then it is atomic and ordered but reaches the disk with the
         next durable commit (WAL keeps the log whole either way)."""
         with self._lock:
-            if not durable:
+            relaxed = not durable and self._synchronous == "FULL"
+            if relaxed:
                 self._conn.execute("PRAGMA synchronous=NORMAL")
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
@@ -87,7 +97,7 @@ class Database:
                     raise
                 self._conn.execute("COMMIT")
             finally:
-                if not durable:
+                if relaxed:
                     self._conn.execute("PRAGMA synchronous=FULL")
 
     def ensure_schema(self, sql: str) -> None:

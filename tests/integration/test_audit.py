@@ -102,7 +102,7 @@ def test_index_catches_up_from_the_log_after_a_restart(audited):
     with d.client() as c:
         done = c.run(call(ws, sh("echo rebuild-me")))
     d.stop()
-    db = sqlite3.connect(d.state_dir / "sandboxd.db")
+    db = sqlite3.connect(d.state_dir / "audit.db")
     db.execute("DELETE FROM audit_calls")
     db.execute("DELETE FROM audit_meta")
     db.commit()
@@ -121,8 +121,12 @@ def test_retention_turns_old_calls_into_tombstones_and_the_log_still_verifies(sp
     d = spare_daemon(retention={"period_days": period_s / 86400, "sweep_interval_s": 0.2}).start()
     ws = d.new_workspace({"notes.txt": "n"})
     with d.client() as c:
-        old = c.run(call(ws, sh("cat notes.txt; echo expiring-output")))
+        keyed = call(ws, sh("cat notes.txt; echo expiring-output; echo ran >> runs.txt"),
+                     {"filesystem": {"writeRoots": ["/workspace"]}})
+        keyed["runtime"]["idempotencyKey"] = "retention-key-1"
+        old = c.run(keyed)
         assert old.result.status == "success"
+        assert c.run(keyed).tool_call_id == old.tool_call_id  # replayed while in its period
         [art] = [a for a in c.list_artifacts(old.tool_call_id) if a.kind == "stdout"]
         hexdigest = art.content_hash.removeprefix("sha256:")
         blob = d.state_dir / "blobs" / "sha256" / hexdigest[:2] / hexdigest
@@ -144,6 +148,10 @@ def test_retention_turns_old_calls_into_tombstones_and_the_log_still_verifies(sp
         assert c.list_artifacts(old.tool_call_id) == [] and not blob.exists()
         with pytest.raises(errors.NotFound, match="expired at .*retention period"):
             c.download_artifact(art.artifact_id, io.BytesIO())
+        # A retry under its key is refused, and never runs a second time.
+        with pytest.raises(errors.FailedPrecondition, match="expired .*retention period"):
+            c.run(keyed)
+        assert (ws / "runs.txt").read_text() == "ran\n"
         # The call inside its period is whole.
         assert [x.tool_call_id for x in c.query_calls(command_contains="fresh-output").calls] == [fresh.tool_call_id]
         [fresh_art] = [a for a in c.list_artifacts(fresh.tool_call_id) if a.kind == "stdout"]

@@ -9,6 +9,7 @@ import base64
 import hashlib
 import json
 import shlex
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -1103,3 +1104,84 @@ def test_two_thousand_calls(db, log):
     assert ids(db, path="/workspace", path_operation="read", domain="pypi.org", page_size=500) == [
         f"tc-{i:04d}" for i in reversed(range(2000)) if i % 10 == 0]
     assert db.query("SELECT indexed_seq FROM audit_meta") == [{"indexed_seq": log.range(0, 100_000)[-1].seq}]
+
+
+# ------------------------------------------------------------------ the daemon's wiring: an index file of its own
+
+
+@pytest.fixture
+def split(tmp_path, clock):
+    """As main.build_daemon wires it: the log in sandboxd.db, the index in audit.db,
+    EventLog's appends waking the index's thread."""
+    log_db = Database(tmp_path / "sandboxd.db")
+    index = audit.AuditIndex(log_db, Database(tmp_path / "audit.db", schema="", durable=False))
+    yield log_db, index, EventLog(log_db, on_append=index.notify)
+    index.stop()
+    index.db.close()
+    log_db.close()
+
+
+def test_the_index_file_tails_the_log_on_its_own_thread(split):
+    log_db, index, log = split
+    index.start()
+    run_call(log, "tc_tailed", argv=("make", "tailed"), observed=(file_access("/workspace/t.py", "write"),))
+    deadline = time.monotonic() + 10
+    while not index.db.query("SELECT 1 FROM audit_calls WHERE status = 'success'"):
+        assert time.monotonic() < deadline, "the index never caught up by itself"
+        time.sleep(0.01)
+    assert audit.query_calls(index.db, audit.CallQuery(path="/workspace/t.py"))[0][0]["tool_call_id"] == "tc_tailed"
+    # The log's database holds no index tables at all.
+    tables = {r["name"] for r in log_db.query("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert not tables & {"audit_calls", "audit_paths", "audit_network", "audit_meta"}
+
+
+def test_sync_brings_the_index_to_the_logs_head(split):
+    log_db, index, log = split  # no thread: only sync indexes
+    run_call(log, "tc_a", argv=("echo", "a"))
+    assert ids(index.db) == []
+    assert index.sync() == len(log.range())
+    assert ids(index.db) == ["tc_a"] and call_row(index.db, "tc_a")["status"] == "success"
+    accept(log, "tc_b")
+    assert index.sync() == 3 and index.sync() == 0
+    assert ids(index.db) == ["tc_b", "tc_a"] and call_row(index.db, "tc_b")["status"] == "running"
+
+
+def test_a_lost_index_file_is_rebuilt_from_the_log(split, tmp_path):
+    log_db, index, log = split
+    run_call(log, "tc_kept", observed=(network("pypi.test"),))
+    index.sync()
+    index.db.close()
+    for name in ("audit.db", "audit.db-wal", "audit.db-shm"):
+        (tmp_path / name).unlink(missing_ok=True)
+    again = audit.AuditIndex(log_db, Database(tmp_path / "audit.db", schema="", durable=False))
+    try:
+        assert ids(again.db) == []
+        assert again.sync() == len(log.range())
+        assert ids(again.db, domain="pypi.test") == ["tc_kept"]
+    finally:
+        again.db.close()
+    index.db = Database(tmp_path / "audit-closed.db", schema="")  # for the fixture's close
+
+
+def test_the_index_file_is_not_fsynced_but_the_log_is(split):
+    log_db, index, _ = split
+    assert index.db.query("PRAGMA synchronous") == [{"synchronous": 1}]  # NORMAL
+    assert log_db.query("PRAGMA synchronous") == [{"synchronous": 2}]  # FULL
+
+
+def test_index_tables_left_in_the_log_db_by_an_older_daemon_are_dropped(tmp_path):
+    log_db = Database(tmp_path / "sandboxd.db")
+    audit.ensure_schema(log_db)  # where daemons before the split kept the index
+    audit.drop_from_log_db(log_db)
+    tables = {r["name"] for r in log_db.query("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert "events" in tables and not tables & {"audit_calls", "audit_paths", "audit_network", "audit_meta",
+                                                "audit_schema"}
+    log_db.close()
+
+
+def test_a_bad_filter_is_refused_before_any_query(db):
+    with pytest.raises(audit.BadFilter, match="pageToken"):
+        audit.check_query(audit.CallQuery(page_token="not-a-token"))
+    with pytest.raises(audit.BadFilter, match="pathOperation"):
+        audit.check_query(audit.CallQuery(path_operation="read"))
+    audit.check_query(audit.CallQuery(path="/workspace/x", path_operation="read"))

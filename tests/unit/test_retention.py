@@ -15,19 +15,70 @@ from pydantic import ValidationError
 from sandboxd import audit
 from sandboxd import events as ev
 from sandboxd.artifacts import ArtifactRecord, FileArtifactStore
+from sandboxd.events import EventLog
 from sandboxd.retention import RetentionSweeper, cutoff, expire_calls
 from sandboxd.settings import DaemonSettings, RetentionSettings
+from sandboxd.store import Database
 
-from .test_audit_index import (T0, accept, call_row, file_access, ids, iso, network, path_rows, network_rows, reject,
-                               run_call)
-from .test_audit_index import clock, db, log  # noqa: F401 - fixtures
+from .test_audit_index import T0, accept, file_access, iso, network, reject, run_call
+from .test_audit_index import call_row as _call_row, ids as _ids, network_rows as _network_rows, path_rows as _path_rows
+from .test_audit_index import clock  # noqa: F401 - fixture
 
 DAY = timedelta(days=1)
 
 
+# The daemon's wiring: the log in one database, the index in its own, tailing it.
 @pytest.fixture
-def store(tmp_path, db):  # noqa: F811
+def db(tmp_path):
+    d = Database(tmp_path / "sandboxd.db")
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def index(tmp_path, db):
+    i = audit.AuditIndex(db, Database(tmp_path / "audit.db", schema="", durable=False))
+    yield i
+    i.db.close()
+
+
+@pytest.fixture
+def log(db, index, clock):
+    return EventLog(db, on_append=index.notify)
+
+
+@pytest.fixture
+def store(tmp_path, db):
     return FileArtifactStore(tmp_path / "blobs", db)
+
+
+_INDEX: list = []
+
+
+@pytest.fixture(autouse=True)
+def _current_index(index):
+    _INDEX[:] = [index]
+
+
+def _synced():
+    _INDEX[0].sync()
+    return _INDEX[0].db
+
+
+def ids(_db, **filters):
+    return _ids(_synced(), **filters)
+
+
+def call_row(_db, tcid):
+    return _call_row(_synced(), tcid)
+
+
+def path_rows(_db, tcid=None):
+    return _path_rows(_synced(), tcid)
+
+
+def network_rows(_db, tcid=None):
+    return _network_rows(_synced(), tcid)
 
 
 def put_artifact(store: FileArtifactStore, db, tmp_path, tcid: str, content: bytes, kind: str = "stdout",
@@ -48,12 +99,12 @@ def put_artifact(store: FileArtifactStore, db, tmp_path, tcid: str, content: byt
     return record
 
 
-def sweeper(db, log, store, clock, period_days: float = 30, batch: int = 200, **kw) -> RetentionSweeper:  # noqa: F811
+def sweeper(db, log, store, clock, period_days: float = 30, batch: int = 200, **kw) -> RetentionSweeper:
     settings = RetentionSettings(period_days=period_days, batch=batch, **kw)
-    return RetentionSweeper(settings, db, log, store, now=lambda: clock.t)
+    return RetentionSweeper(settings, db, log, store, _INDEX[0], now=lambda: clock.t)
 
 
-def test_an_expired_call_keeps_its_events_gains_a_tombstone_and_leaves_the_index(db, log, store, clock, tmp_path):  # noqa: F811
+def test_an_expired_call_keeps_its_events_gains_a_tombstone_and_leaves_the_index(db, log, store, clock, tmp_path):
     run_call(log, "tc_old", argv=("cat", "secrets.yaml"),
              observed=(file_access("/workspace/secrets.yaml", "read"), network("pypi.test")))
     art = put_artifact(store, db, tmp_path, "tc_old", b"old output\n")
@@ -78,12 +129,12 @@ def test_an_expired_call_keeps_its_events_gains_a_tombstone_and_leaves_the_index
     assert ids(db, path="/workspace/secrets.yaml") == ["tc_new"]
     assert ids(db, domain="pypi.test") == [] and network_rows(db, "tc_old") == []
     assert path_rows(db, "tc_old") == [] and call_row(db, "tc_new")["status"] == "success"
-    assert not db.query("SELECT * FROM audit_calls WHERE tool_call_id = 'tc_old'")
+    assert not _synced().query("SELECT * FROM audit_calls WHERE tool_call_id = 'tc_old'")
     assert store.list_for_call("tc_old") == [] and not store.blob_path(art.content_hash).exists()
     assert store.expired(art.artifact_id) == ("tc_old", tomb.payload["expiredAt"])
 
 
-def test_a_second_sweep_expires_nothing_again(db, log, store, clock):  # noqa: F811
+def test_a_second_sweep_expires_nothing_again(db, log, store, clock):
     run_call(log, "tc_a")
     clock.set(T0 + 40 * DAY)
     s = sweeper(db, log, store, clock)
@@ -92,14 +143,14 @@ def test_a_second_sweep_expires_nothing_again(db, log, store, clock):  # noqa: F
     assert s.sweep() == [] and len(log.range()) == n
 
 
-def test_a_running_call_never_expires_however_old(db, log, store, clock):  # noqa: F811
+def test_a_running_call_never_expires_however_old(db, log, store, clock):
     accept(log, "tc_running")
     clock.set(T0 + 400 * DAY)
     assert sweeper(db, log, store, clock).sweep() == []
     assert call_row(db, "tc_running")["status"] == "running"
 
 
-def test_age_counts_from_the_end_of_the_call(db, log, store, clock):  # noqa: F811
+def test_age_counts_from_the_end_of_the_call(db, log, store, clock):
     last = accept(log, "tc_long")
     clock.set(T0 + 20 * DAY)  # a call that ran for 20 days (a lease, a long job)
     from .test_audit_index import finish, start
@@ -110,14 +161,14 @@ def test_age_counts_from_the_end_of_the_call(db, log, store, clock):  # noqa: F8
     assert [c.tool_call_id for c in sweeper(db, log, store, clock).sweep()] == ["tc_long"]
 
 
-def test_refused_calls_expire_too(db, log, store, clock):  # noqa: F811
+def test_refused_calls_expire_too(db, log, store, clock):
     reject(log, "tc_refused")
     clock.set(T0 + 31 * DAY)
     assert [c.tool_call_id for c in sweeper(db, log, store, clock).sweep()] == ["tc_refused"]
     assert ids(db, status="rejected") == [] and log.verify().ok
 
 
-def test_a_blob_another_call_still_names_is_kept(db, log, store, clock, tmp_path):  # noqa: F811
+def test_a_blob_another_call_still_names_is_kept(db, log, store, clock, tmp_path):
     run_call(log, "tc_first")
     a = put_artifact(store, db, tmp_path, "tc_first", b"same bytes")
     clock.set(T0 + 20 * DAY)
@@ -132,7 +183,7 @@ def test_a_blob_another_call_still_names_is_kept(db, log, store, clock, tmp_path
     assert not store.blob_path(a.content_hash).exists()
 
 
-def test_a_blob_put_moments_ago_is_kept_for_the_call_about_to_name_it(db, log, store, clock, tmp_path):  # noqa: F811
+def test_a_blob_put_moments_ago_is_kept_for_the_call_about_to_name_it(db, log, store, clock, tmp_path):
     run_call(log, "tc_old")
     a = put_artifact(store, db, tmp_path, "tc_old", b"shared")
     clock.set(T0 + 31 * DAY)
@@ -140,37 +191,72 @@ def test_a_blob_put_moments_ago_is_kept_for_the_call_about_to_name_it(db, log, s
     spool = tmp_path / "spool-pending"
     spool.write_bytes(b"shared")
     store.put_blob(spool, a.content_hash)
-    assert [c.tool_call_id for c in sweeper(db, log, store, clock).sweep()] == ["tc_old"]
-    assert store.blob_path(a.content_hash).exists()
-    # Without that put, the same expiry removes it.
-    assert store.remove_unreferenced([a.content_hash], grace_s=600) == []
+    s = sweeper(db, log, store, clock)
+    assert [c.tool_call_id for c in s.sweep()] == ["tc_old"]
+    assert store.blob_path(a.content_hash).read_bytes() == b"shared"
+    assert db.query("SELECT blob_pending FROM expired_artifacts") == [{"blob_pending": 1}]
+    # That call never named it (it failed before its commit): once the grace is over,
+    # a later sweep, with nothing new to expire, removes it.
     old = time.time() - 3600
     os.utime(store.blob_path(a.content_hash), (old, old))
-    assert store.remove_unreferenced([a.content_hash], grace_s=600) == [a.content_hash]
+    assert s.sweep() == []
+    assert not store.blob_path(a.content_hash).exists()
+    assert db.query("SELECT blob_pending FROM expired_artifacts") == [{"blob_pending": 0}]
 
 
-def test_an_index_rebuilt_from_the_log_leaves_expired_calls_out(db, log, store, clock):  # noqa: F811
+def test_blobs_left_by_a_crash_after_the_expiry_commit_go_at_the_next_sweep(db, log, store, clock, tmp_path, index):
+    run_call(log, "tc_old")
+    a = put_artifact(store, db, tmp_path, "tc_old", b"left behind")
+    clock.set(T0 + 31 * DAY)
+    # The expiry committed, then the daemon died before removing the blob.
+    assert [c.tool_call_id for c in expire_calls(db, log, index, cutoff(clock.t, 30), 30, 10)] == ["tc_old"]
+    assert store.blob_path(a.content_hash).exists()
+    assert sweeper(db, log, store, clock).sweep() == []  # the restarted daemon's first sweep
+    assert not store.blob_path(a.content_hash).exists()
+
+
+def test_the_sweep_ends_when_the_index_is_not_hooked_to_the_log(db, store, clock, index):
+    quiet = EventLog(db)  # appends do not wake the index: only the sweep's own syncs index
+    for i in range(5):
+        run_call(quiet, f"tc_{i}")
+    clock.set(T0 + 31 * DAY)
+    done = sweeper(db, quiet, store, clock, batch=2).sweep()
+    assert sorted(c.tool_call_id for c in done) == [f"tc_{i}" for i in range(5)]
+    assert len([e for e in quiet.range() if e.type == ev.EXPIRED]) == 5
+
+
+def test_lookups_of_a_sweep_use_indexes(db):
+    for sql in ("SELECT 1 FROM artifacts WHERE content_hash = ? LIMIT 1",
+                "SELECT artifact_id FROM artifacts WHERE tool_call_id = ?",
+                "SELECT DISTINCT content_hash FROM expired_artifacts WHERE blob_pending = 1",
+                "SELECT 1 FROM events WHERE tool_call_id = ? AND type = ? LIMIT 1"):
+        plan = " ".join(r["detail"] for r in db.query("EXPLAIN QUERY PLAN " + sql, ("x",) * sql.count("?")))
+        assert "USING" in plan and "INDEX" in plan, (sql, plan)
+
+
+def test_an_index_rebuilt_from_the_log_leaves_expired_calls_out(db, log, store, clock, index):
     run_call(log, "tc_old", observed=(file_access("/workspace/a.py", "write"),))
     clock.set(T0 + 20 * DAY)
     run_call(log, "tc_new", observed=(file_access("/workspace/a.py", "write"),))
     clock.set(T0 + 31 * DAY)
     sweeper(db, log, store, clock).sweep()
-    db.ensure_schema("DELETE FROM audit_calls; DELETE FROM audit_paths; DELETE FROM audit_network;"
-                     " DELETE FROM audit_meta;")
-    assert audit.catch_up(db) == len(log.range())
+    index.db.ensure_schema("DELETE FROM audit_calls; DELETE FROM audit_paths; DELETE FROM audit_network;"
+                           " DELETE FROM audit_meta;")
+    assert index.sync() == len(log.range())
     assert ids(db) == ["tc_new"] and ids(db, path="/workspace/a.py") == ["tc_new"]
 
 
-def test_the_expired_calls_idempotency_key_is_released(db, log, store, clock):  # noqa: F811
+def test_the_expired_calls_idempotency_key_stays_taken(db, log, store, clock):
     run_call(log, "tc_keyed")
     with db.transaction() as conn:
         conn.execute("INSERT INTO idempotency_keys VALUES ('alice/k1', 'sha256:x', 'tc_keyed')")
     clock.set(T0 + 31 * DAY)
     sweeper(db, log, store, clock).sweep()
-    assert db.query("SELECT * FROM idempotency_keys") == []
+    # A retry under it is refused as expired (CallExecutor._answer_retry), never run again.
+    assert db.query("SELECT tool_call_id FROM idempotency_keys") == [{"tool_call_id": "tc_keyed"}]
 
 
-def test_a_backlog_expires_in_batches_oldest_first_each_once(db, log, store, clock):  # noqa: F811
+def test_a_backlog_expires_in_batches_oldest_first_each_once(db, log, store, clock):
     for i in range(7):
         run_call(log, f"tc_{i}")
     clock.set(T0 + 31 * DAY)
@@ -181,7 +267,7 @@ def test_a_backlog_expires_in_batches_oldest_first_each_once(db, log, store, clo
     assert ids(db) == [] and log.verify().ok
 
 
-def test_the_tombstone_is_hashed_into_the_chain(db, log, store, clock):  # noqa: F811
+def test_the_tombstone_is_hashed_into_the_chain(db, log, store, clock):
     run_call(log, "tc_x")
     clock.set(T0 + 31 * DAY)
     sweeper(db, log, store, clock).sweep()
@@ -199,26 +285,26 @@ def test_cutoff_is_spelled_like_stored_times():
     assert cutoff(T0, 0.5) == iso(T0 - timedelta(hours=12))
 
 
-def test_expire_calls_respects_its_limit(db, log, clock):  # noqa: F811
+def test_expire_calls_respects_its_limit(db, log, clock):
     for i in range(4):
         run_call(log, f"tc_{i}")
     before = cutoff(T0 + 31 * DAY, 30)
-    assert [c.tool_call_id for c in expire_calls(db, log, before, 30, 2)] == ["tc_0", "tc_1"]
-    assert [c.tool_call_id for c in expire_calls(db, log, before, 30, 5)] == ["tc_2", "tc_3"]
+    assert [c.tool_call_id for c in expire_calls(db, log, _INDEX[0], before, 30, 2)] == ["tc_0", "tc_1"]
+    assert [c.tool_call_id for c in expire_calls(db, log, _INDEX[0], before, 30, 5)] == ["tc_2", "tc_3"]
 
 
-def test_no_period_means_no_sweeper_thread(db, log, store, clock):  # noqa: F811
+def test_no_period_means_no_sweeper_thread(db, log, store, clock):
     s = sweeper(db, log, store, clock, period_days=0)
     s.start()
     assert not s._thread.is_alive()
     s.stop()
 
 
-def test_the_sweeper_thread_sweeps_at_start_and_stops(db, log, store, clock):  # noqa: F811
+def test_the_sweeper_thread_sweeps_at_start_and_stops(db, log, store, clock):
     run_call(log, "tc_a")
     clock.set(T0 + 31 * DAY)
     swept = []
-    s = RetentionSweeper(RetentionSettings(period_days=30, sweep_interval_s=0.05), db, log, store,
+    s = RetentionSweeper(RetentionSettings(period_days=30, sweep_interval_s=0.05), db, log, store, _INDEX[0],
                          on_swept=lambda: swept.append(1), now=lambda: clock.t)
     s.start()
     deadline = time.monotonic() + 10
@@ -229,7 +315,8 @@ def test_the_sweeper_thread_sweeps_at_start_and_stops(db, log, store, clock):  #
     assert [e.type for e in log.for_call("tc_a")][-1] == ev.EXPIRED
 
 
-@pytest.mark.parametrize("bad", [{"period_days": -1}, {"sweep_interval_s": 0}, {"batch": 0}, {"period": 3}])
+@pytest.mark.parametrize("bad", [{"period_days": -1}, {"period_days": 1e6}, {"sweep_interval_s": 0}, {"batch": 0},
+                                 {"period": 3}])
 def test_bad_retention_settings_are_refused(bad):
     with pytest.raises(ValidationError):
         DaemonSettings.model_validate({"retention": bad})
