@@ -27,6 +27,7 @@ from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondit
                      PermissionDenied, ResourceExhausted, SandboxdError)
 from .events import CheckpointFile, EventDraft, EventLog
 from .filewatch import MAX_PATHS as MAX_WATCHED_PATHS, Access, FileWatch, FileWatchError
+from .live_snapshot import LiveSnapshots
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
 from .redact import Redactor
 from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_admission, parse_call, request_digest,
@@ -666,6 +667,8 @@ class CallExecutor:
         self.daemon_id = daemon_id
         # Content hashes of workspace files, reused while a file is unchanged.
         self.hashes = snapshot.HashCache()
+        # Write roots' snapshots kept current between calls (a walk costs the whole tree).
+        self.live_snapshots = LiveSnapshots(self.hashes)
         self._lock = threading.Lock()
         self._runs: dict[str, CallRun] = {}
         # Grant ids claimed by calls being admitted (the used_grants table has the rest).
@@ -680,9 +683,8 @@ class CallExecutor:
 
     def walk_write_roots(self, writable: list[tuple[str, str]]) -> snapshot.Snapshot:
         caps = self.settings.file_audit
-        return snapshot.take(writable, self.hashes,
-                             snapshot.HashBudget(caps.hash_budget_mb * 2**20, caps.hash_max_file_mb * 2**20),
-                             caps.max_entries)
+        return self.live_snapshots.take(
+            writable, snapshot.HashBudget(caps.hash_budget_mb * 2**20, caps.hash_max_file_mb * 2**20), caps.max_entries)
 
     # -- admission ------------------------------------------------------------------
     def _prepare(self, call: PreparedToolCall, tool_call_id: str, principal: str | None = None, *,
@@ -1104,6 +1106,7 @@ class CallExecutor:
             r.cancel("the daemon is shutting down")
         for r in runs:
             r.join(max(0.0, deadline - time.monotonic()))
+        self.live_snapshots.close()
         self.checkpoint(force=True)
 
 

@@ -250,6 +250,10 @@ def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, bud
 def diff(before: dict[str, Entry], after: dict[str, Entry]) -> list[dict[str, Any]]:
     """create | delete | rename (path -> renamedTo) | write (content changed or the path
     replaced) | chmod, in path order, with the content hashes the snapshots hold."""
+    # Only entries that differ can say anything: compared in C, whatever the tree's size.
+    differing = {p for p, _ in before.items() ^ after.items()}
+    before = {p: before[p] for p in differing if p in before}
+    after = {p: after[p] for p in differing if p in after}
     gone = {p: e for p, e in before.items() if p not in after}
     by_inode = {(e.dev, e.inode): p for p, e in gone.items()}
     out: list[dict[str, Any]] = []

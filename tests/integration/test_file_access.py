@@ -168,3 +168,27 @@ def test_a_link_left_in_place_of_a_write_roots_parent_is_never_walked(client, da
     assert not [a for a in recorded if "host-secret" in a["path"]], recorded
     assert any("/workspace/a/keys: not walked" in r for r in out.result.effects_observed.incomplete), \
         out.result.effects_observed.incomplete
+
+
+def test_changes_made_between_calls_are_nobody_s_and_the_next_call_finds_them(client, daemon):
+    """The write root's snapshot is kept current between calls (inotify): what the host
+    changed in between is in the next call's before, never in its record; a file the
+    call then rewrites carries the host's content as its hash before."""
+    ws = daemon.new_workspace({"keep.txt": "k\n", "gone.txt": "g\n"})
+    writable = {"filesystem": {"writeRoots": ["/workspace"]}}
+    first = client.run(call(ws, sh("mkdir -p /workspace/new && echo one > /workspace/new/a.txt"), writable))
+    assert first.result.status == "success", first.stderr
+    assert {a["path"] for a in accesses(client, first.tool_call_id) if a["operation"] == "create"} == {
+        "/workspace/new", "/workspace/new/a.txt"}
+    # The host, between calls.
+    (ws / "new" / "a.txt").write_text("host edit\n")
+    (ws / "new" / "host.txt").write_text("h\n")
+    (ws / "gone.txt").unlink()
+    (ws / "hostdir").mkdir()
+    second = client.run(call(ws, sh("echo two > /workspace/new/b.txt"), writable))
+    assert [(a["path"], a["operation"]) for a in accesses(client, second.tool_call_id)] == [
+        ("/workspace/new/b.txt", "write"), ("/workspace/new/b.txt", "create")]
+    third = client.run(call(ws, sh("echo three > /workspace/new/a.txt"), writable))
+    [write] = [a for a in accesses(client, third.tool_call_id) if a["operation"] == "write"]
+    assert write["path"] == "/workspace/new/a.txt"
+    assert write["sha256Before"] == sha(b"host edit\n") and write["sha256After"] == sha(b"three\n")

@@ -1,0 +1,446 @@
+"""Snapshots of write roots kept current by inotify between and during calls, so that a
+call's before/after snapshots cost O(what changed) instead of a walk of the whole tree.
+
+A `RootTracker` walks its root once, watching every directory (the watch is added
+before the directory is listed, so nothing created meanwhile is missed), and afterwards
+only rescans the directories that events name: creations, deletions and renames of
+their entries, writes to and closes after writing of their files, attribute changes.
+Events are queued by the kernel as the change happens, so draining the queue once a
+call's processes are gone yields every change they made. The result is, entry for
+entry, what `snapshot.take` would walk at that moment (tests hold the two against each
+other after random changes).
+
+What it cannot see, and what is done about it: a queue overflow (a full walk follows);
+a root replaced or moved away (a full walk of what is there now); a write through one
+of a file's links is announced in that link's directory only (every file known to have
+several links is read again at each snapshot, and a link made inside the tree is seen
+as it is made); the watch limit (the root falls back to full walks). Not seen: a link
+made from *outside* the tree after the file was last listed, then written through from
+outside (by the host: a sandbox cannot link across its mounts) — the file's entry stays
+as it was until its directory changes."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import stat
+import struct
+import threading
+import time
+from collections import OrderedDict
+
+from .snapshot import _OPEN_DIR, MAX_DEPTH, Entry, HashBudget, HashCache, Snapshot, _open_beneath_root, take
+
+log = logging.getLogger("sandboxd.live_snapshot")
+
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+_libc.inotify_init1.argtypes = [ctypes.c_int]
+_libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+
+IN_MODIFY = 0x2
+IN_ATTRIB = 0x4
+IN_CLOSE_WRITE = 0x8
+IN_MOVED_FROM = 0x40
+IN_MOVED_TO = 0x80
+IN_CREATE = 0x100
+IN_DELETE = 0x200
+IN_DELETE_SELF = 0x400
+IN_MOVE_SELF = 0x800
+IN_Q_OVERFLOW = 0x4000
+IN_IGNORED = 0x8000
+IN_ONLYDIR = 0x1000000
+IN_NONBLOCK = os.O_NONBLOCK
+IN_CLOEXEC = os.O_CLOEXEC
+_WATCH_MASK = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+               | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR)
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
+
+# Trackers kept (each holds an inotify instance), and how long an unused one lives.
+MAX_TRACKERS = 32
+IDLE_S = 900.0
+
+
+class _Unusable(Exception):
+    """This root cannot be tracked right now: the caller walks it instead."""
+
+
+class RootTracker:
+    """One write root (a directory) as `sandbox_root` sees it, kept current."""
+
+    def __init__(self, sandbox_root: str, host_root: str, hashes: HashCache | None):
+        self.sandbox_root = sandbox_root.rstrip("/")
+        self.host_root = host_root
+        self._hashes = hashes
+        self._ifd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if self._ifd < 0:
+            raise _Unusable(f"inotify_init1: {os.strerror(ctypes.get_errno())}")
+        self.lock = threading.Lock()
+        self.last_used = time.monotonic()
+        self._valid = False
+        self._entries: dict[str, Entry] = {}
+        self._children: dict[str, set[str]] = {}  # directory path -> names in it
+        self._wd_dir: dict[int, str] = {}
+        self._dir_wd: dict[str, int] = {}
+        self._dirty: set[str] = set()
+        self._linked: set[str] = set()  # regular files with more than one link
+        self._inode_of: dict[str, tuple[int, int]] = {}  # regular file -> (dev, inode)
+        self._paths_of: dict[tuple[int, int], set[str]] = {}
+        self._unhashed: set[str] = set()  # regular files listed without a hash
+        self._root_id: tuple[int, int] = (0, 0)
+        self.full_walks = 0  # for tests and metrics
+
+    def close(self) -> None:
+        if self._ifd >= 0:
+            os.close(self._ifd)
+            self._ifd = -1
+
+    def snapshot(self, budget: HashBudget, max_entries: int) -> Snapshot:
+        """The root's entries now; raises _Unusable when only a walk can tell."""
+        self.last_used = time.monotonic()
+        self._drain()
+        root_fd = self._open_root()
+        try:
+            st = os.fstat(root_fd)
+            if not self._valid or (st.st_dev, st.st_ino) != self._root_id:
+                self._full_walk(root_fd, budget, max_entries)
+            self._refresh(root_fd, budget, max_entries)
+        except BaseException:
+            self._valid = False
+            raise
+        finally:
+            os.close(root_fd)
+        return Snapshot(dict(self._entries), unhashed=len(self._unhashed))
+
+    # -- events -------------------------------------------------------------------------
+    def _drain(self) -> None:
+        while True:
+            try:
+                buf = os.read(self._ifd, 256 * 1024)
+            except BlockingIOError:
+                return
+            i = 0
+            while i + _EVENT.size <= len(buf):
+                wd, mask, _cookie, length = _EVENT.unpack_from(buf, i)
+                i += _EVENT.size + length
+                if mask & IN_Q_OVERFLOW:
+                    self._valid = False
+                    continue
+                path = self._wd_dir.get(wd)
+                if path is None:
+                    continue
+                if mask & IN_IGNORED:  # the directory is gone (or its watch was removed)
+                    del self._wd_dir[wd]
+                    if self._dir_wd.get(path) == wd:
+                        del self._dir_wd[path]
+                    continue
+                if mask & (IN_DELETE_SELF | IN_MOVE_SELF):
+                    if path == self.sandbox_root:
+                        self._valid = False  # the root itself went: walk what is there now
+                    continue  # its parent's own event rescans where it was
+                self._dirty.add(path)
+
+    # -- walking ------------------------------------------------------------------------
+    def _open_root(self) -> int:
+        try:
+            parent_fd = _open_beneath_root(os.path.dirname(self.host_root))
+        except OSError as exc:
+            raise _Unusable(str(exc)) from None
+        try:
+            return os.open(os.path.basename(self.host_root), _OPEN_DIR, dir_fd=parent_fd)
+        except OSError as exc:
+            raise _Unusable(str(exc)) from None
+        finally:
+            os.close(parent_fd)
+
+    def _full_walk(self, root_fd: int, budget: HashBudget, max_entries: int) -> None:
+        self.full_walks += 1
+        # A fresh instance: watches of the old tree must not name paths of the new one.
+        os.close(self._ifd)
+        self._ifd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if self._ifd < 0:
+            raise _Unusable(f"inotify_init1: {os.strerror(ctypes.get_errno())}")
+        self._entries, self._children, self._wd_dir, self._dir_wd = {}, {}, {}, {}
+        self._dirty, self._linked, self._inode_of, self._paths_of, self._unhashed = set(), set(), {}, {}, set()
+        st = os.fstat(root_fd)
+        self._root_id = (st.st_dev, st.st_ino)
+        self._valid = True
+        self._walk_new(os.dup(root_fd), self.sandbox_root, budget, max_entries, 0)
+
+    def _refresh(self, root_fd: int, budget: HashBudget, max_entries: int) -> None:
+        # Files with several links may have changed through another link; a file left
+        # unhashed (over this snapshot's budget, unreadable) is tried again, as a walk would.
+        self._dirty |= {p.rsplit("/", 1)[0] for p in self._linked | self._unhashed}
+        rescans_left = 2 * len(self._children) + 100  # a tree that never settles is walked
+        while self._dirty:
+            rescans_left -= 1
+            if rescans_left < 0:
+                raise _Unusable("the tree kept changing while it was rescanned")
+            path = min(self._dirty, key=lambda p: (p.count("/"), p))  # parents first
+            self._dirty.discard(path)
+            if path != self.sandbox_root and path not in self._children:
+                continue  # no longer a directory of the tree (its parent's rescan said so)
+            fd = self._open_dir(root_fd, path)
+            if fd < 0:
+                self._dirty.add(path.rsplit("/", 1)[0] if path != self.sandbox_root else path)
+                if path == self.sandbox_root:
+                    raise _Unusable("the write root cannot be opened")
+                continue
+            self._rescan(fd, path, budget, max_entries)
+            self._drain()  # what the rescan itself raced with
+
+    def _open_dir(self, root_fd: int, path: str) -> int:
+        """A descriptor of the tree's directory `path`, reached from the root without
+        following symlinks; -1 when it is no longer a directory there."""
+        fd = os.dup(root_fd)
+        try:
+            for part in [p for p in path[len(self.sandbox_root):].split("/") if p]:
+                nxt = os.open(part, _OPEN_DIR, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+        except OSError:
+            os.close(fd)
+            return -1
+        return fd
+
+    def _watch(self, fd: int, path: str) -> None:
+        wd = _libc.inotify_add_watch(self._ifd, f"/proc/self/fd/{fd}".encode(), _WATCH_MASK)
+        if wd < 0:
+            err = ctypes.get_errno()
+            raise _Unusable(f"inotify_add_watch {path}: {os.strerror(err)}"
+                            + (" (fs.inotify.max_user_watches)" if err == errno.ENOSPC else ""))
+        old = self._wd_dir.get(wd)
+        if old is not None and old != path and self._dir_wd.get(old) == wd:
+            del self._dir_wd[old]  # the same directory, moved: its watch follows it
+        self._wd_dir[wd] = path
+        self._dir_wd[path] = wd
+
+    def _entry(self, dir_fd: int, name: str, st: os.stat_result, budget: HashBudget) -> Entry:
+        digest = note = ""
+        if stat.S_ISREG(st.st_mode) and self._hashes is not None:
+            digest, note = self._hashes.digest(dir_fd, name, st, budget)
+        return Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, note, st.st_dev)
+
+    def _note_links(self, path: str, st: os.stat_result) -> None:
+        """Keeps the inode map of regular files, and which have other links: a write
+        through one link is announced in that link's directory only."""
+        old = self._inode_of.pop(path, None)
+        if old is not None:
+            paths = self._paths_of.get(old)
+            if paths is not None:
+                paths.discard(path)
+                if not paths:
+                    del self._paths_of[old]
+        if not stat.S_ISREG(st.st_mode):
+            self._linked.discard(path)
+            return
+        key = (st.st_dev, st.st_ino)
+        self._inode_of[path] = key
+        same = self._paths_of.setdefault(key, set())
+        same.add(path)
+        if st.st_nlink > 1:
+            self._linked |= same
+        else:
+            self._linked.discard(path)
+
+    def _set(self, path: str, entry: Entry) -> None:
+        self._entries[path] = entry
+        if entry.note:
+            self._unhashed.add(path)
+        else:
+            self._unhashed.discard(path)
+
+    def _drop(self, path: str) -> None:
+        """Forgets one entry (and its place in the inode map)."""
+        self._entries.pop(path, None)
+        self._unhashed.discard(path)
+        self._linked.discard(path)
+        key = self._inode_of.pop(path, None)
+        if key is not None:
+            paths = self._paths_of.get(key)
+            if paths is not None:
+                paths.discard(path)
+                if not paths:
+                    del self._paths_of[key]
+
+    def _walk_new(self, fd: int, path: str, budget: HashBudget, max_entries: int, depth: int) -> None:
+        """Watches and lists a directory new to the tracker, and everything below it.
+        Takes ownership of `fd`."""
+        try:
+            if depth > MAX_DEPTH:
+                raise _Unusable(f"{path}: deeper than {MAX_DEPTH} levels")
+            self._watch(fd, path)  # before the listing: nothing created meanwhile is missed
+            names: set[str] = set()
+            subdirs = []
+            with os.scandir(fd) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    except OSError as exc:
+                        raise _Unusable(f"{path}/{e.name}: {exc.strerror}") from None
+                    if len(self._entries) >= max_entries:
+                        raise _Unusable("over the entry cap")
+                    child = f"{path}/{e.name}"
+                    names.add(e.name)
+                    self._set(child, self._entry(fd, e.name, st, budget))
+                    self._note_links(child, st)
+                    if stat.S_ISDIR(st.st_mode):
+                        subdirs.append(e.name)
+            self._children[path] = names
+            for name in subdirs:
+                try:
+                    sub = os.open(name, _OPEN_DIR, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                        self._dirty.add(path)  # changed since the listing: look again
+                        continue
+                    raise _Unusable(f"{path}/{name}: {exc.strerror}") from None
+                self._walk_new(sub, f"{path}/{name}", budget, max_entries, depth + 1)
+        finally:
+            os.close(fd)
+
+    def _forget_subtree(self, path: str) -> None:
+        prefix = path + "/"
+        for p in [p for p in self._entries if p.startswith(prefix)]:
+            self._drop(p)
+        for d in [d for d in self._children if d == path or d.startswith(prefix)]:
+            del self._children[d]
+            wd = self._dir_wd.pop(d, None)
+            if wd is not None and self._wd_dir.get(wd) == d:
+                del self._wd_dir[wd]  # its kernel watch stays until IN_IGNORED (or it reappears)
+            self._dirty.discard(d)
+
+    def _rescan(self, fd: int, path: str, budget: HashBudget, max_entries: int) -> None:
+        """Lists one known directory again: entries added, removed or changed in it.
+        Takes ownership of `fd`."""
+        try:
+            self._watch(fd, path)  # the same watch if it had one; a new one if it was replaced
+            if path != self.sandbox_root:
+                # Its own entry (listed in its parent) moves with every change inside it.
+                st = os.fstat(fd)
+                self._entries[path] = Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                                            "", "", st.st_dev)
+            old = self._children.get(path, set())
+            names: set[str] = set()
+            new_dirs = []
+            with os.scandir(fd) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    except OSError as exc:
+                        raise _Unusable(f"{path}/{e.name}: {exc.strerror}") from None
+                    child = f"{path}/{e.name}"
+                    names.add(e.name)
+                    was = self._entries.get(child)
+                    if was is not None and stat.S_ISDIR(was.mode) and (
+                            not stat.S_ISDIR(st.st_mode) or (was.dev, was.inode) != (st.st_dev, st.st_ino)):
+                        self._forget_subtree(child)  # a different directory (or none) now
+                        was = None
+                    if was is None and len(self._entries) >= max_entries:
+                        raise _Unusable("over the entry cap")
+                    if was is None or stat.S_ISREG(st.st_mode) or (
+                            was.inode, was.mode, was.size, was.mtime_ns, was.ctime_ns) != (
+                            st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                        self._set(child, self._entry(fd, e.name, st, budget))
+                    self._note_links(child, st)
+                    if stat.S_ISDIR(st.st_mode) and child not in self._children:
+                        new_dirs.append(e.name)
+            for name in old - names:
+                child = f"{path}/{name}"
+                gone = self._entries.get(child)
+                self._drop(child)
+                if gone is not None and stat.S_ISDIR(gone.mode):
+                    self._forget_subtree(child)
+            self._children[path] = names
+            for name in new_dirs:
+                try:
+                    sub = os.open(name, _OPEN_DIR, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                        self._dirty.add(path)
+                        continue
+                    raise _Unusable(f"{path}/{name}: {exc.strerror}") from None
+                self._walk_new(sub, f"{path}/{name}", budget, max_entries, path.count("/") + 1)
+        finally:
+            os.close(fd)
+
+
+class LiveSnapshots:
+    """`take` with the result of snapshot.take, from trackers kept per write root."""
+
+    def __init__(self, hashes: HashCache | None, max_trackers: int = MAX_TRACKERS, idle_s: float = IDLE_S):
+        self._hashes = hashes
+        self._max = max_trackers
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._trackers: OrderedDict[tuple[str, str], RootTracker] = OrderedDict()
+        self.fallbacks = 0  # walks done because a root could not be tracked
+
+    def take(self, binds: list[tuple[str, str]], budget: HashBudget | None = None,
+             max_entries: int = 200_000) -> Snapshot:
+        budget = budget or HashBudget()
+        out = Snapshot()
+        for sandbox_root, host_root in binds:
+            left = max_entries - len(out.entries)
+            part = self._tracked(sandbox_root, host_root, budget, left) if left > 0 else None
+            if part is None:
+                self.fallbacks += 1
+                part = take([(sandbox_root, host_root)], self._hashes, budget, left)
+            out.entries.update(part.entries)
+            out.gaps += part.gaps
+            out.unhashed += part.unhashed
+            if part.gaps and len(out.entries) >= max_entries:
+                break
+        return out
+
+    def _tracked(self, sandbox_root: str, host_root: str, budget: HashBudget, max_entries: int) -> Snapshot | None:
+        key = (sandbox_root, host_root)
+        try:
+            if not stat.S_ISDIR(os.lstat(host_root).st_mode):
+                return None  # a bind of one file (or a root gone): the walk says what it is
+        except OSError:
+            return None
+        tracker = self._tracker(key)
+        if tracker is None:
+            return None
+        with tracker.lock:
+            try:
+                return tracker.snapshot(budget, max_entries)
+            except _Unusable as exc:
+                log.info("write root %s is walked in full: %s", host_root, exc)
+                return None
+            except OSError as exc:
+                log.warning("write root %s could not be tracked: %s", host_root, exc)
+                return None
+
+    def _tracker(self, key: tuple[str, str]) -> RootTracker | None:
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, t in self._trackers.items() if now - t.last_used > self._idle_s and k != key]:
+                self._close(k)
+            tracker = self._trackers.get(key)
+            if tracker is None:
+                while len(self._trackers) >= self._max:
+                    self._close(next(iter(self._trackers)))
+                try:
+                    tracker = self._trackers[key] = RootTracker(key[0], key[1], self._hashes)
+                except _Unusable as exc:
+                    log.warning("no tracker for %s: %s", key[1], exc)
+                    return None
+            self._trackers.move_to_end(key)
+            return tracker
+
+    def _close(self, key: tuple[str, str]) -> None:
+        tracker = self._trackers.pop(key)
+        with tracker.lock:  # never under a snapshot in progress
+            tracker.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._trackers):
+                self._close(key)

@@ -1,0 +1,282 @@
+"""sandboxd.live_snapshot: inotify-kept snapshots of write roots, held entry for entry
+against snapshot.take (a full walk) after random and targeted changes to a real tree."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import stat
+
+import pytest
+
+from sandboxd import live_snapshot as ls
+from sandboxd import snapshot
+from sandboxd.live_snapshot import LiveSnapshots
+from sandboxd.snapshot import HashCache
+
+SB = "/workspace"
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "ws"
+    root.mkdir()
+    for d in range(4):
+        (root / f"d{d}" / "sub").mkdir(parents=True)
+        for f in range(5):
+            (root / f"d{d}" / f"f{f}.txt").write_text(f"{d}-{f}\n")
+        (root / f"d{d}" / "sub" / "deep.txt").write_text("deep\n")
+    (root / "top.txt").write_text("top\n")
+    return root
+
+
+@pytest.fixture
+def live():
+    live = LiveSnapshots(HashCache())
+    yield live
+    live.close()
+
+
+def walked(root) -> dict:
+    return snapshot.take([(SB, str(root))], HashCache()).entries
+
+
+def kept(live: LiveSnapshots, root) -> dict:
+    snap = live.take([(SB, str(root))])
+    assert snap.complete, snap.gaps
+    return snap.entries
+
+
+def tracker(live: LiveSnapshots, root) -> ls.RootTracker:
+    return live._trackers[(SB, str(root))]
+
+
+def test_the_first_snapshot_is_the_walk(live, tree):
+    assert kept(live, tree) == walked(tree)
+    assert tracker(live, tree).full_walks == 1 and live.fallbacks == 0
+
+
+@pytest.mark.parametrize("change", [
+    "create", "write", "append", "truncate", "chmod", "rename_file", "rename_over", "mkdir_tree", "rmtree",
+    "rename_dir", "dir_out_and_back", "symlink", "file_to_dir", "dir_to_symlink", "utime", "hardlink_write",
+    "outside_link_write", "empty_file", "fifo",
+])
+def test_each_kind_of_change_is_seen_without_a_walk(live, tree, tmp_path, change):
+    kept(live, tree)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if change == "create":
+        (tree / "d1" / "new.txt").write_text("new\n")
+    elif change == "write":
+        (tree / "d2" / "f3.txt").write_text("rewritten, longer\n")
+    elif change == "append":
+        with open(tree / "d0" / "f0.txt", "a") as f:
+            f.write("more\n")
+    elif change == "truncate":
+        os.truncate(tree / "d0" / "f1.txt", 1)  # truncate(2) on a path: no open, no close
+    elif change == "chmod":
+        os.chmod(tree / "d3" / "f4.txt", 0o600)
+    elif change == "rename_file":
+        os.rename(tree / "d1" / "f1.txt", tree / "d2" / "moved.txt")
+    elif change == "rename_over":
+        (tree / "d1" / ".tmp").write_text("replacement\n")
+        os.rename(tree / "d1" / ".tmp", tree / "d1" / "f2.txt")
+    elif change == "mkdir_tree":
+        (tree / "d0" / "a" / "b" / "c").mkdir(parents=True)
+        (tree / "d0" / "a" / "b" / "c" / "leaf.txt").write_text("leaf\n")
+    elif change == "rmtree":
+        shutil.rmtree(tree / "d2")
+    elif change == "rename_dir":
+        os.rename(tree / "d3", tree / "d0" / "d3-moved")
+        (tree / "d0" / "d3-moved" / "sub" / "after-move.txt").write_text("x\n")
+    elif change == "dir_out_and_back":
+        os.rename(tree / "d1", outside / "d1")
+        (outside / "d1" / "while-away.txt").write_text("away\n")
+        os.rename(outside / "d1", tree / "d1-back")
+    elif change == "symlink":
+        os.symlink("/etc/passwd", tree / "d1" / "link")
+    elif change == "file_to_dir":
+        os.unlink(tree / "top.txt")
+        (tree / "top.txt").mkdir()
+        (tree / "top.txt" / "inner").write_text("i\n")
+    elif change == "dir_to_symlink":
+        shutil.rmtree(tree / "d0")
+        os.symlink(str(outside), tree / "d0")
+    elif change == "utime":
+        os.utime(tree / "d2" / "f0.txt", ns=(1, 1))
+    elif change == "hardlink_write":
+        os.link(tree / "d0" / "f0.txt", tree / "d3" / "twin.txt")
+        kept(live, tree)
+        with open(tree / "d3" / "twin.txt", "a") as f:
+            f.write("through the twin\n")
+    elif change == "outside_link_write":
+        os.link(tree / "d0" / "f2.txt", outside / "twin.txt")
+        (tree / "d0" / "nudge").touch()  # d0 listed again: f2.txt is known to have a twin
+        kept(live, tree)
+        with open(outside / "twin.txt", "a") as f:  # no event in the tree at all
+            f.write("from outside\n")
+    elif change == "empty_file":
+        (tree / "d1" / "empty").touch()
+    elif change == "fifo":
+        os.mkfifo(tree / "d1" / "pipe")
+    assert kept(live, tree) == walked(tree)
+    assert tracker(live, tree).full_walks == 1
+
+
+@pytest.mark.parametrize("seed", [20261203, 7, 99])
+def test_random_changes_agree_with_the_walk(live, tree, tmp_path, seed):
+    rng = random.Random(seed)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    kept(live, tree)
+    for step in range(300):
+        files = [p for p in tree.rglob("*") if p.is_file() and not p.is_symlink()]
+        dirs = [tree] + [p for p in tree.rglob("*") if p.is_dir() and not p.is_symlink()]
+        op = rng.choice(["create", "create", "write", "delete", "mkdir", "rename", "rmdir", "chmod", "link",
+                         "move_dir", "away_and_back"])
+        try:
+            if op == "create":
+                (rng.choice(dirs) / f"n{step}").write_text("x" * rng.randrange(50))
+            elif op == "write" and files:
+                rng.choice(files).write_text(f"w{step}")
+            elif op == "delete" and files:
+                rng.choice(files).unlink()
+            elif op == "mkdir":
+                (rng.choice(dirs) / f"dir{step}").mkdir()
+            elif op == "rename" and files:
+                os.rename(rng.choice(files), rng.choice(dirs) / f"r{step}")
+            elif op == "rmdir" and len(dirs) > 1:
+                shutil.rmtree(rng.choice(dirs[1:]))
+            elif op == "chmod" and files:
+                os.chmod(rng.choice(files), rng.choice([0o600, 0o644, 0o755]))
+            elif op == "link" and files:
+                os.link(rng.choice(files), rng.choice(dirs) / f"l{step}")
+            elif op == "move_dir" and len(dirs) > 1:
+                src, dst = rng.choice(dirs[1:]), rng.choice(dirs)
+                if not str(dst).startswith(str(src)):
+                    os.rename(src, dst / f"m{step}")
+            elif op == "away_and_back" and len(dirs) > 1:
+                src = rng.choice(dirs[1:])
+                os.rename(src, outside / "away")
+                (outside / "away" / f"a{step}").write_text("a")
+                os.rename(outside / "away", rng.choice([d for d in dirs if not str(d).startswith(str(src))])
+                          / f"back{step}")
+        except (FileNotFoundError, FileExistsError, OSError):
+            pass
+        if step % 7 == 0:
+            assert kept(live, tree) == walked(tree), f"after step {step} ({op})"
+    assert kept(live, tree) == walked(tree)
+    assert tracker(live, tree).full_walks == 1
+
+
+def test_only_changed_directories_are_listed_again(live, tree, monkeypatch):
+    for i in range(30):
+        (tree / f"extra{i}").mkdir()
+    kept(live, tree)
+    rescanned = []
+    original = ls.RootTracker._rescan
+    monkeypatch.setattr(ls.RootTracker, "_rescan", lambda self, fd, path, *a: (rescanned.append(path),
+                                                                              original(self, fd, path, *a)))
+    assert kept(live, tree) == walked(tree) and rescanned == []
+    (tree / "d2" / "sub" / "deep.txt").write_text("changed\n")
+    assert kept(live, tree) == walked(tree)
+    assert rescanned == [f"{SB}/d2/sub"]
+
+
+def test_an_overflowed_queue_means_a_full_walk(live, tree):
+    many = tree / "many"
+    many.mkdir()
+    kept(live, tree)  # watched from here on
+    limit = int(open("/proc/sys/fs/inotify/max_queued_events").read())
+    for i in range(limit // 2 + 10):  # two events a file (create, close after writing)
+        os.close(os.open(many / f"f{i}", os.O_CREAT | os.O_WRONLY, 0o644))
+    assert kept(live, tree) == walked(tree)
+    assert tracker(live, tree).full_walks == 2
+
+
+def test_a_replaced_root_is_walked_again(live, tree, tmp_path):
+    kept(live, tree)
+    os.rename(tree, tmp_path / "old-ws")
+    tree.mkdir()
+    (tree / "fresh.txt").write_text("fresh\n")
+    assert kept(live, tree) == walked(tree) == {f"{SB}/fresh.txt": walked(tree)[f"{SB}/fresh.txt"]}
+    (tree / "fresh.txt").write_text("changed\n")
+    assert kept(live, tree) == walked(tree)
+
+
+def test_a_root_that_became_a_symlink_is_refused_like_the_walk_refuses_it(live, tree, tmp_path):
+    kept(live, tree)
+    os.rename(tree, tmp_path / "old-ws")
+    os.symlink(tmp_path / "old-ws", tree)
+    snap = live.take([(SB, str(tree))])
+    assert snap.entries == {} and snap.gaps and "not walked" in snap.gaps[0]
+
+
+def test_the_entry_cap_falls_back_to_the_walk_and_its_gap(live, tree):
+    snap = live.take([(SB, str(tree))], max_entries=5)
+    full = snapshot.take([(SB, str(tree))], HashCache(), max_entries=5)
+    assert snap.entries == full.entries and snap.gaps == full.gaps and live.fallbacks == 1
+
+
+def test_a_bind_of_one_file_is_walked(live, tree):
+    one = str(tree / "top.txt")
+    assert live.take([("/etc/app.conf", one)]).entries == snapshot.take([("/etc/app.conf", one)], HashCache()).entries
+
+
+def test_several_roots_in_one_take(live, tree, tmp_path):
+    other = tmp_path / "cache"
+    other.mkdir()
+    (other / "c.bin").write_bytes(b"\0" * 10)
+    binds = [(SB, str(tree)), ("/cache", str(other))]
+    assert live.take(binds).entries == snapshot.take(binds, HashCache()).entries
+    (other / "c.bin").write_bytes(b"\1")
+    assert live.take(binds).entries == snapshot.take(binds, HashCache()).entries
+
+
+def test_idle_and_surplus_trackers_are_closed(tree, tmp_path):
+    live = LiveSnapshots(HashCache(), max_trackers=2)
+    roots = []
+    for i in range(3):
+        r = tmp_path / f"r{i}"
+        r.mkdir()
+        roots.append(r)
+        kept(live, r)
+    assert [k[1] for k in live._trackers] == [str(roots[1]), str(roots[2])]
+    live._idle_s = 0
+    kept(live, roots[2])  # every other tracker idled out
+    assert [k[1] for k in live._trackers] == [str(roots[2])]
+    live.close()
+    assert not live._trackers
+
+
+def test_hashes_are_kept_current(live, tree):
+    before = kept(live, tree)[f"{SB}/d1/f1.txt"]
+    (tree / "d1" / "f1.txt").write_text("new content\n")
+    after = kept(live, tree)[f"{SB}/d1/f1.txt"]
+    import hashlib
+    assert after.sha256 == "sha256:" + hashlib.sha256(b"new content\n").hexdigest() != before.sha256
+    assert stat.S_ISREG(after.mode)
+
+
+def test_files_past_the_hashing_caps_are_counted_like_the_walk_counts_them(live, tree):
+    from sandboxd.snapshot import HashBudget
+
+    (tree / "d0" / "big.bin").write_bytes(b"x" * 5000)
+    budget = HashBudget(max_file=1000)
+    snap = live.take([(SB, str(tree))], budget)
+    full = snapshot.take([(SB, str(tree))], HashCache(), HashBudget(max_file=1000))
+    assert snap.entries == full.entries and snap.unhashed == full.unhashed == 1
+    (tree / "d0" / "big.bin").write_bytes(b"small")
+    assert live.take([(SB, str(tree))], HashBudget(max_file=1000)).unhashed == 0
+
+
+def test_a_file_left_over_one_snapshots_budget_is_hashed_by_the_next(live, tree):
+    from sandboxd.snapshot import HashBudget
+
+    (tree / "d1" / "late.bin").write_bytes(b"y" * 3000)
+    (tree / "d1" / "late.bin").touch()
+    tight = live.take([(SB, str(tree))], HashBudget(bytes_left=100))
+    assert tight.entries[f"{SB}/d1/late.bin"].note == "over the snapshot's hashing budget"
+    assert kept(live, tree) == walked(tree)
+    assert kept(live, tree)[f"{SB}/d1/late.bin"].sha256.startswith("sha256:")
