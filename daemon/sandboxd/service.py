@@ -140,7 +140,7 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
                 yield encode_output_event(run.tool_call_id, stream, offset, data)
                 continue
             else:
-                out.finished.result.CopyFrom(json_format.ParseDict(item.data, pb.ToolResult()))
+                out.finished.result.CopyFrom(result_to_pb(item.data))
             yield out
 
     def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
@@ -173,6 +173,22 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
             notes=notes,
             network_plan_json=json.dumps(network_plan(prepared.policy, prepared.egress), indent=2, sort_keys=True),
         )
+
+
+_PATH_LISTS = ("reads", "writes", "deletes")
+
+
+def result_to_pb(result: dict[str, Any]) -> pb.ToolResult:
+    """json_format.ParseDict of a result, with effectsObserved's path lists (up to a
+    thousand each) appended directly: parsed field by field they cost ~7 ms a call."""
+    effects = result.get("effectsObserved")
+    if not isinstance(effects, dict):
+        return json_format.ParseDict(result, pb.ToolResult())
+    light = {**result, "effectsObserved": {k: v for k, v in effects.items() if k not in _PATH_LISTS}}
+    message = json_format.ParseDict(light, pb.ToolResult())
+    for name in _PATH_LISTS:
+        getattr(message.effects_observed, name).extend(effects.get(name, ()))
+    return message
 
 
 def _varint(value: int) -> bytes:

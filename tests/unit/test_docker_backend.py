@@ -320,6 +320,30 @@ def test_pre_encoded_output_events_parse_as_the_proto_message(stream, offset, si
     assert encode_output_event("tc-é1", stream, offset, data) == want.SerializeToString()
 
 
+@pytest.mark.parametrize("effects", [
+    None,
+    {"reads": [], "writes": [], "deletes": [], "externalCalls": []},
+    {"reads": [f"/workspace/m{i}.py" for i in range(1000)], "writes": ["/workspace/out é.txt"],
+     "deletes": ["/workspace/gone"], "incomplete": ["the kernel's event queue overflowed"],
+     "externalCalls": ["pypi.test:443"]},
+])
+def test_results_encode_as_parse_dict_encodes_them(effects):
+    from google.protobuf import json_format
+
+    from sandboxd.service import result_to_pb
+    from sandboxd_client.pb import sandboxd_pb2 as pb
+
+    result = {"toolCallId": "tc_1", "status": "error", "exitCode": 3, "signal": "", "timedOut": False,
+              "stdoutPreview": "x", "artifacts": [{"artifactId": "art_1", "kind": "stdout", "sizeBytes": 5}],
+              "usage": {"latencyMs": 12, "cpuMs": 3}, "provenance": {"eventId": "ev_1", "artifactRefs": ["art_1"]},
+              "error": {"code": "NONZERO_EXIT", "message": "m", "retryable": False, "safeToShowUser": True}}
+    if effects is not None:
+        result["effectsObserved"] = effects
+    want = json_format.ParseDict(result, pb.ToolResult())
+    assert result_to_pb(result) == want
+    assert result_to_pb(result).SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
+
+
 # ------------------------------------------------------------------ output FIFOs
 
 
