@@ -42,6 +42,8 @@ FAN_Q_OVERFLOW = 0x4000
 AT_FDCWD = -100
 _EVENT = struct.Struct("IBBHQii")  # fanotify_event_metadata
 MAX_PATHS = 10_000
+# How long the reader lets events gather after reading some.
+BATCH_MS = 10
 # Groups waiting for the closer thread; past it a call closes its own (and waits).
 MAX_CLOSING = 32
 
@@ -130,6 +132,8 @@ class FileWatch:
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         poller.register(self._stop_r, select.POLLIN)
+        stop_only = select.poll()
+        stop_only.register(self._stop_r, select.POLLIN)
         stopping = False
         while True:
             ready = {fd for fd, _ in poller.poll(None if not stopping else 0)}
@@ -138,6 +142,11 @@ class FileWatch:
             if self._fd in ready or stopping:
                 if not self._drain() and stopping:
                     return
+                if not stopping:
+                    # Let events gather: a wake-up per event (a busy command opens
+                    # thousands) cost the reader twice the CPU, taken from the command's
+                    # second core. The queue is unlimited; a stop ends the nap at once.
+                    stop_only.poll(BATCH_MS)
 
     def _drain(self) -> bool:
         """Reads what is queued; False when nothing was."""
