@@ -529,7 +529,7 @@ def _file_record(accesses: list[Access], watch: FileWatch, before: snapshot.Snap
                 changes = snapshot.diff(before.entries, after.entries)
             else:
                 incomplete.append("creations, deletions and renames were not compared")
-            unhashed = {p for s in (before, after) for p, e in s.entries.items() if e.note}
+            unhashed = {p for s in (before, after) if s.unhashed for p, e in s.entries.items() if e.note}
             if unhashed:
                 incomplete.append(f"{len(unhashed)} files have no content hash (over the hashing caps or "
                                   "unreadable): see sha256BeforeMissing / sha256AfterMissing")

@@ -54,7 +54,7 @@ class Snapshot:
     entries: dict[str, Entry] = field(default_factory=dict)
     # Why the snapshot may not list everything (empty: it does, and two such compare).
     gaps: list[str] = field(default_factory=list)
-    unhashed: int = 0  # regular files listed without a hash
+    unhashed: int = 0  # regular files listed without a hash (0: none of its entries has a note)
 
     @property
     def complete(self) -> bool:
@@ -296,8 +296,9 @@ def file_events(accesses: Iterable[Access], changes: list[dict[str, Any]], befor
     out: list[dict[str, Any]] = []
     watched_writes: dict[str, dict[str, Any]] = {}
     for a in accesses:
-        entry: dict[str, Any] = {"path": a.path, "operation": a.operation, "opens": a.opens, "writes": a.writes}
-        if a.operation == "write":
+        operation = "write" if a.writes else "read"  # Access.operation, inline: once per opened path
+        entry: dict[str, Any] = {"path": a.path, "operation": operation, "opens": a.opens, "writes": a.writes}
+        if operation == "write":
             watched_writes[a.path] = entry
             was, now = before.get(a.path), after.get(a.path)
             if was is None:
