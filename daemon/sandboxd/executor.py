@@ -186,6 +186,8 @@ class CallRun:
         before_walk: _Background | None = None
         before: snapshot.Snapshot | None = None
         after: snapshot.Snapshot | None = None
+        if p.lease is not None and not record_files and p.lease.watch is not None:
+            p.lease.watch.unrecorded()  # the sandbox's kept watch sees this command too
         try:
             with self._cond:
                 cancelled_early = bool(self._cancel_reason)
@@ -257,7 +259,7 @@ class CallRun:
         finally:
             if watch is not None:
                 try:
-                    accesses = watch.stop()
+                    accesses = watch.collect() if p.lease is not None else watch.stop()
                 except Exception:
                     log.exception("stopping the file watch of %s failed", p.sandbox_id)
             after_walk: _Background | None = None
@@ -360,18 +362,23 @@ class CallRun:
         return watch, fd
 
     def _watch_lease(self) -> FileWatch:
-        """A watch on a leased sandbox's mounts for one command, attached before the
-        supervisor is told to spawn it."""
+        """The watch on a leased sandbox's mounts, begun for one command before the
+        supervisor is told to spawn it. Attached at the sandbox's first recorded command
+        and kept until it is destroyed: the sandbox is idle between commands, so what a
+        watch reads between begin() and collect() is that command's."""
         ws = self.prepared.lease
         pid = ws.init_pid()
         if not pid:
             raise self.prepared.backend.broken("the sandbox's supervisor is gone (its init exited)")
-        watch = FileWatch(pid, tuple(b.sandbox_path for b in ws.prepared.plan.binds))
-        try:
-            watch.start()
-        except FileWatchError as exc:
-            raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
-        return watch
+        if ws.watch is None:
+            watch = FileWatch(pid, tuple(b.sandbox_path for b in ws.prepared.plan.binds))
+            try:
+                watch.start()
+            except FileWatchError as exc:
+                raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
+            ws.watch = watch
+        ws.watch.begin()
+        return ws.watch
 
     def _finish(self, status: ExitStatus | None, usage: ResourceUsage, latency_ms: int, timed_out: bool,
                 cancel_reason: str, failure: SandboxdError | None, connections: list[ConnectionRecord],

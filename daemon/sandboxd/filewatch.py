@@ -103,8 +103,42 @@ class FileWatch:
             os.close(fd)
             raise
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._syncs: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+        self._settled = False  # every event read, and none can have come since (collect)
         self._thread = threading.Thread(target=self._read, daemon=True, name=f"filewatch-{self.pid}")
         self._thread.start()
+
+    def begin(self) -> None:
+        """A new command's record from here on (a watch kept on a warm sandbox between
+        its commands): whatever was queued before is read and dropped first. Right
+        after collect() nothing can be (the sandbox was idle): no round trip then."""
+        if not self._settled:
+            self._sync()
+        self._settled = False
+        self.accesses = {}
+        self.dropped = 0
+        self.overflowed = False
+
+    def unrecorded(self) -> None:
+        """A command runs in the sandbox without being recorded: begin() must drop its
+        events, not assume there are none."""
+        self._settled = False
+
+    def collect(self) -> list[Access]:
+        """What was opened since begin(), in path order, once every event queued so far
+        has been read; the watch stays on for the next command."""
+        self._sync()
+        self._settled = True
+        return [self.accesses[p] for p in sorted(self.accesses)]
+
+    def _sync(self) -> None:
+        """Returns once the reader has read everything queued before this call."""
+        done = threading.Event()
+        self._syncs.put(done)
+        os.write(self._stop_w, b"s")
+        if not done.wait(10) or not self._thread.is_alive():
+            log.error("the file watch of pid %d did not answer; its records may be incomplete", self.pid)
+            self.overflowed = True
 
     def stop(self) -> list[Access]:
         """What the call touched, in path order (the queue drained first)."""
@@ -138,7 +172,12 @@ class FileWatch:
         while True:
             ready = {fd for fd, _ in poller.poll(None if not stopping else 0)}
             if self._stop_r in ready:
-                stopping = True
+                # "s": read everything queued, then answer each waiting _sync; "x": stop.
+                stopping = b"x" in os.read(self._stop_r, 4096) or stopping
+                while self._drain():
+                    pass
+                while not self._syncs.empty():
+                    self._syncs.get().set()
             if self._fd in ready or stopping:
                 if not self._drain() and stopping:
                     return

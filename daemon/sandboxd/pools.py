@@ -76,6 +76,7 @@ class WarmSandbox:
     # number from being reused: 0 / -1 until first asked.
     pid: int = 0
     pidfd: int = -1
+    watch: Any = None  # its FileWatch, from its first recorded command until it is destroyed
 
     def init_pid(self) -> int:
         """The sandbox's init while it lives; 0 once it is gone (or never came up)."""
@@ -453,6 +454,8 @@ class PoolManager:
                 log.exception("closing the egress endpoint of %s failed", ws.sandbox_id)
         ws.spool.discard()
         ws.control.close()
+        if ws.watch is not None:
+            ws.watch.stop()
         if ws.pidfd >= 0:
             os.close(ws.pidfd)
             ws.pidfd = -1

@@ -446,6 +446,8 @@ def test_each_leased_command_records_its_own_file_accesses(pooled, adapter):
         second = c.run(leased(ws, lease, sh("cat /workspace/b.txt; rm /workspace/out.txt"), policy, adapter))
         quiet = c.run(leased(ws, lease, ["cat", "/workspace/a.txt"], {**policy, "audit": {"recordFileAccess": False}},
                              adapter))
+        # The sandbox's watch stayed on through the quiet command: none of it is this one's.
+        fourth = c.run(leased(ws, lease, ["cat", "/workspace/b.txt"], policy, adapter))
         c.release_sandbox(lease.lease_id)
 
         def recorded(out):
@@ -460,6 +462,7 @@ def test_each_leased_command_records_its_own_file_accesses(pooled, adapter):
         one = "sha256:" + hashlib.sha256(b"one\n").hexdigest()
         assert {"path": "/workspace/out.txt", "operation": "delete", "sha256Before": one} in recorded(second)
         assert recorded(quiet) == [] and list(quiet.result.effects_observed.reads) == []
+        assert [(a["path"], a["operation"]) for a in recorded(fourth)] == [("/workspace/b.txt", "read")]
 
 
 def test_a_lease_records_the_image_its_sandbox_was_made_from_after_a_retag(pooled, docker_engine):

@@ -46,3 +46,42 @@ def test_the_mount_id_of_a_descriptor_is_the_kernel_s(tmp_path):
             assert _mount_id(fd) == _fdinfo_mount_id(fd) > 0
         finally:
             os.close(fd)
+
+
+def test_a_kept_watch_records_each_command_between_begin_and_collect(tmp_path):
+    """A warm sandbox's watch stays on between its commands: begin() drops what came
+    before, collect() waits for everything queued so far (a real mount, marked as a
+    sandbox's mounts are)."""
+    import os
+    import subprocess
+
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    for name in ("a", "b", "c"):
+        (src / name).write_text(name)
+    subprocess.run(["mount", "--bind", str(src), str(mnt)], check=True)
+    w = FileWatch(os.getpid(), (str(mnt),))
+    try:
+        w.start()
+        (mnt / "a").read_text()  # an earlier command's (recording off): dropped by begin()
+        w.begin()
+        (mnt / "b").read_text()
+        (mnt / "c").write_text("c2")
+        first = w.collect()
+        assert [(x.path, x.operation) for x in first] == [(f"{mnt}/b", "read"), (f"{mnt}/c", "write")]
+        w.begin()
+        assert w.collect() == []
+        w.begin()
+        for _ in range(200):
+            (mnt / "a").read_text()
+        [again] = w.collect()
+        assert again.path == f"{mnt}/a" and 1 <= again.opens <= 200
+        w.unrecorded()  # a command that is not recorded runs, then a recorded one
+        (mnt / "b").read_text()
+        w.begin()
+        (mnt / "c").read_text()
+        assert [x.path for x in w.collect()] == [f"{mnt}/c"]
+        assert [x.path for x in w.stop()] == [f"{mnt}/c"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
