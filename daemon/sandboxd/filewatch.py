@@ -102,6 +102,8 @@ class FileWatch:
         except BaseException:
             os.close(fd)
             raise
+        paths = set(self._mount_paths.values())
+        self._only_mount = paths.pop() if len(paths) == 1 and len(self._mount_paths) == 1 else None
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         self._syncs: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
         self._settled = False  # every event read, and none can have come since (collect)
@@ -210,7 +212,8 @@ class FileWatch:
 
     def _sandbox_path(self, fd: int) -> str:
         path = os.readlink(f"/proc/self/fd/{fd}")
-        mount = self._mount_paths.get(_mount_id(fd))
+        # One marked mount (the common case): every event is through it, no need to ask.
+        mount = self._only_mount if self._only_mount is not None else self._mount_paths.get(_mount_id(fd))
         if mount is None or mount == "/":
             return path
         if path == mount or path.startswith(mount.rstrip("/") + "/"):
