@@ -186,6 +186,7 @@ class CallRun:
         before_walk: _Background | None = None
         before: snapshot.Snapshot | None = None
         after: snapshot.Snapshot | None = None
+        prepared_event: EventDraft | None = None  # until recorded
         if p.lease is not None and not record_files and p.lease.watch is not None:
             p.lease.watch.unrecorded()  # the sandbox's kept watch sees this command too
         try:
@@ -212,16 +213,6 @@ class CallRun:
                     before = before_walk.result()
             if not cancelled_early:
                 handle = backend.create(p.spec)
-                prepared_event = EventDraft(ev.SANDBOX_PREPARED, {
-                    "sandboxId": p.sandbox_id, "engineId": handle.engine_id, "backend": backend.name,
-                    "specDigest": "sha256:" + hashlib.sha256(canonical_json(p.spec.to_json_dict())).hexdigest(),
-                    **({"leaseId": p.call.runtime.lease_id} if p.lease is not None else {}),
-                })
-                # A leased sandbox exists already: its two events share one commit. Not
-                # fsynced on its own either (see ToolCallStarted below): a commit survives
-                # the daemon's own crash without it; the result's commit syncs them all.
-                if p.lease is None:
-                    self._record([prepared_event], durable=False)
                 with self._cond:
                     self._handle = handle
                     cancelled_early = bool(self._cancel_reason)
@@ -230,14 +221,20 @@ class CallRun:
                     watch = self._watch_lease()  # the sandbox is idle: what follows is this command's
                 t0 = time.monotonic()
                 backend.start(handle, self.spool, p.call.stdin)
+                # Digested while a jail or container comes up (the spec's digest took a
+                # millisecond between create and start, on every call's path).
+                prepared_event = self._prepared_event(handle)
                 if p.attachments.gate_host_path:
                     # The command waits at the gate until its mounts are watched and walked.
                     watch, gate_fd = self._watch_and_open_gate(handle, before_walk)
                     before = before_walk.result() if before_walk is not None else None
-                # Not fsynced on its own: the accept before it and the result after it are,
-                # and a crash in between ends as INTERRUPTED either way.
-                started = self._record(([prepared_event] if p.lease is not None else [])
-                                       + [EventDraft(ev.STARTED, {"sandboxId": p.sandbox_id})], durable=False)
+                # ToolSandboxPrepared and ToolCallStarted share one commit, not fsynced
+                # on its own: the accept before it and the result after it are, a commit
+                # survives the daemon's own crash without it, and a crash in between ends
+                # as INTERRUPTED either way.
+                started = self._record([prepared_event, EventDraft(ev.STARTED, {"sandboxId": p.sandbox_id})],
+                                       durable=False)
+                prepared_event = None
                 with self._cond:
                     self._started_event_id = started[-1].event_id
                     self._cond.notify_all()
@@ -257,6 +254,7 @@ class CallRun:
             failure = SandboxdError("internal error while running the sandbox")
             log.exception("call %s: unexpected error: %s", self.tool_call_id, exc)
         finally:
+            self._record_unstarted(handle, prepared_event)  # failed or cancelled before it started
             if watch is not None:
                 try:
                     accesses = watch.collect() if p.lease is not None else watch.stop()
@@ -324,6 +322,23 @@ class CallRun:
         finally:
             self._executor._forget(self)
             self._executor.checkpoint()
+
+    def _prepared_event(self, handle: SandboxHandle) -> EventDraft:
+        p = self.prepared
+        return EventDraft(ev.SANDBOX_PREPARED, {
+            "sandboxId": p.sandbox_id, "engineId": handle.engine_id, "backend": p.backend.name,
+            "specDigest": "sha256:" + hashlib.sha256(canonical_json(p.spec.to_json_dict())).hexdigest(),
+            **({"leaseId": p.call.runtime.lease_id} if p.lease is not None else {}),
+        })
+
+    def _record_unstarted(self, handle: SandboxHandle | None, prepared_event: EventDraft | None) -> None:
+        """A sandbox that was made but whose command never started is still on record."""
+        if handle is None or self._started_event_id:
+            return
+        try:
+            self._record([prepared_event or self._prepared_event(handle)], durable=False)
+        except Exception:
+            log.exception("recording the sandbox of %s failed", self.tool_call_id)
 
     def _watch_and_open_gate(self, handle: SandboxHandle, before_walk: "_Background | None") -> tuple[FileWatch, int]:
         """Attaches a fanotify watch to the call's own mounts, waits for the walk of its
