@@ -42,8 +42,9 @@ FAN_Q_OVERFLOW = 0x4000
 AT_FDCWD = -100
 _EVENT = struct.Struct("IBBHQii")  # fanotify_event_metadata
 MAX_PATHS = 10_000
-# How long the reader lets events gather after reading some.
-BATCH_MS = 10
+# After a read of fewer events than this, the reader lets more gather for a while.
+BATCH_EVENTS = 32
+BATCH_MS = 2
 # Groups waiting for the closer thread; past it a call closes its own (and waits).
 MAX_CLOSING = 32
 
@@ -181,22 +182,26 @@ class FileWatch:
                 while not self._syncs.empty():
                     self._syncs.get().set()
             if self._fd in ready or stopping:
-                if not self._drain() and stopping:
+                read = self._drain()
+                if not read and stopping:
                     return
-                if not stopping:
-                    # Let events gather: a wake-up per event (a busy command opens
-                    # thousands) cost the reader twice the CPU, taken from the command's
-                    # second core. The queue is unlimited; a stop ends the nap at once.
+                if not stopping and read < BATCH_EVENTS:
+                    # A trickle: let events gather. A wake-up per event (a command
+                    # opening thousands of files one after another) cost the reader twice
+                    # the CPU, taken from the command's second core. A burst is read at
+                    # once, so that little is left to read once the command has ended;
+                    # a stop ends the nap at once.
                     stop_only.poll(BATCH_MS)
 
-    def _drain(self) -> bool:
-        """Reads what is queued; False when nothing was."""
+    def _drain(self) -> int:
+        """Reads what is queued; returns how many events (0: nothing was)."""
         try:
             buf = os.read(self._fd, 256 * 1024)
         except BlockingIOError:
-            return False
-        i = 0
+            return 0
+        i = n = 0
         while i + _EVENT.size <= len(buf):
+            n += 1
             event_len, _vers, _res, _meta, mask, fd, _pid = _EVENT.unpack_from(buf, i)
             if mask & FAN_Q_OVERFLOW:
                 self.overflowed = True
@@ -208,7 +213,7 @@ class FileWatch:
                 finally:
                     os.close(fd)
             i += event_len or _EVENT.size
-        return True
+        return n
 
     def _sandbox_path(self, fd: int) -> str:
         path = os.readlink(f"/proc/self/fd/{fd}")
