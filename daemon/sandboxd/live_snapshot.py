@@ -10,14 +10,12 @@ call's processes are gone yields every change they made. The result is, entry fo
 entry, what `snapshot.take` would walk at that moment (tests hold the two against each
 other after random changes).
 
-What it cannot see, and what is done about it: a queue overflow (a full walk follows);
-a root replaced or moved away (a full walk of what is there now); a write through one
-of a file's links is announced in that link's directory only (every file known to have
-several links is read again at each snapshot, and a link made inside the tree is seen
-as it is made); the watch limit (the root falls back to full walks). Not seen: a link
-made from *outside* the tree after the file was last listed, then written through from
-outside (by the host: a sandbox cannot link across its mounts) — the file's entry stays
-as it was until its directory changes."""
+Every entry but a directory or a symlink has a watch on its inode itself, so a change
+made through any of its links (another path in the tree, a link from outside it, one
+made and removed within a call) is seen; directories' watches report their entries made,
+removed and renamed. A queue overflow, a replaced root, the watch limit, an entry cap,
+an error a walk would report as a gap, or a tree that never settles: the root is walked
+in full instead (and for a while after, when its tracker gave up)."""
 
 from __future__ import annotations
 
@@ -51,15 +49,27 @@ IN_MOVE_SELF = 0x800
 IN_Q_OVERFLOW = 0x4000
 IN_IGNORED = 0x8000
 IN_ONLYDIR = 0x1000000
+IN_DONT_FOLLOW = 0x2000000
 IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
-_WATCH_MASK = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
-               | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR)
+# A directory's own watch: its entries made, removed, renamed; its own attributes (and
+# its children's: IN_ATTRIB reaches a directory's watch for them too). Writes are left to
+# the files' own watches: a stream of writes to one file then queues one event, not two
+# alternating ones that the kernel could not merge.
+_DIR_MASK = (IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF | IN_MOVE_SELF
+             | IN_ONLYDIR)
+# Every other entry's (but symlinks) own inode: written, closed after writing, attributes
+# (mode, times, its link count) changed, renamed (which moves its ctime: its other links'
+# entries must follow), through whichever of its links.
+_FILE_MASK = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVE_SELF | IN_DONT_FOLLOW
 _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
 
 # Trackers kept (each holds an inotify instance), and how long an unused one lives.
 MAX_TRACKERS = 32
 IDLE_S = 900.0
+# A root whose tracker gave up (watch limit, entry cap, a tree that never settles) is
+# walked for this long before it is tracked again.
+UNTRACKED_S = 300.0
 
 
 class _Unusable(Exception):
@@ -73,9 +83,8 @@ class RootTracker:
         self.sandbox_root = sandbox_root.rstrip("/")
         self.host_root = host_root
         self._hashes = hashes
-        self._ifd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-        if self._ifd < 0:
-            raise _Unusable(f"inotify_init1: {os.strerror(ctypes.get_errno())}")
+        self._ifd = -1
+        self.closed = False
         self.lock = threading.Lock()
         self.last_used = time.monotonic()
         self._valid = False
@@ -83,10 +92,10 @@ class RootTracker:
         self._children: dict[str, set[str]] = {}  # directory path -> names in it
         self._wd_dir: dict[int, str] = {}
         self._dir_wd: dict[str, int] = {}
+        self._wd_inode: dict[int, tuple[int, int]] = {}  # a watched file's (dev, inode)
+        self._inode_of: dict[str, tuple[int, int]] = {}  # non-directory entry -> (dev, inode)
+        self._paths_of: dict[tuple[int, int], set[str]] = {}  # and back: every link of it
         self._dirty: set[str] = set()
-        self._linked: set[str] = set()  # regular files with more than one link
-        self._inode_of: dict[str, tuple[int, int]] = {}  # regular file -> (dev, inode)
-        self._paths_of: dict[tuple[int, int], set[str]] = {}
         self._unhashed: set[str] = set()  # regular files listed without a hash
         self._root_id: tuple[int, int] = (0, 0)
         self.full_walks = 0  # for tests and metrics
@@ -95,17 +104,28 @@ class RootTracker:
         if self._ifd >= 0:
             os.close(self._ifd)
             self._ifd = -1
+        self._valid = False
+        self.closed = True
 
     def snapshot(self, budget: HashBudget, max_entries: int) -> Snapshot:
         """The root's entries now; raises _Unusable when only a walk can tell."""
         self.last_used = time.monotonic()
-        self._drain()
         root_fd = self._open_root()
         try:
-            st = os.fstat(root_fd)
-            if not self._valid or (st.st_dev, st.st_ino) != self._root_id:
-                self._full_walk(root_fd, budget, max_entries)
-            self._refresh(root_fd, budget, max_entries)
+            for _ in range(2):
+                if self._ifd >= 0:
+                    self._drain()
+                st = os.fstat(root_fd)
+                if not self._valid or (st.st_dev, st.st_ino) != self._root_id:
+                    self._full_walk(root_fd, budget, max_entries)
+                self._refresh(root_fd, budget, max_entries)
+                st = os.fstat(root_fd)
+                if self._valid and (st.st_dev, st.st_ino) == self._root_id:
+                    break
+            else:  # overflowed (or the root replaced) twice while being brought up to date
+                raise _Unusable("the tree changed faster than it could be followed")
+            if len(self._entries) > max_entries:
+                raise _Unusable("over the entry cap")
         except BaseException:
             self._valid = False
             raise
@@ -127,18 +147,30 @@ class RootTracker:
                 if mask & IN_Q_OVERFLOW:
                     self._valid = False
                     continue
+                inode = self._wd_inode.get(wd)
+                if inode is not None:  # a file's own watch: whichever link it was changed through
+                    if mask & IN_IGNORED:
+                        del self._wd_inode[wd]
+                    self._dirty |= {p.rsplit("/", 1)[0] for p in self._paths_of.get(inode, ())}
+                    continue
                 path = self._wd_dir.get(wd)
                 if path is None:
                     continue
-                if mask & IN_IGNORED:  # the directory is gone (or its watch was removed)
-                    del self._wd_dir[wd]
-                    if self._dir_wd.get(path) == wd:
-                        del self._dir_wd[path]
-                    continue
-                if mask & (IN_DELETE_SELF | IN_MOVE_SELF):
+                if mask & (IN_IGNORED | IN_DELETE_SELF):
                     if path == self.sandbox_root:
-                        self._valid = False  # the root itself went: walk what is there now
-                    continue  # its parent's own event rescans where it was
+                        self._valid = False
+                    elif self._dir_wd.get(path) == wd:
+                        # Gone: a directory made in its place may get its inode number.
+                        self._forget_subtree(path)
+                        self._drop(path)
+                        self._dirty.add(path.rsplit("/", 1)[0])
+                    if mask & IN_IGNORED:
+                        del self._wd_dir[wd]
+                    continue
+                if mask & IN_MOVE_SELF:
+                    if path == self.sandbox_root:
+                        self._valid = False  # the root itself moved: walk what is there now
+                    continue  # its old and new parents' own events rescan both places
                 self._dirty.add(path)
 
     # -- walking ------------------------------------------------------------------------
@@ -157,23 +189,24 @@ class RootTracker:
     def _full_walk(self, root_fd: int, budget: HashBudget, max_entries: int) -> None:
         self.full_walks += 1
         # A fresh instance: watches of the old tree must not name paths of the new one.
-        os.close(self._ifd)
+        if self._ifd >= 0:
+            os.close(self._ifd)
         self._ifd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         if self._ifd < 0:
             raise _Unusable(f"inotify_init1: {os.strerror(ctypes.get_errno())}")
         self._entries, self._children, self._wd_dir, self._dir_wd = {}, {}, {}, {}
-        self._dirty, self._linked, self._inode_of, self._paths_of, self._unhashed = set(), set(), {}, {}, set()
+        self._wd_inode, self._inode_of, self._paths_of, self._dirty, self._unhashed = {}, {}, {}, set(), set()
         st = os.fstat(root_fd)
         self._root_id = (st.st_dev, st.st_ino)
         self._valid = True
         self._walk_new(os.dup(root_fd), self.sandbox_root, budget, max_entries, 0)
 
     def _refresh(self, root_fd: int, budget: HashBudget, max_entries: int) -> None:
-        # Files with several links may have changed through another link; a file left
-        # unhashed (over this snapshot's budget, unreadable) is tried again, as a walk would.
-        self._dirty |= {p.rsplit("/", 1)[0] for p in self._linked | self._unhashed}
+        # A file left unhashed (over one snapshot's budget, unreadable) is tried again,
+        # as a walk would.
+        self._dirty |= {p.rsplit("/", 1)[0] for p in self._unhashed}
         rescans_left = 2 * len(self._children) + 100  # a tree that never settles is walked
-        while self._dirty:
+        while self._dirty and self._valid:
             rescans_left -= 1
             if rescans_left < 0:
                 raise _Unusable("the tree kept changing while it was rescanned")
@@ -183,9 +216,9 @@ class RootTracker:
                 continue  # no longer a directory of the tree (its parent's rescan said so)
             fd = self._open_dir(root_fd, path)
             if fd < 0:
-                self._dirty.add(path.rsplit("/", 1)[0] if path != self.sandbox_root else path)
                 if path == self.sandbox_root:
                     raise _Unusable("the write root cannot be opened")
+                self._dirty.add(path.rsplit("/", 1)[0])
                 continue
             self._rescan(fd, path, budget, max_entries)
             self._drain()  # what the rescan itself raced with
@@ -199,22 +232,43 @@ class RootTracker:
                 nxt = os.open(part, _OPEN_DIR, dir_fd=fd)
                 os.close(fd)
                 fd = nxt
-        except OSError:
+        except OSError as exc:
             os.close(fd)
-            return -1
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                return -1
+            raise _Unusable(f"{path}: {exc.strerror}") from None  # EMFILE, EACCES: a walk says it
         return fd
 
-    def _watch(self, fd: int, path: str) -> None:
-        wd = _libc.inotify_add_watch(self._ifd, f"/proc/self/fd/{fd}".encode(), _WATCH_MASK)
+    def _add_watch(self, target: str, mask: int, what: str) -> int:
+        wd = _libc.inotify_add_watch(self._ifd, target.encode(), mask)
         if wd < 0:
             err = ctypes.get_errno()
-            raise _Unusable(f"inotify_add_watch {path}: {os.strerror(err)}"
+            if err == errno.ENOENT:
+                return -1
+            raise _Unusable(f"inotify_add_watch {what}: {os.strerror(err)}"
                             + (" (fs.inotify.max_user_watches)" if err == errno.ENOSPC else ""))
+        return wd
+
+    def _watch_dir(self, fd: int, path: str) -> None:
+        wd = self._add_watch(f"/proc/self/fd/{fd}", _DIR_MASK, path)
         old = self._wd_dir.get(wd)
         if old is not None and old != path and self._dir_wd.get(old) == wd:
             del self._dir_wd[old]  # the same directory, moved: its watch follows it
         self._wd_dir[wd] = path
         self._dir_wd[path] = wd
+
+    def _examine(self, dir_fd: int, e: os.DirEntry) -> os.stat_result | None:
+        """An entry's stat; None when it is gone. Any entry but a directory or a symlink
+        gets a watch on its inode itself first (so no change after the stat is missed):
+        a change through any of its links, in the tree or not, is announced there."""
+        if e.is_dir(follow_symlinks=False) or e.is_symlink():
+            return e.stat(follow_symlinks=False)
+        wd = self._add_watch(f"/proc/self/fd/{dir_fd}/{e.name}", _FILE_MASK, e.name)
+        if wd < 0:
+            return None
+        st = os.stat(e.name, dir_fd=dir_fd, follow_symlinks=False)
+        self._wd_inode[wd] = (st.st_dev, st.st_ino)
+        return st
 
     def _entry(self, dir_fd: int, name: str, st: os.stat_result, budget: HashBudget) -> Entry:
         digest = note = ""
@@ -222,40 +276,20 @@ class RootTracker:
             digest, note = self._hashes.digest(dir_fd, name, st, budget)
         return Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, note, st.st_dev)
 
-    def _note_links(self, path: str, st: os.stat_result) -> None:
-        """Keeps the inode map of regular files, and which have other links: a write
-        through one link is announced in that link's directory only."""
-        old = self._inode_of.pop(path, None)
-        if old is not None:
-            paths = self._paths_of.get(old)
-            if paths is not None:
-                paths.discard(path)
-                if not paths:
-                    del self._paths_of[old]
-        if not stat.S_ISREG(st.st_mode):
-            self._linked.discard(path)
-            return
-        key = (st.st_dev, st.st_ino)
-        self._inode_of[path] = key
-        same = self._paths_of.setdefault(key, set())
-        same.add(path)
-        if st.st_nlink > 1:
-            self._linked |= same
-        else:
-            self._linked.discard(path)
-
     def _set(self, path: str, entry: Entry) -> None:
         self._entries[path] = entry
         if entry.note:
             self._unhashed.add(path)
         else:
             self._unhashed.discard(path)
+        if not stat.S_ISDIR(entry.mode):
+            key = (entry.dev, entry.inode)
+            if self._inode_of.get(path) != key:
+                self._unlink_inode(path)
+                self._inode_of[path] = key
+                self._paths_of.setdefault(key, set()).add(path)
 
-    def _drop(self, path: str) -> None:
-        """Forgets one entry (and its place in the inode map)."""
-        self._entries.pop(path, None)
-        self._unhashed.discard(path)
-        self._linked.discard(path)
+    def _unlink_inode(self, path: str) -> None:
         key = self._inode_of.pop(path, None)
         if key is not None:
             paths = self._paths_of.get(key)
@@ -264,29 +298,36 @@ class RootTracker:
                 if not paths:
                     del self._paths_of[key]
 
+    def _drop(self, path: str) -> None:
+        """Forgets one entry (and its place in the inode map)."""
+        self._entries.pop(path, None)
+        self._unhashed.discard(path)
+        self._unlink_inode(path)
+
     def _walk_new(self, fd: int, path: str, budget: HashBudget, max_entries: int, depth: int) -> None:
         """Watches and lists a directory new to the tracker, and everything below it.
         Takes ownership of `fd`."""
         try:
             if depth > MAX_DEPTH:
                 raise _Unusable(f"{path}: deeper than {MAX_DEPTH} levels")
-            self._watch(fd, path)  # before the listing: nothing created meanwhile is missed
+            self._watch_dir(fd, path)  # before the listing: nothing created meanwhile is missed
             names: set[str] = set()
             subdirs = []
             with os.scandir(fd) as it:
                 for e in it:
                     try:
-                        st = e.stat(follow_symlinks=False)
+                        st = self._examine(fd, e)
                     except FileNotFoundError:
                         continue
                     except OSError as exc:
                         raise _Unusable(f"{path}/{e.name}: {exc.strerror}") from None
+                    if st is None:
+                        continue  # gone since the listing
                     if len(self._entries) >= max_entries:
                         raise _Unusable("over the entry cap")
                     child = f"{path}/{e.name}"
                     names.add(e.name)
                     self._set(child, self._entry(fd, e.name, st, budget))
-                    self._note_links(child, st)
                     if stat.S_ISDIR(st.st_mode):
                         subdirs.append(e.name)
             self._children[path] = names
@@ -313,27 +354,32 @@ class RootTracker:
                 del self._wd_dir[wd]  # its kernel watch stays until IN_IGNORED (or it reappears)
             self._dirty.discard(d)
 
+    def _depth(self, path: str) -> int:
+        return path.count("/") - self.sandbox_root.count("/")
+
     def _rescan(self, fd: int, path: str, budget: HashBudget, max_entries: int) -> None:
         """Lists one known directory again: entries added, removed or changed in it.
         Takes ownership of `fd`."""
         try:
-            self._watch(fd, path)  # the same watch if it had one; a new one if it was replaced
+            self._watch_dir(fd, path)  # the same watch if it had one; a new one if it was replaced
             if path != self.sandbox_root:
                 # Its own entry (listed in its parent) moves with every change inside it.
                 st = os.fstat(fd)
-                self._entries[path] = Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
-                                            "", "", st.st_dev)
+                self._set(path, Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                                      "", "", st.st_dev))
             old = self._children.get(path, set())
             names: set[str] = set()
             new_dirs = []
             with os.scandir(fd) as it:
                 for e in it:
                     try:
-                        st = e.stat(follow_symlinks=False)
+                        st = self._examine(fd, e)
                     except FileNotFoundError:
                         continue
                     except OSError as exc:
                         raise _Unusable(f"{path}/{e.name}: {exc.strerror}") from None
+                    if st is None:
+                        continue  # gone since the listing
                     child = f"{path}/{e.name}"
                     names.add(e.name)
                     was = self._entries.get(child)
@@ -347,7 +393,6 @@ class RootTracker:
                             was.inode, was.mode, was.size, was.mtime_ns, was.ctime_ns) != (
                             st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
                         self._set(child, self._entry(fd, e.name, st, budget))
-                    self._note_links(child, st)
                     if stat.S_ISDIR(st.st_mode) and child not in self._children:
                         new_dirs.append(e.name)
             for name in old - names:
@@ -365,7 +410,7 @@ class RootTracker:
                         self._dirty.add(path)
                         continue
                     raise _Unusable(f"{path}/{name}: {exc.strerror}") from None
-                self._walk_new(sub, f"{path}/{name}", budget, max_entries, path.count("/") + 1)
+                self._walk_new(sub, f"{path}/{name}", budget, max_entries, self._depth(path) + 1)
         finally:
             os.close(fd)
 
@@ -379,6 +424,7 @@ class LiveSnapshots:
         self._idle_s = idle_s
         self._lock = threading.Lock()
         self._trackers: OrderedDict[tuple[str, str], RootTracker] = OrderedDict()
+        self._untracked: dict[tuple[str, str], float] = {}  # root -> when to try tracking again
         self.fallbacks = 0  # walks done because a root could not be tracked
 
     def take(self, binds: list[tuple[str, str]], budget: HashBudget | None = None,
@@ -387,15 +433,23 @@ class LiveSnapshots:
         out = Snapshot()
         for sandbox_root, host_root in binds:
             left = max_entries - len(out.entries)
-            part = self._tracked(sandbox_root, host_root, budget, left) if left > 0 else None
+            part = None
+            if left > 0:
+                # The tracker spends a copy: one that gives up leaves the walk its budget.
+                spent = HashBudget(budget.bytes_left, budget.max_file)
+                part = self._tracked(sandbox_root, host_root, spent, left)
+                if part is not None:
+                    budget.bytes_left = spent.bytes_left
             if part is None:
                 self.fallbacks += 1
-                part = take([(sandbox_root, host_root)], self._hashes, budget, left)
+                gaps = len(out.gaps)
+                take([(sandbox_root, host_root)], self._hashes, budget, max_entries, into=out)
+                if len(out.gaps) > gaps and len(out.entries) >= max_entries:
+                    break  # the cap: the walk stops there too
+                continue
             out.entries.update(part.entries)
             out.gaps += part.gaps
             out.unhashed += part.unhashed
-            if part.gaps and len(out.entries) >= max_entries:
-                break
         return out
 
     def _tracked(self, sandbox_root: str, host_root: str, budget: HashBudget, max_entries: int) -> Snapshot | None:
@@ -410,37 +464,43 @@ class LiveSnapshots:
             return None
         with tracker.lock:
             try:
+                if tracker.closed:
+                    return None  # retired meanwhile
                 return tracker.snapshot(budget, max_entries)
-            except _Unusable as exc:
-                log.info("write root %s is walked in full: %s", host_root, exc)
-                return None
-            except OSError as exc:
-                log.warning("write root %s could not be tracked: %s", host_root, exc)
+            except (_Unusable, OSError) as exc:
+                # Its watches go (they count against the host's limits), and the root is
+                # walked for a while rather than tracked and walked on every call.
+                log.info("write root %s is walked in full for %.0f s: %s", host_root, UNTRACKED_S, exc)
+                tracker.close()
+                with self._lock:
+                    if self._trackers.get(key) is tracker:
+                        del self._trackers[key]
+                    self._untracked[key] = time.monotonic() + UNTRACKED_S
                 return None
 
     def _tracker(self, key: tuple[str, str]) -> RootTracker | None:
         now = time.monotonic()
+        retired = []
         with self._lock:
+            if self._untracked.get(key, 0) > now:
+                return None
+            self._untracked.pop(key, None)
             for k in [k for k, t in self._trackers.items() if now - t.last_used > self._idle_s and k != key]:
-                self._close(k)
+                retired.append(self._trackers.pop(k))
             tracker = self._trackers.get(key)
             if tracker is None:
                 while len(self._trackers) >= self._max:
-                    self._close(next(iter(self._trackers)))
-                try:
-                    tracker = self._trackers[key] = RootTracker(key[0], key[1], self._hashes)
-                except _Unusable as exc:
-                    log.warning("no tracker for %s: %s", key[1], exc)
-                    return None
+                    retired.append(self._trackers.pop(next(iter(self._trackers))))
+                tracker = self._trackers[key] = RootTracker(key[0], key[1], self._hashes)
             self._trackers.move_to_end(key)
-            return tracker
-
-    def _close(self, key: tuple[str, str]) -> None:
-        tracker = self._trackers.pop(key)
-        with tracker.lock:  # never under a snapshot in progress
-            tracker.close()
+        for t in retired:  # outside the registry's lock: a snapshot in progress finishes first
+            with t.lock:
+                t.close()
+        return tracker
 
     def close(self) -> None:
         with self._lock:
-            for key in list(self._trackers):
-                self._close(key)
+            trackers, self._trackers = list(self._trackers.values()), OrderedDict()
+        for t in trackers:
+            with t.lock:
+                t.close()

@@ -118,11 +118,11 @@ class HashCache:
 
 
 def take(binds: Iterable[tuple[str, str]], hashes: HashCache | None = None, budget: HashBudget | None = None,
-         max_entries: int = MAX_ENTRIES) -> Snapshot:
+         max_entries: int = MAX_ENTRIES, into: Snapshot | None = None) -> Snapshot:
     """Every file and directory below the writable binds ((sandbox path, host path)
     pairs), by sandbox path; regular files hashed when `hashes` is given. Symlinks are
-    listed, never followed."""
-    snap = Snapshot()
+    listed, never followed. `into`: added to that snapshot (the cap counts its entries)."""
+    snap = into if into is not None else Snapshot()
     budget = budget or HashBudget()
     for sandbox_root, host_root in binds:
         # Bind sources are real paths (preflight refuses symlinks on the way): one found
