@@ -345,20 +345,24 @@ class CallRun:
         write roots, then lets the command go. A watch that cannot be attached (or a walk
         that failed) fails the call: it never runs unrecorded."""
         p = self.prepared
-        deadline = time.monotonic() + GATE_TIMEOUT_S
-        pid = 0
-        while not pid and time.monotonic() < deadline and not handle.output_closed.is_set():
-            pid = p.backend.sandbox_pid(handle)
-            if not pid:
-                time.sleep(0.0005)  # a jail is ready in a few ms: every half ms counts
-        if not pid:
-            raise FailedPrecondition("the sandbox never came up to be watched")
-        watch = FileWatch(pid, tuple(b.sandbox_path for b in p.plan.binds))
+        watch = FileWatch(0, tuple(b.sandbox_path for b in p.plan.binds))
         try:
-            watch.start()
+            watch.prepare()  # while the sandbox comes up: only its marks wait for it
         except FileWatchError as exc:
             raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
         try:
+            deadline = time.monotonic() + GATE_TIMEOUT_S
+            pid = 0
+            while not pid and time.monotonic() < deadline and not handle.output_closed.is_set():
+                pid = p.backend.sandbox_pid(handle)
+                if not pid:
+                    time.sleep(0.0005)  # a jail is ready in a few ms: every half ms counts
+            if not pid:
+                raise FailedPrecondition("the sandbox never came up to be watched")
+            try:
+                watch.attach(pid)
+            except FileWatchError as exc:
+                raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
             if before_walk is not None:
                 try:
                     before_walk.result()

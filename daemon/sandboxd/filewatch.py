@@ -73,6 +73,15 @@ class FileWatch:
     overflowed: bool = False
 
     def start(self) -> None:
+        self.prepare()
+        try:
+            self.attach(self.pid)
+        except BaseException:
+            self.stop()
+            raise
+
+    def prepare(self) -> None:
+        """The group and its reader, before the sandbox is up (attach marks its mounts)."""
         flags = FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK | FAN_UNLIMITED_QUEUE
         # The descriptors of events open non-blocking: a FIFO in the workspace must not
         # stall the reader (and with it the recording).
@@ -84,32 +93,32 @@ class FileWatch:
         # namespace is gone (nsjail ends with its command), readlink gives a path relative
         # to the mount's own root, which this puts back under the mount's sandbox path.
         self._mount_paths: dict[int, str] = {}
-        try:
-            for mount in self.mounts:
-                path = f"/proc/{self.pid}/root{mount}".encode()
-                try:
-                    probe = os.open(path, os.O_PATH | os.O_CLOEXEC)
-                    try:
-                        self._mount_paths[_mount_id(probe)] = mount
-                    finally:
-                        os.close(probe)
-                except OSError as exc:
-                    raise FileWatchError(f"{mount}: {exc}") from None
-                # Opens, and closes of files opened for writing: FAN_MODIFY would add one
-                # event per write() of a write-heavy command for nothing more.
-                if _libc.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN | FAN_CLOSE_WRITE,
-                                       AT_FDCWD, path) < 0:
-                    raise FileWatchError(f"fanotify_mark {mount}: {os.strerror(ctypes.get_errno())}")
-        except BaseException:
-            os.close(fd)
-            raise
-        paths = set(self._mount_paths.values())
-        self._only_mount = paths.pop() if len(paths) == 1 and len(self._mount_paths) == 1 else None
+        # One marked mount (the usual case): every event is through it.
+        self._only_mount = self.mounts[0] if len(set(self.mounts)) == 1 else None
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         self._syncs: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
         self._settled = False  # every event read, and none can have come since (collect)
-        self._thread = threading.Thread(target=self._read, daemon=True, name=f"filewatch-{self.pid}")
+        self._thread = threading.Thread(target=self._read, daemon=True, name="filewatch")
         self._thread.start()
+
+    def attach(self, pid: int) -> None:
+        """Marks the sandbox's mounts, reached through `pid` (any process inside it)."""
+        self.pid = pid
+        for mount in self.mounts:
+            path = f"/proc/{pid}/root{mount}".encode()
+            try:
+                probe = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                try:
+                    self._mount_paths[_mount_id(probe)] = mount
+                finally:
+                    os.close(probe)
+            except OSError as exc:
+                raise FileWatchError(f"{mount}: {exc}") from None
+            # Opens, and closes of files opened for writing: FAN_MODIFY would add one
+            # event per write() of a write-heavy command for nothing more.
+            if _libc.fanotify_mark(self._fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN | FAN_CLOSE_WRITE,
+                                   AT_FDCWD, path) < 0:
+                raise FileWatchError(f"fanotify_mark {mount}: {os.strerror(ctypes.get_errno())}")
 
     def begin(self) -> None:
         """A new command's record from here on (a watch kept on a warm sandbox between
