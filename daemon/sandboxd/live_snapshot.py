@@ -313,35 +313,43 @@ class RootTracker:
             self._watch_dir(fd, path)  # before the listing: nothing created meanwhile is missed
             names: set[str] = set()
             subdirs = []
-            with os.scandir(fd) as it:
-                for e in it:
-                    try:
-                        st = self._examine(fd, e)
-                    except FileNotFoundError:
-                        continue
-                    except OSError as exc:
-                        raise _Unusable(f"{path}/{e.name}: {exc.strerror}") from None
-                    if st is None:
-                        continue  # gone since the listing
-                    if len(self._entries) >= max_entries:
-                        raise _Unusable("over the entry cap")
-                    child = f"{path}/{e.name}"
-                    names.add(e.name)
-                    self._set(child, self._entry(fd, e.name, st, budget))
-                    if stat.S_ISDIR(st.st_mode):
-                        subdirs.append(e.name)
+            for name, st in self._listing(fd, path):
+                if len(self._entries) >= max_entries:
+                    raise _Unusable("over the entry cap")
+                names.add(name)
+                self._set(f"{path}/{name}", self._entry(fd, name, st, budget))
+                if stat.S_ISDIR(st.st_mode):
+                    subdirs.append(name)
             self._children[path] = names
-            for name in subdirs:
-                try:
-                    sub = os.open(name, _OPEN_DIR, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                        self._dirty.add(path)  # changed since the listing: look again
-                        continue
-                    raise _Unusable(f"{path}/{name}: {exc.strerror}") from None
-                self._walk_new(sub, f"{path}/{name}", budget, max_entries, depth + 1)
+            self._walk_below(fd, path, subdirs, budget, max_entries, depth + 1)
         finally:
             os.close(fd)
+
+    def _listing(self, fd: int, path: str):
+        """(name, stat) of each entry of a directory, examined (and watched) as it comes;
+        one gone since the listing is left out."""
+        with os.scandir(fd) as it:
+            for e in it:
+                try:
+                    st = self._examine(fd, e)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    raise _Unusable(f"{path}/{e.name}: {exc.strerror}") from None
+                if st is not None:
+                    yield e.name, st
+
+    def _walk_below(self, fd: int, path: str, subdirs: list[str], budget: HashBudget, max_entries: int,
+                    depth: int) -> None:
+        for name in subdirs:
+            try:
+                sub = os.open(name, _OPEN_DIR, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    self._dirty.add(path)  # changed since the listing: look again
+                    continue
+                raise _Unusable(f"{path}/{name}: {exc.strerror}") from None
+            self._walk_new(sub, f"{path}/{name}", budget, max_entries, depth)
 
     def _forget_subtree(self, path: str) -> None:
         prefix = path + "/"
@@ -370,31 +378,22 @@ class RootTracker:
             old = self._children.get(path, set())
             names: set[str] = set()
             new_dirs = []
-            with os.scandir(fd) as it:
-                for e in it:
-                    try:
-                        st = self._examine(fd, e)
-                    except FileNotFoundError:
-                        continue
-                    except OSError as exc:
-                        raise _Unusable(f"{path}/{e.name}: {exc.strerror}") from None
-                    if st is None:
-                        continue  # gone since the listing
-                    child = f"{path}/{e.name}"
-                    names.add(e.name)
-                    was = self._entries.get(child)
-                    if was is not None and stat.S_ISDIR(was.mode) and (
-                            not stat.S_ISDIR(st.st_mode) or (was.dev, was.inode) != (st.st_dev, st.st_ino)):
-                        self._forget_subtree(child)  # a different directory (or none) now
-                        was = None
-                    if was is None and len(self._entries) >= max_entries:
-                        raise _Unusable("over the entry cap")
-                    if was is None or stat.S_ISREG(st.st_mode) or (
-                            was.inode, was.mode, was.size, was.mtime_ns, was.ctime_ns) != (
-                            st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
-                        self._set(child, self._entry(fd, e.name, st, budget))
-                    if stat.S_ISDIR(st.st_mode) and child not in self._children:
-                        new_dirs.append(e.name)
+            for name, st in self._listing(fd, path):
+                child = f"{path}/{name}"
+                names.add(name)
+                was = self._entries.get(child)
+                if was is not None and stat.S_ISDIR(was.mode) and (
+                        not stat.S_ISDIR(st.st_mode) or (was.dev, was.inode) != (st.st_dev, st.st_ino)):
+                    self._forget_subtree(child)  # a different directory (or none) now
+                    was = None
+                if was is None and len(self._entries) >= max_entries:
+                    raise _Unusable("over the entry cap")
+                if was is None or stat.S_ISREG(st.st_mode) or (
+                        was.inode, was.mode, was.size, was.mtime_ns, was.ctime_ns) != (
+                        st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                    self._set(child, self._entry(fd, name, st, budget))
+                if stat.S_ISDIR(st.st_mode) and child not in self._children:
+                    new_dirs.append(name)
             for name in old - names:
                 child = f"{path}/{name}"
                 gone = self._entries.get(child)
@@ -402,15 +401,7 @@ class RootTracker:
                 if gone is not None and stat.S_ISDIR(gone.mode):
                     self._forget_subtree(child)
             self._children[path] = names
-            for name in new_dirs:
-                try:
-                    sub = os.open(name, _OPEN_DIR, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                        self._dirty.add(path)
-                        continue
-                    raise _Unusable(f"{path}/{name}: {exc.strerror}") from None
-                self._walk_new(sub, f"{path}/{name}", budget, max_entries, self._depth(path) + 1)
+            self._walk_below(fd, path, new_dirs, budget, max_entries, self._depth(path) + 1)
         finally:
             os.close(fd)
 
