@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from .compile import (LABEL_PREFIX, MASK_DIR_TMPFS_BYTES, MAX_OPEN_FILES, SHIM_PATH, WORKSPACE_BASE_TMPFS_BYTES,
+from .compile import (LABEL_PREFIX, plain, MASK_DIR_TMPFS_BYTES, MAX_OPEN_FILES, SHIM_PATH, WORKSPACE_BASE_TMPFS_BYTES,
                       Attachments, SandboxIdentity, _mounts, require_egress)
 from .errors import FailedPrecondition, Unimplemented
 from .policy import WORKSPACE, EffectivePolicy
@@ -138,7 +138,7 @@ class NsjailSpec:
         return text
 
     def to_json_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = plain(self)
         d["init_argv"] = list(self.init_argv)
         d["config"] = self.config_text().splitlines()
         return d

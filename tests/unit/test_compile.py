@@ -408,3 +408,25 @@ def test_network_plan_shows_the_proxy_and_patterns():
     assert shown["allowDomains"] == ["pypi.test", "*.files.test"]
     assert shown["denyPrivateNetworks"] is True
     assert network_plan(*case_default()[:1], None)["network"] == "loopback only"
+
+
+def test_plain_is_asdict_as_json_without_its_copies():
+    from dataclasses import asdict, dataclass
+
+    from sandboxd.compile import plain
+
+    @dataclass(frozen=True)
+    class Inner:
+        a: tuple[str, ...]
+        b: dict[str, int]
+
+    @dataclass(frozen=True)
+    class Outer:
+        name: str
+        inner: tuple[Inner, ...]
+        extra: dict[str, object]
+        n: int | None = None
+
+    value = Outer("x", (Inner(("p", "q"), {"k": 1}), Inner((), {})), {"nested": [Inner(("z",), {})], "t": (1, 2)})
+    assert json.dumps(plain(value), sort_keys=True) == json.dumps(asdict(value), sort_keys=True)
+    assert plain(value)["inner"][0]["a"] == ["p", "q"]
