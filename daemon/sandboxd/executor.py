@@ -389,6 +389,9 @@ class CallRun:
         pid = ws.init_pid()
         if not pid:
             raise self.prepared.backend.broken("the sandbox's supervisor is gone (its init exited)")
+        if ws.watch is not None and not ws.watch.alive:  # its reader failed: a new watch, not a blind one
+            ws.watch.stop()
+            ws.watch = None
         if ws.watch is None:
             watch = FileWatch(pid, tuple(b.sandbox_path for b in ws.prepared.plan.binds))
             try:

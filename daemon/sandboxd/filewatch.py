@@ -131,6 +131,10 @@ class FileWatch:
         self.dropped = 0
         self.overflowed = False
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def unrecorded(self) -> None:
         """A command runs in the sandbox without being recorded: begin() must drop its
         events, not assume there are none."""
@@ -148,7 +152,7 @@ class FileWatch:
         done = threading.Event()
         self._syncs.put(done)
         os.write(self._stop_w, b"s")
-        if not done.wait(10) or not self._thread.is_alive():
+        if not self._thread.is_alive() or not done.wait(10):  # a dead reader answers nothing
             log.error("the file watch of pid %d did not answer; its records may be incomplete", self.pid)
             self.overflowed = True
 

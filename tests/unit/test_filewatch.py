@@ -3,6 +3,8 @@ the gate shows up in a spec."""
 
 from __future__ import annotations
 
+import pytest
+
 from sandboxd.compile import GATE_PATH, SHIM_PATH, Attachments
 from sandboxd.filewatch import FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN, MAX_PATHS, Access, FileWatch
 
@@ -83,5 +85,38 @@ def test_a_kept_watch_records_each_command_between_begin_and_collect(tmp_path):
         (mnt / "c").read_text()
         assert [x.path for x in w.collect()] == [f"{mnt}/c"]
         assert [x.path for x in w.stop()] == [f"{mnt}/c"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_watch_whose_reader_died_answers_at_once_and_says_so(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import time
+
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    subprocess.run(["mount", "--bind", str(src), str(mnt)], check=True)
+    w = FileWatch(os.getpid(), (str(mnt),))
+    try:
+        w.start()
+
+        def broken():
+            raise RuntimeError("the reader fails")
+
+        monkeypatch.setattr(w, "_drain", broken)
+        (src / "f").write_text("x")
+        (mnt / "f").read_text()  # an event wakes the reader, which dies
+        deadline = time.monotonic() + 5
+        while w.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not w.alive
+        t = time.monotonic()
+        w.begin()
+        assert w.collect() == [] and w.overflowed  # incomplete, and said so
+        assert time.monotonic() - t < 1
+        w.stop()
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
