@@ -20,12 +20,14 @@ MASK_DIR_TMPFS_BYTES = 4 * 1024
 def plain(value: Any) -> Any:
     """dataclasses.asdict's JSON, without its deep copy of every leaf (a millisecond a
     spec, on every call's path): dataclasses become dicts, tuples lists."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
+    if value is None or isinstance(value, (str, int, float)):  # most leaves: asked first
+        return value
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
     return value
 
 
