@@ -244,6 +244,12 @@ class AuditIndex:
     def notify(self, *_ignored) -> None:
         self._wake.set()
 
+    def lag(self) -> int:
+        """Events in the log the index has not seen yet (a metric: it should stay near 0)."""
+        head = self.log_db.query("SELECT COALESCE(MAX(seq), 0) AS seq FROM events")[0]["seq"]
+        rows = self.db.query("SELECT indexed_seq FROM audit_meta WHERE id = 1")
+        return max(0, head - (rows[0]["indexed_seq"] if rows else 0))
+
     def sync(self) -> int:
         """Indexes everything appended so far; returns how many events that was."""
         with self._lock:

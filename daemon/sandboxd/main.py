@@ -268,15 +268,21 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     log.info("serving on %s (daemon %s, state %s)", settings.socket_path, daemon_id, settings.state_dir)
     metrics = None
     if settings.metrics_address:
-        metrics = MetricsServer(settings.metrics_address, lambda: _metrics_text(executor))
+        metrics = MetricsServer(settings.metrics_address, lambda: _metrics_text(executor, audit_index, retention))
         metrics.start()
     retention.start()  # serving first: a backlog of expired calls never delays start-up
     return Daemon(settings, server, executor, db, daemon_id, relay, proxy, metrics, retention, audit_index)
 
 
-def _metrics_text(executor: CallExecutor) -> str:
+def _metrics_text(executor: CallExecutor, audit_index: audit.AuditIndex, retention: RetentionSweeper) -> str:
     running = len(executor.running_calls())
-    text = render([("sandboxd_calls_running", "gauge", "Calls running now", [f"sandboxd_calls_running {running}"])])
+    text = render([
+        ("sandboxd_calls_running", "gauge", "Calls running now", [f"sandboxd_calls_running {running}"]),
+        ("sandboxd_audit_index_lag_events", "gauge", "Events the forensic index has not indexed yet",
+         [f"sandboxd_audit_index_lag_events {audit_index.lag()}"]),
+        ("sandboxd_calls_expired_total", "counter", "Calls expired by retention since the daemon started",
+         [f"sandboxd_calls_expired_total {retention.expired_total}"]),
+    ])
     return text + (executor.pools.metrics() if executor.pools is not None else "")
 
 

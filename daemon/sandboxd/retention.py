@@ -101,6 +101,7 @@ class RetentionSweeper:
         self._now = now or (lambda: datetime.now(timezone.utc))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="retention")
+        self.expired_total = 0  # calls this daemon expired since it started (a metric)
 
     def start(self) -> None:
         if self._settings.period_days > 0:
@@ -119,6 +120,7 @@ class RetentionSweeper:
         while not self._stop.is_set():
             batch = expire_calls(self._db, self._events, self._index, before, period, self._settings.batch)
             done += batch
+            self.expired_total += len(batch)
             if len(batch) < self._settings.batch:
                 break
             self._stop.wait(BATCH_PAUSE_S)  # calls' own commits go between batches

@@ -307,6 +307,9 @@ def test_pool_metrics_on_the_prometheus_endpoint(spare_daemon):
         c.release_sandbox(lease.lease_id)
     assert f'sandboxd_pool_leased_sandboxes{{pool="{lease.pool_key}",backend="docker"}} 1' in text
     assert 'sandboxd_pool_created_total{pool="' in text and "sandboxd_calls_running 0" in text
+    assert "sandboxd_calls_expired_total 0" in text  # no retention period: nothing expires
+    lag = [line for line in text.splitlines() if line.startswith("sandboxd_audit_index_lag_events ")]
+    assert len(lag) == 1 and int(lag[0].split()[1]) >= 0
     assert "sandboxd_pool_acquire_seconds_count 1" in text
     assert str(ws) not in text  # pools are named by key: no workspace paths leave this way
 

@@ -1138,8 +1138,8 @@ def test_the_index_file_tails_the_log_on_its_own_thread(split):
 def test_sync_brings_the_index_to_the_logs_head(split):
     log_db, index, log = split  # no thread: only sync indexes
     run_call(log, "tc_a", argv=("echo", "a"))
-    assert ids(index.db) == []
-    assert index.sync() == len(log.range())
+    assert ids(index.db) == [] and index.lag() == len(log.range())
+    assert index.sync() == len(log.range()) and index.lag() == 0
     assert ids(index.db) == ["tc_a"] and call_row(index.db, "tc_a")["status"] == "success"
     accept(log, "tc_b")
     assert index.sync() == 3 and index.sync() == 0

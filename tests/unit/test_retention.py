@@ -260,8 +260,9 @@ def test_a_backlog_expires_in_batches_oldest_first_each_once(db, log, store, clo
     for i in range(7):
         run_call(log, f"tc_{i}")
     clock.set(T0 + 31 * DAY)
-    done = sweeper(db, log, store, clock, batch=3).sweep()
-    assert [c.tool_call_id for c in done] == [f"tc_{i}" for i in range(7)]
+    s = sweeper(db, log, store, clock, batch=3)
+    done = s.sweep()
+    assert [c.tool_call_id for c in done] == [f"tc_{i}" for i in range(7)] and s.expired_total == 7
     tombs = [e for e in log.range() if e.type == ev.EXPIRED]
     assert sorted(e.tool_call_id for e in tombs) == [f"tc_{i}" for i in range(7)]
     assert ids(db) == [] and log.verify().ok
