@@ -31,8 +31,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .compile import (LABEL_PREFIX, plain, MASK_DIR_TMPFS_BYTES, MAX_OPEN_FILES, SHIM_PATH, WORKSPACE_BASE_TMPFS_BYTES,
-                      Attachments, SandboxIdentity, _mounts, require_egress)
+from .compile import (LABEL_PREFIX, MASK_DIR_TMPFS_BYTES, MAX_OPEN_FILES, SHIM_PATH, WORKSPACE_BASE_TMPFS_BYTES,
+                      Attachments, SandboxIdentity, _mounts, plain, require_egress)
 from .errors import FailedPrecondition, Unimplemented
 from .policy import WORKSPACE, EffectivePolicy
 from .preflight import HostPlan

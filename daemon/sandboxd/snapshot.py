@@ -296,7 +296,7 @@ def file_events(accesses: Iterable[Access], changes: list[dict[str, Any]], befor
     out: list[dict[str, Any]] = []
     watched_writes: dict[str, dict[str, Any]] = {}
     for a in accesses:
-        operation = "write" if a.writes else "read"  # Access.operation, inline: once per opened path
+        operation = a.operation
         entry: dict[str, Any] = {"path": a.path, "operation": operation, "opens": a.opens, "writes": a.writes}
         if operation == "write":
             watched_writes[a.path] = entry

@@ -52,33 +52,26 @@ def store(tmp_path, db):
     return FileArtifactStore(tmp_path / "blobs", db)
 
 
-_INDEX: list = []
+def synced(index: audit.AuditIndex):
+    """The index database, caught up with the log (as a query sees it)."""
+    index.sync()
+    return index.db
 
 
-@pytest.fixture(autouse=True)
-def _current_index(index):
-    _INDEX[:] = [index]
+def ids(index, **filters):
+    return _ids(synced(index), **filters)
 
 
-def _synced():
-    _INDEX[0].sync()
-    return _INDEX[0].db
+def call_row(index, tcid):
+    return _call_row(synced(index), tcid)
 
 
-def ids(_db, **filters):
-    return _ids(_synced(), **filters)
+def path_rows(index, tcid=None):
+    return _path_rows(synced(index), tcid)
 
 
-def call_row(_db, tcid):
-    return _call_row(_synced(), tcid)
-
-
-def path_rows(_db, tcid=None):
-    return _path_rows(_synced(), tcid)
-
-
-def network_rows(_db, tcid=None):
-    return _network_rows(_synced(), tcid)
+def network_rows(index, tcid=None):
+    return _network_rows(synced(index), tcid)
 
 
 def put_artifact(store: FileArtifactStore, db, tmp_path, tcid: str, content: bytes, kind: str = "stdout",
@@ -99,12 +92,12 @@ def put_artifact(store: FileArtifactStore, db, tmp_path, tcid: str, content: byt
     return record
 
 
-def sweeper(db, log, store, clock, period_days: float = 30, batch: int = 200, **kw) -> RetentionSweeper:
+def sweeper(db, log, store, clock, index, period_days: float = 30, batch: int = 200, **kw) -> RetentionSweeper:
     settings = RetentionSettings(period_days=period_days, batch=batch, **kw)
-    return RetentionSweeper(settings, db, log, store, _INDEX[0], now=lambda: clock.t)
+    return RetentionSweeper(settings, db, log, store, index, now=lambda: clock.t)
 
 
-def test_an_expired_call_keeps_its_events_gains_a_tombstone_and_leaves_the_index(db, log, store, clock, tmp_path):
+def test_an_expired_call_keeps_its_events_gains_a_tombstone_and_leaves_the_index(db, log, store, clock, tmp_path, index):
     run_call(log, "tc_old", argv=("cat", "secrets.yaml"),
              observed=(file_access("/workspace/secrets.yaml", "read"), network("pypi.test")))
     art = put_artifact(store, db, tmp_path, "tc_old", b"old output\n")
@@ -113,7 +106,7 @@ def test_an_expired_call_keeps_its_events_gains_a_tombstone_and_leaves_the_index
     before = {e.event_id: e for e in log.for_call("tc_old")}
     clock.set(T0 + 35 * DAY)
 
-    done = sweeper(db, log, store, clock).sweep()
+    done = sweeper(db, log, store, clock, index).sweep()
 
     assert [c.tool_call_id for c in done] == ["tc_old"]
     events = log.for_call("tc_old")
@@ -126,49 +119,49 @@ def test_an_expired_call_keeps_its_events_gains_a_tombstone_and_leaves_the_index
     assert tomb.payload["endedAt"] == before[events[-2].event_id].time
     assert log.verify().ok
     # Gone from the index and the artifact store; the newer call is untouched.
-    assert ids(db, path="/workspace/secrets.yaml") == ["tc_new"]
-    assert ids(db, domain="pypi.test") == [] and network_rows(db, "tc_old") == []
-    assert path_rows(db, "tc_old") == [] and call_row(db, "tc_new")["status"] == "success"
-    assert not _synced().query("SELECT * FROM audit_calls WHERE tool_call_id = 'tc_old'")
+    assert ids(index, path="/workspace/secrets.yaml") == ["tc_new"]
+    assert ids(index, domain="pypi.test") == [] and network_rows(index, "tc_old") == []
+    assert path_rows(index, "tc_old") == [] and call_row(index, "tc_new")["status"] == "success"
+    assert not synced(index).query("SELECT * FROM audit_calls WHERE tool_call_id = 'tc_old'")
     assert store.list_for_call("tc_old") == [] and not store.blob_path(art.content_hash).exists()
     assert store.expired(art.artifact_id) == ("tc_old", tomb.payload["expiredAt"])
 
 
-def test_a_second_sweep_expires_nothing_again(db, log, store, clock):
+def test_a_second_sweep_expires_nothing_again(db, log, store, clock, index):
     run_call(log, "tc_a")
     clock.set(T0 + 40 * DAY)
-    s = sweeper(db, log, store, clock)
+    s = sweeper(db, log, store, clock, index)
     assert len(s.sweep()) == 1
     n = len(log.range())
     assert s.sweep() == [] and len(log.range()) == n
 
 
-def test_a_running_call_never_expires_however_old(db, log, store, clock):
+def test_a_running_call_never_expires_however_old(db, log, store, clock, index):
     accept(log, "tc_running")
     clock.set(T0 + 400 * DAY)
-    assert sweeper(db, log, store, clock).sweep() == []
-    assert call_row(db, "tc_running")["status"] == "running"
+    assert sweeper(db, log, store, clock, index).sweep() == []
+    assert call_row(index, "tc_running")["status"] == "running"
 
 
-def test_age_counts_from_the_end_of_the_call(db, log, store, clock):
+def test_age_counts_from_the_end_of_the_call(db, log, store, clock, index):
     last = accept(log, "tc_long")
     clock.set(T0 + 20 * DAY)  # a call that ran for 20 days (a lease, a long job)
     from .test_audit_index import finish, start
     finish(log, "tc_long", start(log, "tc_long", last))
     clock.set(T0 + 31 * DAY)
-    assert sweeper(db, log, store, clock).sweep() == []  # 11 days after its end
+    assert sweeper(db, log, store, clock, index).sweep() == []  # 11 days after its end
     clock.set(T0 + 51 * DAY)
-    assert [c.tool_call_id for c in sweeper(db, log, store, clock).sweep()] == ["tc_long"]
+    assert [c.tool_call_id for c in sweeper(db, log, store, clock, index).sweep()] == ["tc_long"]
 
 
-def test_refused_calls_expire_too(db, log, store, clock):
+def test_refused_calls_expire_too(db, log, store, clock, index):
     reject(log, "tc_refused")
     clock.set(T0 + 31 * DAY)
-    assert [c.tool_call_id for c in sweeper(db, log, store, clock).sweep()] == ["tc_refused"]
-    assert ids(db, status="rejected") == [] and log.verify().ok
+    assert [c.tool_call_id for c in sweeper(db, log, store, clock, index).sweep()] == ["tc_refused"]
+    assert ids(index, status="rejected") == [] and log.verify().ok
 
 
-def test_a_blob_another_call_still_names_is_kept(db, log, store, clock, tmp_path):
+def test_a_blob_another_call_still_names_is_kept(db, log, store, clock, tmp_path, index):
     run_call(log, "tc_first")
     a = put_artifact(store, db, tmp_path, "tc_first", b"same bytes")
     clock.set(T0 + 20 * DAY)
@@ -176,14 +169,14 @@ def test_a_blob_another_call_still_names_is_kept(db, log, store, clock, tmp_path
     b = put_artifact(store, db, tmp_path, "tc_second", b"same bytes")
     assert a.content_hash == b.content_hash
     clock.set(T0 + 31 * DAY)
-    assert [c.tool_call_id for c in sweeper(db, log, store, clock).sweep()] == ["tc_first"]
+    assert [c.tool_call_id for c in sweeper(db, log, store, clock, index).sweep()] == ["tc_first"]
     assert store.blob_path(a.content_hash).read_bytes() == b"same bytes"
     clock.set(T0 + 51 * DAY)
-    assert [c.tool_call_id for c in sweeper(db, log, store, clock).sweep()] == ["tc_second"]
+    assert [c.tool_call_id for c in sweeper(db, log, store, clock, index).sweep()] == ["tc_second"]
     assert not store.blob_path(a.content_hash).exists()
 
 
-def test_a_blob_put_moments_ago_is_kept_for_the_call_about_to_name_it(db, log, store, clock, tmp_path):
+def test_a_blob_put_moments_ago_is_kept_for_the_call_about_to_name_it(db, log, store, clock, tmp_path, index):
     run_call(log, "tc_old")
     a = put_artifact(store, db, tmp_path, "tc_old", b"shared")
     clock.set(T0 + 31 * DAY)
@@ -191,7 +184,7 @@ def test_a_blob_put_moments_ago_is_kept_for_the_call_about_to_name_it(db, log, s
     spool = tmp_path / "spool-pending"
     spool.write_bytes(b"shared")
     store.put_blob(spool, a.content_hash)
-    s = sweeper(db, log, store, clock)
+    s = sweeper(db, log, store, clock, index)
     assert [c.tool_call_id for c in s.sweep()] == ["tc_old"]
     assert store.blob_path(a.content_hash).read_bytes() == b"shared"
     assert db.query("SELECT blob_pending FROM expired_artifacts") == [{"blob_pending": 1}]
@@ -211,7 +204,7 @@ def test_blobs_left_by_a_crash_after_the_expiry_commit_go_at_the_next_sweep(db, 
     # The expiry committed, then the daemon died before removing the blob.
     assert [c.tool_call_id for c in expire_calls(db, log, index, cutoff(clock.t, 30), 30, 10)] == ["tc_old"]
     assert store.blob_path(a.content_hash).exists()
-    assert sweeper(db, log, store, clock).sweep() == []  # the restarted daemon's first sweep
+    assert sweeper(db, log, store, clock, index).sweep() == []  # the restarted daemon's first sweep
     assert not store.blob_path(a.content_hash).exists()
 
 
@@ -220,7 +213,7 @@ def test_the_sweep_ends_when_the_index_is_not_hooked_to_the_log(db, store, clock
     for i in range(5):
         run_call(quiet, f"tc_{i}")
     clock.set(T0 + 31 * DAY)
-    done = sweeper(db, quiet, store, clock, batch=2).sweep()
+    done = sweeper(db, quiet, store, clock, index, batch=2).sweep()
     assert sorted(c.tool_call_id for c in done) == [f"tc_{i}" for i in range(5)]
     assert len([e for e in quiet.range() if e.type == ev.EXPIRED]) == 5
 
@@ -239,39 +232,39 @@ def test_an_index_rebuilt_from_the_log_leaves_expired_calls_out(db, log, store, 
     clock.set(T0 + 20 * DAY)
     run_call(log, "tc_new", observed=(file_access("/workspace/a.py", "write"),))
     clock.set(T0 + 31 * DAY)
-    sweeper(db, log, store, clock).sweep()
+    sweeper(db, log, store, clock, index).sweep()
     index.db.ensure_schema("DELETE FROM audit_calls; DELETE FROM audit_paths; DELETE FROM audit_network;"
                            " DELETE FROM audit_meta;")
     assert index.sync() == len(log.range())
-    assert ids(db) == ["tc_new"] and ids(db, path="/workspace/a.py") == ["tc_new"]
+    assert ids(index) == ["tc_new"] and ids(index, path="/workspace/a.py") == ["tc_new"]
 
 
-def test_the_expired_calls_idempotency_key_stays_taken(db, log, store, clock):
+def test_the_expired_calls_idempotency_key_stays_taken(db, log, store, clock, index):
     run_call(log, "tc_keyed")
     with db.transaction() as conn:
         conn.execute("INSERT INTO idempotency_keys VALUES ('alice/k1', 'sha256:x', 'tc_keyed')")
     clock.set(T0 + 31 * DAY)
-    sweeper(db, log, store, clock).sweep()
+    sweeper(db, log, store, clock, index).sweep()
     # A retry under it is refused as expired (CallExecutor._answer_retry), never run again.
     assert db.query("SELECT tool_call_id FROM idempotency_keys") == [{"tool_call_id": "tc_keyed"}]
 
 
-def test_a_backlog_expires_in_batches_oldest_first_each_once(db, log, store, clock):
+def test_a_backlog_expires_in_batches_oldest_first_each_once(db, log, store, clock, index):
     for i in range(7):
         run_call(log, f"tc_{i}")
     clock.set(T0 + 31 * DAY)
-    s = sweeper(db, log, store, clock, batch=3)
+    s = sweeper(db, log, store, clock, index, batch=3)
     done = s.sweep()
     assert [c.tool_call_id for c in done] == [f"tc_{i}" for i in range(7)] and s.expired_total == 7
     tombs = [e for e in log.range() if e.type == ev.EXPIRED]
     assert sorted(e.tool_call_id for e in tombs) == [f"tc_{i}" for i in range(7)]
-    assert ids(db) == [] and log.verify().ok
+    assert ids(index) == [] and log.verify().ok
 
 
-def test_the_tombstone_is_hashed_into_the_chain(db, log, store, clock):
+def test_the_tombstone_is_hashed_into_the_chain(db, log, store, clock, index):
     run_call(log, "tc_x")
     clock.set(T0 + 31 * DAY)
-    sweeper(db, log, store, clock).sweep()
+    sweeper(db, log, store, clock, index).sweep()
     tomb = log.range()[-1]
     assert tomb.type == ev.EXPIRED
     payload = json.loads(tomb.payload_json)
@@ -286,26 +279,26 @@ def test_cutoff_is_spelled_like_stored_times():
     assert cutoff(T0, 0.5) == iso(T0 - timedelta(hours=12))
 
 
-def test_expire_calls_respects_its_limit(db, log, clock):
+def test_expire_calls_respects_its_limit(db, log, clock, index):
     for i in range(4):
         run_call(log, f"tc_{i}")
     before = cutoff(T0 + 31 * DAY, 30)
-    assert [c.tool_call_id for c in expire_calls(db, log, _INDEX[0], before, 30, 2)] == ["tc_0", "tc_1"]
-    assert [c.tool_call_id for c in expire_calls(db, log, _INDEX[0], before, 30, 5)] == ["tc_2", "tc_3"]
+    assert [c.tool_call_id for c in expire_calls(db, log, index, before, 30, 2)] == ["tc_0", "tc_1"]
+    assert [c.tool_call_id for c in expire_calls(db, log, index, before, 30, 5)] == ["tc_2", "tc_3"]
 
 
-def test_no_period_means_no_sweeper_thread(db, log, store, clock):
-    s = sweeper(db, log, store, clock, period_days=0)
+def test_no_period_means_no_sweeper_thread(db, log, store, clock, index):
+    s = sweeper(db, log, store, clock, index, period_days=0)
     s.start()
     assert not s._thread.is_alive()
     s.stop()
 
 
-def test_the_sweeper_thread_sweeps_at_start_and_stops(db, log, store, clock):
+def test_the_sweeper_thread_sweeps_at_start_and_stops(db, log, store, clock, index):
     run_call(log, "tc_a")
     clock.set(T0 + 31 * DAY)
     swept = []
-    s = RetentionSweeper(RetentionSettings(period_days=30, sweep_interval_s=0.05), db, log, store, _INDEX[0],
+    s = RetentionSweeper(RetentionSettings(period_days=30, sweep_interval_s=0.05), db, log, store, index,
                          on_swept=lambda: swept.append(1), now=lambda: clock.t)
     s.start()
     deadline = time.monotonic() + 10
