@@ -21,7 +21,13 @@ build/sandbox-shim: native/sandbox-shim.c
 	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
 	gcc -static -O2 -Wall -Wextra -o $@ $< 2>&1 | { grep -v 'statically linked' || true; }
 
-native: build/sandbox-shim
+# File-access recording's event reader, loaded by the daemon with ctypes.
+build/libsandboxd-fanotify.so: native/fanotify-reader.c
+	@mkdir -p build
+	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
+	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ $< -lpthread
+
+native: build/sandbox-shim build/libsandboxd-fanotify.so
 
 docker:
 	scripts/ensure-docker.sh

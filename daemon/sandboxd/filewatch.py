@@ -2,7 +2,9 @@
 that call's own bind mounts (reached through /proc/<pid>/root inside the sandbox's mount
 namespace). Every event of the group is therefore the call's: no attribution by pid, no
 mixing with other sandboxes on the same files. readlink of an event's descriptor gives
-the path as the sandbox sees it (/workspace/...).
+the path as the sandbox sees it (/workspace/...). The events are read, and their paths
+counted, by native/fanotify-reader.c outside the GIL (a Python loop cost ~10 µs an
+event, beside the call); this module marks, syncs and reads the counts back.
 
 Recorded: opens (reported as "read" unless the file was also closed after being opened
 for writing: "write"), per path with counts (lower bounds: the kernel merges repeats of
@@ -19,7 +21,10 @@ import queue
 import select
 import struct
 import threading
+import weakref
 from dataclasses import dataclass, field
+
+from .settings import REPO_ROOT
 
 log = logging.getLogger("sandboxd.filewatch")
 
@@ -40,8 +45,11 @@ FAN_CLOSE_WRITE = 0x8
 FAN_OPEN = 0x20
 FAN_Q_OVERFLOW = 0x4000
 AT_FDCWD = -100
-_EVENT = struct.Struct("IBBHQii")  # fanotify_event_metadata
+_RECORD = struct.Struct("=III")  # fw_export: opens, writes, path length; then the path
 MAX_PATHS = 10_000
+# native/fanotify-reader.c (`make native`): reads a group's events and counts their
+# paths outside the GIL.
+READER_LIBRARY = REPO_ROOT / "build" / "libsandboxd-fanotify.so"
 # After a read of fewer events than this, the reader lets more gather for a while.
 BATCH_EVENTS = 32
 BATCH_MS = 2
@@ -51,6 +59,34 @@ MAX_CLOSING = 32
 
 class FileWatchError(Exception):
     pass
+
+
+_reader: ctypes.CDLL | None = None
+
+
+def reader_library() -> ctypes.CDLL:
+    """The event reader (loaded once); FileWatchError when it was not built."""
+    global _reader
+    if _reader is None:
+        try:
+            lib = ctypes.CDLL(str(READER_LIBRARY))
+        except OSError as exc:
+            raise FileWatchError(f"the fanotify reader {READER_LIBRARY} cannot be loaded (build it with "
+                                 f"`make native`): {exc}") from None
+        lib.fw_new.argtypes, lib.fw_new.restype = [ctypes.c_size_t], ctypes.c_void_p
+        lib.fw_free.argtypes, lib.fw_free.restype = [ctypes.c_void_p], None
+        lib.fw_set_fd.argtypes, lib.fw_set_fd.restype = [ctypes.c_void_p, ctypes.c_int], None
+        lib.fw_add_mount.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_char_p]
+        lib.fw_only_mount.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.fw_drain.argtypes, lib.fw_drain.restype = [ctypes.c_void_p], ctypes.c_long
+        lib.fw_note.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint64]
+        lib.fw_note.restype = None
+        lib.fw_export.argtypes, lib.fw_export.restype = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_long
+        lib.fw_dropped.argtypes, lib.fw_dropped.restype = [ctypes.c_void_p], ctypes.c_uint64
+        lib.fw_overflowed.argtypes = [ctypes.c_void_p]
+        lib.fw_reset.argtypes, lib.fw_reset.restype = [ctypes.c_void_p], None
+        _reader = lib
+    return _reader
 
 
 @dataclass
@@ -68,9 +104,43 @@ class Access:
 class FileWatch:
     pid: int  # any process inside the sandbox
     mounts: tuple[str, ...]  # sandbox paths of the call's bind mounts
-    accesses: dict[str, Access] = field(default_factory=dict)
-    dropped: int = 0
-    overflowed: bool = False
+    # Set when the reader could not answer: the record may be incomplete.
+    unanswered: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        lib = reader_library()
+        self._fw = lib.fw_new(MAX_PATHS)
+        if not self._fw:
+            raise FileWatchError("the fanotify reader could not allocate its table")
+        weakref.finalize(self, lib.fw_free, self._fw)  # once no thread can use it
+
+    @property
+    def accesses(self) -> dict[str, Access]:
+        """path -> what was counted on it so far."""
+        lib = reader_library()
+        size = 1 << 16
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            need = lib.fw_export(self._fw, buf, size)
+            if need <= size:
+                break
+            size = need + (1 << 12)
+        raw, out, i = buf.raw, {}, 0
+        while i < need:
+            opens, writes, n = _RECORD.unpack_from(raw, i)
+            path = os.fsdecode(raw[i + _RECORD.size:i + _RECORD.size + n])
+            out[path] = Access(path, opens, writes)
+            i += _RECORD.size + n
+        return out
+
+    @property
+    def dropped(self) -> int:
+        """Opens of paths past MAX_PATHS, not listed."""
+        return reader_library().fw_dropped(self._fw)
+
+    @property
+    def overflowed(self) -> bool:
+        return bool(reader_library().fw_overflowed(self._fw)) or self.unanswered
 
     def start(self) -> None:
         self.prepare()
@@ -89,12 +159,12 @@ class FileWatch:
         if fd < 0:
             raise FileWatchError(f"fanotify_init: {os.strerror(ctypes.get_errno())}")
         self._fd = fd
-        # mount id -> sandbox path of each marked mount: once a sandbox's mount
-        # namespace is gone (nsjail ends with its command), readlink gives a path relative
-        # to the mount's own root, which this puts back under the mount's sandbox path.
-        self._mount_paths: dict[int, str] = {}
-        # One marked mount (the usual case): every event is through it.
-        self._only_mount = self.mounts[0] if len(set(self.mounts)) == 1 else None
+        lib = reader_library()
+        lib.fw_set_fd(self._fw, fd)
+        # One marked mount (the usual case): every event is through it. Otherwise the
+        # reader tells them apart by mount id (attach).
+        if len(set(self.mounts)) == 1 and lib.fw_only_mount(self._fw, os.fsencode(self.mounts[0])) != 0:
+            raise FileWatchError(f"{self.mounts[0]}: path too long")
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         self._syncs: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
         self._settled = False  # every event read, and none can have come since (collect)
@@ -106,14 +176,20 @@ class FileWatch:
         self.pid = pid
         for mount in self.mounts:
             path = f"/proc/{pid}/root{mount}".encode()
-            try:
-                probe = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            if len(set(self.mounts)) > 1:
+                # Once a sandbox's mount namespace is gone (nsjail ends with its
+                # command), readlink gives a path relative to the mount's own root,
+                # which the reader puts back under the mount's sandbox path.
                 try:
-                    self._mount_paths[_mount_id(probe)] = mount
-                finally:
-                    os.close(probe)
-            except OSError as exc:
-                raise FileWatchError(f"{mount}: {exc}") from None
+                    probe = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                    try:
+                        mount_id = _mount_id(probe)
+                    finally:
+                        os.close(probe)
+                except OSError as exc:
+                    raise FileWatchError(f"{mount}: {exc}") from None
+                if reader_library().fw_add_mount(self._fw, mount_id, os.fsencode(mount)) != 0:
+                    raise FileWatchError(f"{mount}: too many mounts or too long a path")
             # Opens, and closes of files opened for writing: FAN_MODIFY would add one
             # event per write() of a write-heavy command for nothing more.
             if _libc.fanotify_mark(self._fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN | FAN_CLOSE_WRITE,
@@ -127,9 +203,8 @@ class FileWatch:
         if not self._settled:
             self._sync()
         self._settled = False
-        self.accesses = {}
-        self.dropped = 0
-        self.overflowed = False
+        reader_library().fw_reset(self._fw)
+        self.unanswered = False
 
     @property
     def alive(self) -> bool:
@@ -145,7 +220,8 @@ class FileWatch:
         has been read; the watch stays on for the next command."""
         self._sync()
         self._settled = True
-        return [self.accesses[p] for p in sorted(self.accesses)]
+        accesses = self.accesses
+        return [accesses[p] for p in sorted(accesses)]
 
     def _sync(self) -> None:
         """Returns once the reader has read everything queued before this call."""
@@ -154,7 +230,7 @@ class FileWatch:
         os.write(self._stop_w, b"s")
         if not self._thread.is_alive() or not done.wait(10):  # a dead reader answers nothing
             log.error("the file watch of pid %d did not answer; its records may be incomplete", self.pid)
-            self.overflowed = True
+            self.unanswered = True
 
     def stop(self) -> list[Access]:
         """What the call touched, in path order (the queue drained first)."""
@@ -165,7 +241,7 @@ class FileWatch:
         if self._thread.is_alive():
             # Never close descriptors under a thread that still uses them: leak them.
             log.error("the file watch of pid %d did not stop; its records may be incomplete", self.pid)
-            self.overflowed = True
+            self.unanswered = True
         else:
             os.close(self._stop_r)
             os.close(self._stop_w)
@@ -176,7 +252,8 @@ class FileWatch:
                 _closer.put(self._fd)
             else:  # falling behind: groups count against fs.fanotify.max_user_groups
                 os.close(self._fd)
-        return [self.accesses[p] for p in sorted(self.accesses)]
+        accesses = self.accesses
+        return [accesses[p] for p in sorted(accesses)]
 
     def _read(self) -> None:
         poller = select.poll()
@@ -208,47 +285,15 @@ class FileWatch:
 
     def _drain(self) -> int:
         """Reads what is queued; returns how many events (0: nothing was)."""
-        try:
-            buf = os.read(self._fd, 256 * 1024)
-        except BlockingIOError:
-            return 0
-        i = n = 0
-        while i + _EVENT.size <= len(buf):
-            n += 1
-            event_len, _vers, _res, _meta, mask, fd, _pid = _EVENT.unpack_from(buf, i)
-            if mask & FAN_Q_OVERFLOW:
-                self.overflowed = True
-            if fd >= 0:
-                try:
-                    self._note(self._sandbox_path(fd), mask)
-                except OSError:
-                    pass
-                finally:
-                    os.close(fd)
-            i += event_len or _EVENT.size
+        n = reader_library().fw_drain(self._fw)  # without the GIL
+        if n < 0:
+            raise OSError(-n, os.strerror(-n))
         return n
 
-    def _sandbox_path(self, fd: int) -> str:
-        path = os.readlink(f"/proc/self/fd/{fd}")
-        # One marked mount (the common case): every event is through it, no need to ask.
-        mount = self._only_mount if self._only_mount is not None else self._mount_paths.get(_mount_id(fd))
-        if mount is None or mount == "/":
-            return path
-        if path == mount or path.startswith(mount.rstrip("/") + "/"):
-            return path  # the sandbox's namespace is still there: the full path
-        return mount.rstrip("/") + ("" if path == "/" else path)  # relative to the mount's root
-
     def _note(self, path: str, mask: int) -> None:
-        access = self.accesses.get(path)
-        if access is None:
-            if len(self.accesses) >= MAX_PATHS:
-                self.dropped += 1
-                return
-            access = self.accesses[path] = Access(path)
-        if mask & FAN_OPEN:
-            access.opens += 1
-        if mask & (FAN_MODIFY | FAN_CLOSE_WRITE):
-            access.writes += 1
+        """Counts one event on `path`, as the reader does for each it reads."""
+        raw = os.fsencode(path)
+        reader_library().fw_note(self._fw, raw, len(raw), mask)
 
 
 def _close_groups(q: "queue.SimpleQueue[int]") -> None:

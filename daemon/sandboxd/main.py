@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from sandboxd_client.pb import sandboxd_pb2 as pb
 from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 
-from . import audit
+from . import audit, filewatch
 from .artifacts import FileArtifactStore
 from .backends.docker import DockerBackend
 from .backends.nsjail import NsjailBackend
@@ -200,6 +200,11 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     os.chmod(settings.state_dir, 0o700)
     daemon_id = _daemon_id(settings)
     shim, no_shim_reason = _install_shim(settings)  # before the backends: every jail starts with it
+    if settings.file_watch:
+        try:
+            filewatch.reader_library()
+        except filewatch.FileWatchError as exc:  # said now; each recorded call is refused
+            log.error("file-access recording unavailable: %s", exc)
     backends, unavailable = _start_backends(settings, daemon_id, shim)
     if settings.default_backend not in backends:
         raise BackendUnavailable(f"the default backend {settings.default_backend!r} is unavailable: "

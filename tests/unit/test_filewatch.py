@@ -120,3 +120,43 @@ def test_a_watch_whose_reader_died_answers_at_once_and_says_so(tmp_path, monkeyp
         w.stop()
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("marked", [1, 2])
+def test_paths_are_the_sandbox_s_even_when_read_after_its_mount_namespace_is_gone(tmp_path, monkeypatch, marked):
+    """A jail's mount namespace ends with its command, usually before the reader has
+    read the last events: the kernel then names a file relative to its mount's root,
+    and the reader puts it back under the mount's sandbox path (by mount id when more
+    than one mount is marked)."""
+    import os
+    import subprocess
+    import threading
+
+    sources = [tmp_path / f"src{i}" for i in range(marked)]
+    points = [tmp_path / f"mnt{i}" for i in range(marked)]
+    for i, (src, point) in enumerate(zip(sources, points)):
+        (src / "sub").mkdir(parents=True)
+        (src / "sub" / f"f{i}").write_text(str(i))
+        point.mkdir()
+    binds = " && ".join(f"mount --bind {s} {p}" for s, p in zip(sources, points))
+    reads = " ".join(f"{p}/sub/f{i}" for i, p in enumerate(points))
+    child = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                              f"{binds} && echo up && read go && cat {reads} >/dev/null"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "up\n"
+        w = FileWatch(child.pid, tuple(str(p) for p in points))
+        gone = threading.Event()
+        read = w._drain
+        monkeypatch.setattr(w, "_drain", lambda: (gone.wait(10), read())[1])  # nothing read before
+        w.start()
+        child.communicate("go\n", timeout=10)
+        assert child.returncode == 0
+        gone.set()  # the namespace went with its last process: now the reader reads
+        assert [(a.path, a.operation) for a in w.stop()] == [(f"{p}/sub/f{i}", "read") for i, p in enumerate(points)]
+        assert not w.overflowed and w.dropped == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+    assert not os.path.ismount(points[0])  # the binds were the child's alone

@@ -1,0 +1,320 @@
+/* The reading side of file-access recording (daemon/sandboxd/filewatch.py), in C.
+ *
+ * A test run opens thousands of files: per event, the daemon reads the event, asks the
+ * kernel for the path of its descriptor, closes it and counts the path. Done in Python
+ * that cost ~10 us an event, on the GIL, beside the call; here the whole read of a
+ * queue runs in one ctypes call (which releases the GIL) and the counting stays in C.
+ * Python reads the table once, when the command has ended.
+ *
+ * One `struct watch` per fanotify group: fw_drain is called by its reader thread only;
+ * fw_note, fw_export and fw_reset may come from others (a mutex orders them).
+ * Built as a shared library by `make native` (libc only). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/fanotify.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define READ_BYTES (256 * 1024)
+#define MAX_MOUNTS 64
+
+struct entry {
+    char *path; /* NULL: a free slot */
+    uint32_t len;
+    uint32_t opens;
+    uint32_t writes;
+    uint64_t hash;
+};
+
+struct mount {
+    uint64_t id;
+    char path[PATH_MAX];
+};
+
+struct watch {
+    int fan_fd;
+    pthread_mutex_t lock;
+    struct entry *table;
+    size_t capacity, count, max_paths;
+    uint64_t dropped;
+    int overflowed;
+    int only_mount; /* one marked mount: every event is through mounts[0] */
+    size_t mounts_len;
+    struct mount mounts[MAX_MOUNTS];
+    char *buf;
+};
+
+static uint64_t fnv1a(const char *s, size_t n) {
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t i = 0; i < n; i++) {
+        h ^= (unsigned char)s[i];
+        h *= 1099511628211ULL;
+    }
+    return h;
+}
+
+void *fw_new(size_t max_paths) {
+    struct watch *w = calloc(1, sizeof *w);
+    if (!w)
+        return NULL;
+    w->fan_fd = -1;
+    w->max_paths = max_paths;
+    w->capacity = 1024;
+    w->table = calloc(w->capacity, sizeof *w->table);
+    w->buf = malloc(READ_BYTES);
+    if (!w->table || !w->buf || pthread_mutex_init(&w->lock, NULL) != 0) {
+        free(w->table);
+        free(w->buf);
+        free(w);
+        return NULL;
+    }
+    return w;
+}
+
+void fw_set_fd(void *handle, int fan_fd) { ((struct watch *)handle)->fan_fd = fan_fd; }
+
+/* A marked mount: its id (statx STATX_MNT_ID) and its path inside the sandbox. */
+int fw_add_mount(void *handle, uint64_t mount_id, const char *sandbox_path) {
+    struct watch *w = handle;
+    if (w->mounts_len >= MAX_MOUNTS || strlen(sandbox_path) >= PATH_MAX)
+        return -EINVAL;
+    w->mounts[w->mounts_len].id = mount_id;
+    strcpy(w->mounts[w->mounts_len].path, sandbox_path);
+    w->mounts_len++;
+    return 0;
+}
+
+/* Every event is through this one mount: no mount id asked per event. */
+int fw_only_mount(void *handle, const char *sandbox_path) {
+    struct watch *w = handle;
+    if (strlen(sandbox_path) >= PATH_MAX)
+        return -EINVAL;
+    w->mounts[0].id = 0;
+    strcpy(w->mounts[0].path, sandbox_path);
+    w->mounts_len = 1;
+    w->only_mount = 1;
+    return 0;
+}
+
+static void clear(struct watch *w) {
+    for (size_t i = 0; i < w->capacity; i++) {
+        free(w->table[i].path);
+        w->table[i].path = NULL;
+    }
+    w->count = 0;
+}
+
+void fw_free(void *handle) {
+    struct watch *w = handle;
+    if (!w)
+        return;
+    clear(w);
+    free(w->table);
+    free(w->buf);
+    pthread_mutex_destroy(&w->lock);
+    free(w);
+}
+
+static int grow(struct watch *w) {
+    size_t capacity = w->capacity * 2;
+    struct entry *table = calloc(capacity, sizeof *table);
+    if (!table)
+        return -ENOMEM;
+    for (size_t i = 0; i < w->capacity; i++) {
+        struct entry *e = &w->table[i];
+        if (!e->path)
+            continue;
+        size_t j = e->hash & (capacity - 1);
+        while (table[j].path)
+            j = (j + 1) & (capacity - 1);
+        table[j] = *e;
+    }
+    free(w->table);
+    w->table = table;
+    w->capacity = capacity;
+    return 0;
+}
+
+/* Counts one event on `path` (lock held). */
+static void note(struct watch *w, const char *path, size_t len, uint64_t mask) {
+    uint64_t h = fnv1a(path, len);
+    size_t i = h & (w->capacity - 1);
+    struct entry *e;
+    for (;;) {
+        e = &w->table[i];
+        if (!e->path)
+            break;
+        if (e->hash == h && e->len == len && memcmp(e->path, path, len) == 0)
+            goto count;
+        i = (i + 1) & (w->capacity - 1);
+    }
+    if (w->count >= w->max_paths) {
+        w->dropped++;
+        return;
+    }
+    if ((w->count + 1) * 2 > w->capacity) {
+        if (grow(w) != 0) {
+            w->dropped++;
+            return;
+        }
+        note(w, path, len, mask);
+        return;
+    }
+    e->path = malloc(len + 1);
+    if (!e->path) {
+        w->dropped++;
+        return;
+    }
+    memcpy(e->path, path, len);
+    e->path[len] = 0;
+    e->len = (uint32_t)len;
+    e->hash = h;
+    e->opens = e->writes = 0;
+    w->count++;
+count:
+    if (mask & FAN_OPEN)
+        e->opens++;
+    if (mask & (FAN_MODIFY | FAN_CLOSE_WRITE))
+        e->writes++;
+}
+
+void fw_note(void *handle, const char *path, size_t len, uint64_t mask) {
+    struct watch *w = handle;
+    pthread_mutex_lock(&w->lock);
+    note(w, path, len, mask);
+    pthread_mutex_unlock(&w->lock);
+}
+
+static uint64_t fdinfo_mount_id(int fd) {
+    char name[64], line[256];
+    snprintf(name, sizeof name, "/proc/self/fdinfo/%d", fd);
+    FILE *f = fopen(name, "re");
+    uint64_t id = UINT64_MAX;
+    if (!f)
+        return id;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "mnt_id: %lu", &id) == 1)
+            break;
+    fclose(f);
+    return id;
+}
+
+static uint64_t mount_id(int fd) {
+    struct statx stx;
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_MNT_ID, &stx) == 0 && (stx.stx_mask & STATX_MNT_ID))
+        return stx.stx_mnt_id;
+    return fdinfo_mount_id(fd); /* kernels before 5.8 */
+}
+
+/* The path of an event's descriptor as the sandbox sees it, into `out`; its length, or
+ * -1. Once the sandbox's mount namespace is gone (nsjail ends with its command), the
+ * kernel gives a path relative to the mount's own root, put back under the mount's
+ * sandbox path here. */
+static ssize_t sandbox_path(struct watch *w, int fd, char *out) {
+    char link[64], path[PATH_MAX];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, path, sizeof path - 1);
+    if (n < 0)
+        return -1;
+    path[n] = 0;
+    const char *mount = NULL;
+    if (w->only_mount) {
+        mount = w->mounts[0].path;
+    } else if (w->mounts_len) {
+        uint64_t id = mount_id(fd);
+        for (size_t i = 0; i < w->mounts_len; i++)
+            if (w->mounts[i].id == id) {
+                mount = w->mounts[i].path;
+                break;
+            }
+    }
+    size_t mlen = mount ? strlen(mount) : 0;
+    while (mlen > 1 && mount[mlen - 1] == '/')
+        mlen--;
+    int as_is = !mount || (mlen == 1 && mount[0] == '/') ||
+                (strncmp(path, mount, mlen) == 0 && (path[mlen] == 0 || path[mlen] == '/'));
+    if (as_is) {
+        memcpy(out, path, (size_t)n + 1);
+        return n;
+    }
+    size_t tail = (n == 1 && path[0] == '/') ? 0 : (size_t)n;
+    if (mlen + tail >= PATH_MAX)
+        return -1;
+    memcpy(out, mount, mlen);
+    memcpy(out + mlen, path, tail);
+    out[mlen + tail] = 0;
+    return (ssize_t)(mlen + tail);
+}
+
+/* One read of the group's queue, every event in it counted and its descriptor closed.
+ * Returns how many events were read (0: none were queued), or -errno. */
+long fw_drain(void *handle) {
+    struct watch *w = handle;
+    ssize_t len = read(w->fan_fd, w->buf, READ_BYTES);
+    if (len < 0)
+        return errno == EAGAIN ? 0 : -errno;
+    char path[PATH_MAX];
+    long events = 0;
+    pthread_mutex_lock(&w->lock);
+    struct fanotify_event_metadata *m = (struct fanotify_event_metadata *)w->buf;
+    while (FAN_EVENT_OK(m, len)) {
+        events++;
+        if (m->mask & FAN_Q_OVERFLOW)
+            w->overflowed = 1;
+        if (m->fd >= 0) {
+            ssize_t n = sandbox_path(w, m->fd, path);
+            if (n >= 0)
+                note(w, path, (size_t)n, m->mask);
+            close(m->fd);
+        }
+        m = FAN_EVENT_NEXT(m, len);
+    }
+    pthread_mutex_unlock(&w->lock);
+    return events;
+}
+
+/* The table as records of (u32 opens, u32 writes, u32 length, path bytes), into `out`.
+ * Returns the bytes written, or (nothing written) the size needed when over `capacity`. */
+long fw_export(void *handle, char *out, size_t capacity) {
+    struct watch *w = handle;
+    pthread_mutex_lock(&w->lock);
+    size_t need = 0;
+    for (size_t i = 0; i < w->capacity; i++)
+        if (w->table[i].path)
+            need += 12 + w->table[i].len;
+    if (need <= capacity) {
+        char *p = out;
+        for (size_t i = 0; i < w->capacity; i++) {
+            struct entry *e = &w->table[i];
+            if (!e->path)
+                continue;
+            uint32_t head[3] = {e->opens, e->writes, e->len};
+            memcpy(p, head, sizeof head);
+            memcpy(p + sizeof head, e->path, e->len);
+            p += sizeof head + e->len;
+        }
+    }
+    pthread_mutex_unlock(&w->lock);
+    return (long)need;
+}
+
+uint64_t fw_dropped(void *handle) { return ((struct watch *)handle)->dropped; }
+
+int fw_overflowed(void *handle) { return ((struct watch *)handle)->overflowed; }
+
+/* A new record from here on (the next command of a kept watch). */
+void fw_reset(void *handle) {
+    struct watch *w = handle;
+    pthread_mutex_lock(&w->lock);
+    clear(w);
+    w->dropped = 0;
+    w->overflowed = 0;
+    pthread_mutex_unlock(&w->lock);
+}
