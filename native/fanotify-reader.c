@@ -280,29 +280,46 @@ long fw_drain(void *handle) {
     return events;
 }
 
-/* The table as records of (u32 opens, u32 writes, u32 length, path bytes), into `out`.
- * Returns the bytes written, or (nothing written) the size needed when over `capacity`. */
+static int by_path(const void *a, const void *b) {
+    return strcmp((*(const struct entry *const *)a)->path, (*(const struct entry *const *)b)->path);
+}
+
+/* The table, in byte order of the paths, into `out`: a u64 count n, n pairs of u32
+ * (opens, writes), then the n paths, each ended by a NUL. Returns the bytes written,
+ * or (nothing written) the size needed when over `capacity`; -ENOMEM. */
 long fw_export(void *handle, char *out, size_t capacity) {
     struct watch *w = handle;
     pthread_mutex_lock(&w->lock);
-    size_t need = 0;
+    size_t need = 8 + w->count * 8;
     for (size_t i = 0; i < w->capacity; i++)
         if (w->table[i].path)
-            need += 12 + w->table[i].len;
+            need += w->table[i].len + 1;
+    long result = (long)need;
     if (need <= capacity) {
-        char *p = out;
-        for (size_t i = 0; i < w->capacity; i++) {
-            struct entry *e = &w->table[i];
-            if (!e->path)
-                continue;
-            uint32_t head[3] = {e->opens, e->writes, e->len};
-            memcpy(p, head, sizeof head);
-            memcpy(p + sizeof head, e->path, e->len);
-            p += sizeof head + e->len;
+        struct entry **sorted = malloc((w->count ? w->count : 1) * sizeof *sorted);
+        if (!sorted) {
+            result = -ENOMEM;
+        } else {
+            size_t n = 0;
+            for (size_t i = 0; i < w->capacity; i++)
+                if (w->table[i].path)
+                    sorted[n++] = &w->table[i];
+            qsort(sorted, n, sizeof *sorted, by_path);
+            uint64_t count = n;
+            memcpy(out, &count, 8);
+            uint32_t *counts = (uint32_t *)(out + 8);
+            char *p = out + 8 + n * 8;
+            for (size_t i = 0; i < n; i++) {
+                counts[2 * i] = sorted[i]->opens;
+                counts[2 * i + 1] = sorted[i]->writes;
+                memcpy(p, sorted[i]->path, sorted[i]->len + 1);
+                p += sorted[i]->len + 1;
+            }
+            free(sorted);
         }
     }
     pthread_mutex_unlock(&w->lock);
-    return (long)need;
+    return result;
 }
 
 uint64_t fw_dropped(void *handle) { return ((struct watch *)handle)->dropped; }

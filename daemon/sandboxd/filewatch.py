@@ -19,10 +19,10 @@ import logging
 import os
 import queue
 import select
-import struct
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .settings import REPO_ROOT
 
@@ -45,7 +45,6 @@ FAN_CLOSE_WRITE = 0x8
 FAN_OPEN = 0x20
 FAN_Q_OVERFLOW = 0x4000
 AT_FDCWD = -100
-_RECORD = struct.Struct("=III")  # fw_export: opens, writes, path length; then the path
 MAX_PATHS = 10_000
 # native/fanotify-reader.c (`make native`): reads a group's events and counts their
 # paths outside the GIL.
@@ -89,8 +88,10 @@ def reader_library() -> ctypes.CDLL:
     return _reader
 
 
-@dataclass
-class Access:
+class Access(NamedTuple):
+    """What was counted on one path (lower bounds: the kernel merges repeats of an event
+    that is still queued)."""
+
     path: str
     opens: int = 0
     writes: int = 0
@@ -117,21 +118,28 @@ class FileWatch:
     @property
     def accesses(self) -> dict[str, Access]:
         """path -> what was counted on it so far."""
+        return {a.path: a for a in self._counted()}
+
+    def _counted(self) -> list[Access]:
+        """What was counted so far, in byte order of the paths."""
         lib = reader_library()
         size = 1 << 16
         while True:
             buf = ctypes.create_string_buffer(size)
             need = lib.fw_export(self._fw, buf, size)
+            if need < 0:
+                raise MemoryError("the fanotify reader could not sort its table")
             if need <= size:
                 break
             size = need + (1 << 12)
-        raw, out, i = buf.raw, {}, 0
-        while i < need:
-            opens, writes, n = _RECORD.unpack_from(raw, i)
-            path = os.fsdecode(raw[i + _RECORD.size:i + _RECORD.size + n])
-            out[path] = Access(path, opens, writes)
-            i += _RECORD.size + n
-        return out
+        raw = buf.raw[:need]
+        n = int.from_bytes(raw[:8], "little")
+        if not n:
+            return []
+        counts = memoryview(raw)[8:8 + 8 * n].cast("I").tolist()
+        # One decode for all paths (names are bytes; undecodable ones as os.fsdecode).
+        paths = raw[8 + 8 * n:-1].decode("utf-8", "surrogateescape").split("\0")
+        return list(map(Access._make, zip(paths, counts[0::2], counts[1::2])))
 
     @property
     def dropped(self) -> int:
@@ -220,8 +228,7 @@ class FileWatch:
         has been read; the watch stays on for the next command."""
         self._sync()
         self._settled = True
-        accesses = self.accesses
-        return [accesses[p] for p in sorted(accesses)]
+        return self._counted()
 
     def _sync(self) -> None:
         """Returns once the reader has read everything queued before this call."""
@@ -252,8 +259,7 @@ class FileWatch:
                 _closer.put(self._fd)
             else:  # falling behind: groups count against fs.fanotify.max_user_groups
                 os.close(self._fd)
-        accesses = self.accesses
-        return [accesses[p] for p in sorted(accesses)]
+        return self._counted()
 
     def _read(self) -> None:
         poller = select.poll()
