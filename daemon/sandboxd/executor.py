@@ -823,15 +823,22 @@ class CallExecutor:
         key = f"{principal}/{call.runtime.idempotency_key}" if call.runtime.idempotency_key else ""
         digest = request_digest(call) if key else ""
         with self._lock:
-            if self._closing:
-                raise FailedPrecondition("the daemon is shutting down")
-            if key:
-                earlier = self._answer_retry(key, digest, principal)
-                if earlier is not None:
-                    return earlier
-            if tool_call_id in self._runs or self.events.has_call(tool_call_id):
-                # Not recorded under that id: the id belongs to the earlier call.
-                raise AlreadyExists(f"a call with id {tool_call_id} was already submitted", field="toolCallId")
+            try:
+                if self._closing:
+                    raise FailedPrecondition("the daemon is shutting down")
+                if key:
+                    earlier = self._answer_retry(key, digest, principal)
+                    if earlier is not None:
+                        return earlier
+                if tool_call_id in self._runs or self.events.has_call(tool_call_id):
+                    raise AlreadyExists(f"a call with id {tool_call_id} was already submitted", field="toolCallId")
+            except SandboxdError as exc:
+                # Recorded under an id of its own: the requested id, or the key's, belongs
+                # to the earlier call (which the error names when there is one).
+                refused_id = ev.new_id("tc")
+                self._reject(refused_id, raw, principal, "admission", exc, requested_id)
+                exc.tool_call_id = refused_id
+                raise
             mine = sum(1 for p in self._run_owners.values() if p == principal)
             quota = self.settings.quotas.concurrent_calls_for(principal)
             exc = None

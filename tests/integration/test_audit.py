@@ -149,9 +149,12 @@ def test_retention_turns_old_calls_into_tombstones_and_the_log_still_verifies(sp
         with pytest.raises(errors.NotFound, match="expired at .*retention period"):
             c.download_artifact(art.artifact_id, io.BytesIO())
         # A retry under its key is refused, and never runs a second time.
-        with pytest.raises(errors.FailedPrecondition, match="expired .*retention period"):
+        with pytest.raises(errors.FailedPrecondition, match="expired .*retention period") as refusal:
             c.run(keyed)
         assert (ws / "runs.txt").read_text() == "ran\n"
+        refused = c.get_trace(refusal.value.tool_call_id)
+        assert [e.type for e in refused] == ["ToolCallRequested", "ToolCallRejected"]
+        assert json.loads(refused[1].payload_json)["code"] == "FAILED_PRECONDITION"
         # The call inside its period is whole.
         assert [x.tool_call_id for x in c.query_calls(command_contains="fresh-output").calls] == [fresh.tool_call_id]
         [fresh_art] = [a for a in c.list_artifacts(fresh.tool_call_id) if a.kind == "stdout"]

@@ -410,8 +410,15 @@ def test_images_outside_the_allowlist_or_absent_are_refused(client, workspace):
 def test_a_reused_tool_call_id_is_refused(client, workspace):
     tool_call_id = f"tc-reuse-{client.adapter}"
     client.run(call(workspace, ["true"], toolCallId=tool_call_id))
-    with pytest.raises(errors.AlreadyExists):
+    kept = [e.event_id for e in client.get_trace(tool_call_id)]
+    with pytest.raises(errors.AlreadyExists) as exc:
         client.run(call(workspace, ["true"], toolCallId=tool_call_id))
+    assert [e.event_id for e in client.get_trace(tool_call_id)] == kept  # the id stays the first call's
+    refused = client.get_trace(exc.value.tool_call_id)
+    assert [e.type for e in refused] == ["ToolCallRequested", "ToolCallRejected"]
+    rejected = json.loads(refused[1].payload_json)
+    assert (rejected["code"], rejected["field"], rejected["requestedToolCallId"]) == (
+        "ALREADY_EXISTS", "toolCallId", tool_call_id)
 
 
 def test_client_disconnect_mid_stream_leaves_no_container(client, workspace, docker_engine, daemon):

@@ -3,6 +3,7 @@ A counter file in the workspace proves how often the command really ran."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 
@@ -48,11 +49,22 @@ def test_a_retried_call_runs_once_and_gets_the_first_result(client, daemon):
 def test_the_same_key_for_a_different_call_is_refused(client, daemon):
     ws = counting_workspace(daemon)
     key = f"key-conflict-{client.adapter}"
-    client.run(keyed(ws, key))
+    first = client.run(keyed(ws, key))
+    first_trace = [e.event_id for e in client.get_trace(first.tool_call_id)]
     with pytest.raises(errors.AlreadyExists) as exc:
-        client.run(keyed(ws, key, script="echo something else"))
+        client.run(keyed(ws, key, script="echo something else", toolCallId=f"tc-conflict-{client.adapter}"))
     assert "runtime.idempotencyKey" in exc.value.message
     assert runs(ws) == 1
+    # The refusal is on record, under an id of its own that the error gives; the first
+    # call's trace is untouched.
+    refused = client.get_trace(exc.value.tool_call_id)
+    assert exc.value.tool_call_id != first.tool_call_id
+    assert [e.type for e in refused] == ["ToolCallRequested", "ToolCallRejected"]
+    rejected = json.loads(refused[1].payload_json)
+    assert (rejected["code"], rejected["field"], rejected["requestedToolCallId"]) == (
+        "ALREADY_EXISTS", "runtime.idempotencyKey", f"tc-conflict-{client.adapter}")
+    assert first.tool_call_id in rejected["reason"]
+    assert [e.event_id for e in client.get_trace(first.tool_call_id)] == first_trace
 
 
 def test_a_retry_while_running_attaches_to_the_same_call(client, daemon):
