@@ -572,6 +572,7 @@ class NsjailBackend:
             if slot is not None:
                 slot.release()
             remove_cgroups(spec.cgroup)
+            self._slots.done(spec.cgroup)
             if isinstance(exc, OSError):
                 raise InternalError(f"cannot prepare the jail: {exc}") from None
             raise
@@ -738,6 +739,7 @@ class NsjailBackend:
                     os.close(jail.log_fd)
                     jail.closed = True
         remove_cgroups(spec.cgroup)
+        self._slots.done(spec.cgroup)
 
     def reap_orphans(self, daemon_id: str) -> int:
         self._slots.forget(daemon_id)  # this backend's own warm slots for that id, if any
@@ -1143,7 +1145,14 @@ class _Slot:
 
 class _SlotPool:
     """Keeps `per_daemon` slots ready for each daemon id that asked, refilled by one
-    background thread."""
+    background thread: after the call that took a slot has ended, unless none is left."""
+
+    # Making a slot moves a thread between cgroups, which holds the kernel's cgroup
+    # mutex through an RCU grace period (5-15 ms): every rename, mkdir and rmdir of a
+    # call's cgroups meanwhile waits, and the new nsjail's start takes CPU. So while a
+    # call runs and a slot is still ready, the refill waits for the call's end (at most
+    # this long after its take, which also bounds a pool's long-lived sandboxes).
+    DEFER_MAX_S = 0.5
 
     def __init__(self, per_daemon: int, binary: str | None = None):
         self._per = per_daemon
@@ -1152,6 +1161,7 @@ class _SlotPool:
         self._cond = threading.Condition()
         self._ready: dict[str, list[_Slot]] = {}
         self._wanted: set[str] = set()
+        self._running: dict[str, float] = {}  # cgroup of a call that took a slot -> when
         self._filler: threading.Thread | None = None
         self._closed = False
 
@@ -1173,6 +1183,7 @@ class _SlotPool:
         self.want(daemon_id)
         while True:
             with self._cond:
+                self._running[cgroup] = time.monotonic()
                 if limits:
                     self._limits = dict(limits)
                 ready = self._ready.get(daemon_id)
@@ -1187,14 +1198,34 @@ class _SlotPool:
                 return daemon_id
         return None
 
+    def done(self, cgroup: str) -> None:
+        """The call that took a slot for `cgroup` has ended (its cgroups are gone)."""
+        with self._cond:
+            if self._running.pop(cgroup, None) is not None:
+                self._cond.notify_all()
+
+    def _next(self) -> str | None:
+        """The daemon id to make a slot for, once it is time; None once closed."""
+        while not self._closed:
+            daemon_id = self._short()
+            if daemon_id is None:
+                self._cond.wait()
+                continue
+            now = time.monotonic()
+            for cgroup, taken in list(self._running.items()):
+                if now - taken >= self.DEFER_MAX_S:
+                    del self._running[cgroup]
+            if not self._running or not self._ready.get(daemon_id):
+                return daemon_id
+            self._cond.wait(max(self._running.values()) + self.DEFER_MAX_S - now)
+        return None
+
     def _fill(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and self._short() is None:
-                    self._cond.wait()
-                if self._closed:
+                daemon_id = self._next()
+                if daemon_id is None:
                     return
-                daemon_id = self._short()
                 limits = dict(self._limits)
             try:
                 slot = _Slot(daemon_id, self._binary, limits)
