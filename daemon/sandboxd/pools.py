@@ -72,6 +72,10 @@ class WarmSandbox:
     dead: bool = False
     endpoint: Any = None  # its egress proxy endpoint, for a proxied policy
     baseline_pids: set[int] | None = None  # processes of the idle sandbox (init, supervisor, ...)
+    # Their task count in the sandbox's pids cgroup: the same count after a command says
+    # nothing of it is left, without listing the tree (each of them is single-threaded
+    # and lives as long as the sandbox does: any of them gone retires the sandbox).
+    baseline_tasks: int | None = None
     # A host pid inside it (its init), for file watches, and a pidfd that keeps that
     # number from being reused: 0 / -1 until first asked.
     pid: int = 0
@@ -426,8 +430,12 @@ class PoolManager:
             control_path.unlink(missing_ok=True)
         prepared = replace(t, spec=spec, sandbox_id=sandbox_id, attachments=attachments, image_digest=image_digest)
         log.info("warm sandbox %s ready for %s", sandbox_id, pool.key)
+        baseline = sandbox_processes(spec)
+        tasks = sandbox_task_count(spec)
+        if baseline is None or tasks != len(baseline) or sandbox_processes(spec) != baseline:
+            tasks = None  # not a quiet sandbox of one thread per process: list it every time
         return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, conn, endpoint=endpoint,
-                           baseline_pids=sandbox_processes(spec))
+                           baseline_pids=baseline, baseline_tasks=tasks)
 
     def _destroy_later(self, pool: Pool | None, ws: WarmSandbox) -> None:
         """Under the lock: removal happens off the caller's thread."""
@@ -742,6 +750,9 @@ class LeaseBackend:
         baseline = self._ws.baseline_pids
         if baseline is None:
             return
+        if self._ws.baseline_tasks is not None and sandbox_task_count(self._ws.prepared.spec) == self._ws.baseline_tasks:
+            self._found_clean = True  # one read instead of listing the tree (~0.3 ms)
+            return
         present = sandbox_processes(self._ws.prepared.spec)
         left = (present or set()) - baseline
         self._found_clean = present is not None and not left
@@ -789,16 +800,32 @@ class LeaseBackend:
         self._pools.command_done(self._ws, self._healthy and self._done.is_set())
 
 
-def sandbox_processes(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> set[int] | None:
-    """Host pids in the sandbox's cgroup subtree (the v1 pids hierarchy, or the unified
-    one on a v2 host), None if unknown. Plain strings and scandir: this runs twice per
-    leased command."""
+def _pids_cgroup(spec: Any, cgroup_root: str) -> str | None:
     rel = getattr(spec, "cgroup_parent", None) or getattr(spec, "cgroup", None)
     if not rel:
         return None
     hierarchy = f"{cgroup_root}/pids" if os.path.isdir(f"{cgroup_root}/pids") else cgroup_root
-    root = f"{hierarchy}/{str(rel).strip('/')}"
-    if not os.path.isdir(root):
+    return f"{hierarchy}/{str(rel).strip('/')}"
+
+
+def sandbox_task_count(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """Tasks (threads) in the sandbox's pids cgroup subtree, None if unknown."""
+    root = _pids_cgroup(spec, cgroup_root)
+    if root is None:
+        return None
+    try:
+        with open(f"{root}/pids.current") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def sandbox_processes(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> set[int] | None:
+    """Host pids in the sandbox's cgroup subtree (the v1 pids hierarchy, or the unified
+    one on a v2 host), None if unknown. Plain strings and scandir: this runs twice per
+    leased command."""
+    root = _pids_cgroup(spec, cgroup_root)
+    if root is None or not os.path.isdir(root):
         return None
     pids: set[int] = set()
     todo = [root]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sandboxd.pools import PER_COMMAND, policy_class, pool_key, sandbox_processes
+from sandboxd.pools import PER_COMMAND, policy_class, pool_key, sandbox_processes, sandbox_task_count
 from sandboxd.policy import parse_call, resolve_policy
 
 from .conftest import LIMITS, call_dict
@@ -34,6 +34,15 @@ def test_leftovers_are_read_from_the_unified_hierarchy_on_a_v2_host(tmp_path):
     (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
     _tree(tmp_path, "sandboxd/sbx-2", {"": [], "abc": [20], "abc/x/y": [21, 22]})
     assert sandbox_processes(SimpleNamespace(cgroup="sandboxd/sbx-2"), str(tmp_path)) == {20, 21, 22}
+
+
+def test_the_task_count_is_the_subtree_s_pids_current(tmp_path):
+    _tree(tmp_path / "pids", "sandboxd/sbx-3", {"": [], "docker-abc": [30, 31]})
+    (tmp_path / "pids" / "sandboxd" / "sbx-3" / "pids.current").write_text("2\n")
+    spec = SimpleNamespace(cgroup_parent="/sandboxd/sbx-3")
+    assert sandbox_task_count(spec, str(tmp_path)) == 2
+    assert sandbox_task_count(SimpleNamespace(cgroup_parent="/sandboxd/gone"), str(tmp_path)) is None
+    assert sandbox_task_count(SimpleNamespace(), str(tmp_path)) is None
 
 
 def test_leftovers_are_unknown_without_a_cgroup(tmp_path):
