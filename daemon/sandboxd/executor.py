@@ -43,6 +43,8 @@ from .transport import Principal
 log = logging.getLogger("sandboxd.executor")
 # After a kill, how long the engine gets to end the process tree before we give up.
 KILL_GRACE_S = 10.0
+# A command still running this long after its start has ToolCallStarted committed on its own.
+STARTED_COMMIT_AFTER_S = 0.05
 # How long a started sandbox may take to show a process the file watch can attach to.
 GATE_TIMEOUT_S = 10.0
 # Paths listed in ToolResult.effectsObserved per kind (the events hold all of them).
@@ -92,6 +94,7 @@ class CallRun:
         self._last_event_id = last_event_id
         self._cond = threading.Condition()
         self._started_event_id = ""
+        self._pending_started: list[EventDraft] = []  # recorded with the result (see _run)
         self._result: dict[str, Any] | None = None
         self._result_event_id = ""
         self._cancel_reason = ""
@@ -228,19 +231,27 @@ class CallRun:
                     # The command waits at the gate until its mounts are watched and walked.
                     watch, gate_fd = self._watch_and_open_gate(handle, before_walk)
                     before = before_walk.result() if before_walk is not None else None
-                # ToolSandboxPrepared and ToolCallStarted share one commit, not fsynced
-                # on its own: the accept before it and the result after it are, a commit
-                # survives the daemon's own crash without it, and a crash in between ends
-                # as INTERRUPTED either way.
-                started = self._record([prepared_event, EventDraft(ev.STARTED, {"sandboxId": p.sandbox_id})],
-                                       durable=False)
+                # ToolSandboxPrepared and ToolCallStarted: a command that ends within
+                # STARTED_COMMIT_AFTER_S has them in its result's commit (a commit of their
+                # own took a third of a millisecond beside a short command); a longer one
+                # gets that commit then, not fsynced on its own (the accept before it was,
+                # and a crash ends the call as INTERRUPTED either way). Their ids are
+                # fixed now: the stream says "started" at once.
+                self._pending_started = [prepared_event, EventDraft(
+                    ev.STARTED, {"sandboxId": p.sandbox_id, "startedAt": ev.utc_now()}, ev.new_id("ev"))]
                 prepared_event = None
                 with self._cond:
-                    self._started_event_id = started[-1].event_id
+                    self._started_event_id = self._pending_started[-1].event_id
                     self._cond.notify_all()
                     if self._cancel_reason:
                         backend.kill(handle)
-                if not backend.wait(handle, p.policy.timeout_ms / 1000):
+                deadline = time.monotonic() + p.policy.timeout_ms / 1000
+                ended = backend.wait(handle, min(STARTED_COMMIT_AFTER_S, p.policy.timeout_ms / 1000))
+                if not ended:
+                    self._record(self._pending_started, durable=False)
+                    self._pending_started = []
+                    ended = backend.wait(handle, max(0.0, deadline - time.monotonic()))
+                if not ended:
                     with self._cond:
                         timed_out = not self._cancel_reason
                     backend.kill(handle)
@@ -476,6 +487,8 @@ class CallRun:
                 "byDestination": [{"host": h, "port": port, "decision": d, "attempts": n, "bytesUp": up,
                                    "bytesDown": down} for (h, port, d), (n, up, down) in sorted(overflow.items())],
             }))
+        drafts = self._pending_started + drafts
+        self._pending_started = []
         drafts += [
             EventDraft(ev.FINISHED, {
                 "exitCode": exit_code, "signal": result["signal"], "timedOut": timed_out, "oomKilled": oom,
@@ -905,6 +918,9 @@ class CallExecutor:
                     "effectivePolicy": prepared.policy.to_json_dict(), "policyDigest": policy_digest}),
                 EventDraft(ev.POLICY_CHECKED, {
                     "decision": "allowed", "backend": prepared.backend.name, "image": prepared.image,
+                    # Named now (ToolSandboxPrepared may commit with the result): a crash
+                    # recovery finds the call's spooled output by it.
+                    "sandboxId": prepared.sandbox_id,
                     "authorization": ({"grantId": call.authorization.grant_id, "approvalDigest": approved,
                                        "verified": True} if approved else {"status": call.authorization.status}),
                     "imageDigest": prepared.image_digest, "uid": prepared.plan.uid, "gid": prepared.plan.gid,
@@ -971,8 +987,9 @@ class CallExecutor:
         for row in rows:
             tool_call_id = row["tool_call_id"]
             trace = self.events.for_call(tool_call_id)
-            prepared = [e for e in trace if e.type == ev.SANDBOX_PREPARED]
-            records = self._salvage_output(tool_call_id, prepared[-1].payload["sandboxId"]) if prepared else []
+            named = [e.payload.get("sandboxId") for e in trace if e.type in (ev.POLICY_CHECKED, ev.SANDBOX_PREPARED)]
+            named = [n for n in named if isinstance(n, str) and n]
+            records = self._salvage_output(tool_call_id, named[-1]) if named else []
             result = _error_result(tool_call_id, "INTERRUPTED",
                                    "the daemon stopped before the call finished; its sandbox was removed")
             finished_id, validated_id = ev.new_id("ev"), ev.new_id("ev")
@@ -991,9 +1008,14 @@ class CallExecutor:
     def _salvage_output(self, tool_call_id: str, sandbox_id: str) -> list[ArtifactRecord]:
         """What an interrupted call printed before the crash, from its spool files."""
         records = []
+        # A leased command's spool is named after the warm sandbox and the call (the
+        # sandbox's own, under its name alone, holds its supervisor's output).
+        spools = [self.settings.spool_dir / name for name in (f"{sandbox_id}.{tool_call_id}", sandbox_id)
+                  if "/" not in name and name not in (".", "..")]
+        spool = next((s for s in spools if s.is_dir()), None)
         for kind in ("stdout", "stderr"):
-            path = self.settings.spool_dir / sandbox_id / f"{kind}.out"
-            if not path.exists() or path.stat().st_size == 0:
+            path = spool / f"{kind}.out" if spool is not None else None
+            if path is None or not path.exists() or path.stat().st_size == 0:
                 continue
             digest = hashlib.sha256()
             with open(path, "rb") as f:

@@ -117,3 +117,26 @@ def test_a_call_interrupted_by_a_crash_is_never_run_again(spare_daemon):
     # What the first attempt printed before the crash was kept, and is what the retry sees.
     assert again.stdout == b"runs=1\n"
     assert [a.kind for a in again.result.artifacts] == ["stdout"]
+
+
+def test_a_leased_command_interrupted_by_a_crash_keeps_what_it_printed(spare_daemon):
+    """A command in a leased sandbox spools its output under the sandbox and the call:
+    the restarted daemon finds it there, and the call ends as INTERRUPTED with it."""
+    d = spare_daemon(pools={"min_idle": 0, "max_size": 2}).start()
+    ws = counting_workspace(d)
+    c = d.client()
+    lease = c.acquire_sandbox(str(ws), policy=POLICY)
+    request = keyed(ws, "key-leased-crash", COUNT + "; sleep 60")
+    request["runtime"]["leaseId"] = lease.lease_id
+    stream = iter(c.execute(request))
+    for event in stream:
+        if event.WhichOneof("kind") == "output":
+            break
+    d.stop(signal.SIGKILL)
+    c.close()
+    d.start()
+    with d.client() as c2:
+        again = c2.run(request)
+    assert runs(ws) == 1
+    assert again.result.status == "error" and again.result.error.code == "INTERRUPTED"
+    assert again.stdout == b"runs=1\n"
