@@ -438,7 +438,10 @@ class LiveSnapshots:
                 if len(out.gaps) > gaps and len(out.entries) >= max_entries:
                     break  # the cap: the walk stops there too
                 continue
-            out.entries.update(part.entries)
+            if not out.entries and not out.gaps:
+                out.entries = part.entries  # already a copy of its own: not copied again
+            else:
+                out.entries.update(part.entries)
             out.gaps += part.gaps
             out.unhashed += part.unhashed
         return out
