@@ -646,9 +646,15 @@ static void supervise(const char *path) {
 }
 
 static void wait_at_gate(const char *path) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* Opened without waiting for the daemon's end of the FIFO: the open itself tells
+     * the daemon (inotify IN_OPEN) that the sandbox is up, with no polling. poll() then
+     * waits for its byte (or for its end closing without one: POLLHUP). */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0)
         die("open the gate");
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    while (poll(&pfd, 1, -1) < 0 && errno == EINTR)
+        ;
     char b;
     ssize_t n;
     while ((n = read(fd, &b, 1)) < 0 && errno == EINTR)

@@ -26,7 +26,7 @@ from .compile import Attachments, EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
                      PermissionDenied, ResourceExhausted, SandboxdError)
 from .events import CheckpointFile, EventDraft, EventLog
-from .filewatch import MAX_PATHS as MAX_WATCHED_PATHS, Access, FileWatch, FileWatchError
+from .filewatch import MAX_PATHS as MAX_WATCHED_PATHS, Access, FileWatch, FileWatchError, GateArrival
 from .live_snapshot import LiveSnapshots
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
 from .redact import Redactor
@@ -179,6 +179,7 @@ class CallRun:
         connections: list[ConnectionRecord] = []
         watch: FileWatch | None = None
         gate_fd = -1
+        arrival: GateArrival | None = None
         accesses: list[Access] = []
         # What mount marks cannot see (creations, deletions, renames, chmods, the content
         # a write found) comes from a before/after walk of the writable mounts.
@@ -209,6 +210,10 @@ class CallRun:
                     "bindingId": s.binding_id, "principal": self._principal, "target": s.target}) for s in p.secrets])
             if not cancelled_early and p.attachments.gate_host_path:
                 _make_gate(Path(p.attachments.gate_host_path), p.plan.uid, p.plan.gid)
+                try:
+                    arrival = GateArrival(p.attachments.gate_host_path)  # before the sandbox can reach it
+                except FileWatchError as exc:
+                    raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
             if not cancelled_early and record_files and writable:
                 # Walked while the sandbox is made; the command starts only after it.
                 before_walk = _Background(self._executor.walk_write_roots, writable)
@@ -229,7 +234,7 @@ class CallRun:
                 prepared_event = self._prepared_event(handle)
                 if p.attachments.gate_host_path:
                     # The command waits at the gate until its mounts are watched and walked.
-                    watch, gate_fd = self._watch_and_open_gate(handle, before_walk)
+                    watch, gate_fd = self._watch_and_open_gate(handle, before_walk, arrival)
                     before = before_walk.result() if before_walk is not None else None
                 # ToolSandboxPrepared and ToolCallStarted: a command that ends within
                 # STARTED_COMMIT_AFTER_S has them in its result's commit (a commit of their
@@ -281,6 +286,8 @@ class CallRun:
                 after_walk = _Background(self._executor.walk_write_roots, writable)
                 if p.lease is not None:
                     after_walk.join()
+            if arrival is not None:
+                arrival.close()
             if gate_fd >= 0:
                 os.close(gate_fd)
             if p.attachments.gate_host_path:
@@ -351,7 +358,8 @@ class CallRun:
         except Exception:
             log.exception("recording the sandbox of %s failed", self.tool_call_id)
 
-    def _watch_and_open_gate(self, handle: SandboxHandle, before_walk: "_Background | None") -> tuple[FileWatch, int]:
+    def _watch_and_open_gate(self, handle: SandboxHandle, before_walk: "_Background | None",
+                             arrival: GateArrival) -> tuple[FileWatch, int]:
         """Attaches a fanotify watch to the call's own mounts, waits for the walk of its
         write roots, then lets the command go. A watch that cannot be attached (or a walk
         that failed) fails the call: it never runs unrecorded."""
@@ -365,9 +373,11 @@ class CallRun:
             deadline = time.monotonic() + GATE_TIMEOUT_S
             pid = 0
             while not pid and time.monotonic() < deadline and not handle.output_closed.is_set():
-                pid = p.backend.sandbox_pid(handle)
-                if not pid:
-                    time.sleep(0.0005)  # a jail is ready in a few ms: every half ms counts
+                # The shim opens the gate once the sandbox is up: its mounts are final.
+                if arrival.wait(0.05):
+                    pid = p.backend.sandbox_pid(handle)
+                    if not pid:
+                        time.sleep(0.0005)
             if not pid:
                 raise FailedPrecondition("the sandbox never came up to be watched")
             try:

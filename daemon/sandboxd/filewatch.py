@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import select
+import struct
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -255,10 +256,7 @@ class FileWatch:
             # Closing a group waits for an SRCU grace period in the kernel (5-15 ms
             # here): off the call's path. Nothing reads it any more; a later call's
             # accesses are its own group's.
-            if _closer.qsize() < MAX_CLOSING:
-                _closer.put(self._fd)
-            else:  # falling behind: groups count against fs.fanotify.max_user_groups
-                os.close(self._fd)
+            _close_later(self._fd)
         return self._counted()
 
     def _read(self) -> None:
@@ -300,6 +298,61 @@ class FileWatch:
         """Counts one event on `path`, as the reader does for each it reads."""
         raw = os.fsencode(path)
         reader_library().fw_note(self._fw, raw, len(raw), mask)
+
+
+IN_OPEN = 0x20
+_INOTIFY_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
+IN_NONBLOCK = os.O_NONBLOCK
+IN_CLOEXEC = os.O_CLOEXEC
+_libc.inotify_init1.argtypes = [ctypes.c_int]
+_libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+
+
+class GateArrival:
+    """Wakes when the sandbox's shim opens its gate FIFO (inotify IN_OPEN), which it
+    does only once the sandbox is up: no polling of the sandbox's processes."""
+
+    def __init__(self, gate_path: str):
+        fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if fd < 0:
+            raise FileWatchError(f"inotify_init1: {os.strerror(ctypes.get_errno())}")
+        if _libc.inotify_add_watch(fd, os.fsencode(gate_path), IN_OPEN) < 0:
+            err = ctypes.get_errno()
+            os.close(fd)
+            raise FileWatchError(f"inotify_add_watch {gate_path}: {os.strerror(err)}")
+        self._fd = fd
+        self.arrived = False
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once the gate was opened (within `timeout_s` from now, or before)."""
+        if not self.arrived:
+            poller = select.poll()
+            poller.register(self._fd, select.POLLIN)
+            if poller.poll(max(0, int(timeout_s * 1000))):
+                try:
+                    buf = os.read(self._fd, 4096)
+                except BlockingIOError:
+                    buf = b""
+                i = 0
+                while i + _INOTIFY_EVENT.size <= len(buf):
+                    _wd, mask, _cookie, length = _INOTIFY_EVENT.unpack_from(buf, i)
+                    self.arrived = self.arrived or bool(mask & IN_OPEN)
+                    i += _INOTIFY_EVENT.size + length
+        return self.arrived
+
+    def close(self) -> None:
+        """Off the caller's thread: closing an inotify instance, like a fanotify group,
+        waits for the kernel's SRCU grace period (5-15 ms)."""
+        if self._fd >= 0:
+            _close_later(self._fd)
+            self._fd = -1
+
+
+def _close_later(fd: int) -> None:
+    if _closer.qsize() < MAX_CLOSING:
+        _closer.put(fd)
+    else:  # falling behind: each open group counts against the host's limits
+        os.close(fd)
 
 
 def _close_groups(q: "queue.SimpleQueue[int]") -> None:

@@ -160,3 +160,29 @@ def test_paths_are_the_sandbox_s_even_when_read_after_its_mount_namespace_is_gon
             child.kill()
         child.wait()
     assert not os.path.ismount(points[0])  # the binds were the child's alone
+
+
+def test_the_gate_s_arrival_is_its_opening_by_the_sandbox(tmp_path):
+    """The shim opens its gate without waiting for the daemon's end of the FIFO; that
+    open, and nothing else done to the FIFO, is the sandbox's arrival."""
+    import os
+    import threading
+    import time
+
+    from sandboxd.filewatch import GateArrival
+
+    gate = tmp_path / "gate"
+    os.mkfifo(gate, 0o600)
+    arrival = GateArrival(str(gate))
+    try:
+        os.chmod(gate, 0o640)  # attributes, not an open
+        assert not arrival.wait(0.05)
+        opened: list[int] = []
+        threading.Timer(0.1, lambda: opened.append(os.open(gate, os.O_RDONLY | os.O_NONBLOCK))).start()
+        t = time.monotonic()
+        assert arrival.wait(5)
+        assert time.monotonic() - t < 1 and opened
+        assert arrival.wait(0)  # stays arrived
+        os.close(opened[0])
+    finally:
+        arrival.close()

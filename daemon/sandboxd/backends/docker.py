@@ -329,7 +329,18 @@ class DockerBackend:
 
     @_engine_errors_are_unavailable
     def sandbox_pid(self, handle: SandboxHandle) -> int:
-        """A host pid inside the sandbox (its init), 0 while there is none."""
+        """A host pid inside the running sandbox, 0 while there is none: one from the
+        container's own cgroup (a file read; an inspect takes milliseconds), else its
+        init as the engine reports it."""
+        rel = f"{handle.spec.cgroup_parent.strip('/')}/{handle.engine_id}"
+        for procs in (f"{CGROUP_ROOT}/pids/{rel}/cgroup.procs", f"{CGROUP_ROOT}/{rel}/cgroup.procs"):
+            try:
+                with open(procs) as f:
+                    first = f.readline().strip()
+            except OSError:
+                continue
+            if first.isdigit():
+                return int(first)
         return int(self._api.inspect_container(handle.engine_id)["State"]["Pid"] or 0)
 
     def kill(self, handle: SandboxHandle) -> None:
