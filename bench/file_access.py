@@ -1,8 +1,10 @@
 """File-access recording overhead: a file-heavy workload with audit.recordFileAccess on
 versus off, in one run (alternating), on Docker and nsjail. The workspace is a git
-repository of N small files; the workloads are `git status` and a "test run" that
-imports every module of the tree, on a read-only workspace (the watch alone) and a
-writable one (the watch and the hashed before/after walk of the write root). Times are
+repository of N small test modules (one unittest case each); the workloads are
+`git status`, a test run (`python3 -m unittest discover` over the N test files), and a
+stress case that only imports every module (file opens back to back, nothing else), on
+a read-only workspace (the watch alone) and a writable one (the watch and the hashed
+before/after walk of the write root). Times are
 the whole call, end to end through gRPC; after each call (untimed) a forensic query
 waits for the index to catch up, and its time is reported too. "paired" is the median
 of each round's on/off ratio (the two ran back to back).
@@ -26,6 +28,15 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon",
 
 from sandboxd.testing import WORKSPACE_UID, make_daemon, prepared_call  # noqa: E402
 
+TEST_MODULE = """import unittest
+
+VALUE_{i} = {i}
+
+
+class Test{i}(unittest.TestCase):
+    def test_value(self):
+        self.assertEqual(VALUE_{i} * 2, {twice})
+"""
 TEST_RUN = """
 import importlib.util, pathlib, sys
 n = 0
@@ -46,8 +57,9 @@ def main() -> int:
     base.chmod(0o755)
     d = make_daemon(base).start()
     try:
-        files = {f"pkg/m{i // 100}/mod{i}.py": f"VALUE_{i} = {i}\n" for i in range(args.files)}
-        files.update({f"pkg/m{i}/__init__.py": "" for i in range(args.files // 100 + 1)})
+        files = {f"pkg/m{i // 100}/test_mod{i}.py": TEST_MODULE.format(i=i, twice=2 * i) for i in range(args.files)}
+        files.update({f"pkg/m{i}/__init__.py": "" for i in range((args.files + 99) // 100)})
+        files["pkg/__init__.py"] = ""
         ws = d.new_workspace(files)
         env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b",
                "GIT_COMMITTER_EMAIL": "b@b"}
@@ -59,7 +71,10 @@ def main() -> int:
                 os.lchown(os.path.join(dirpath, name), WORKSPACE_UID, WORKSPACE_UID)
         client = d.client()
         workloads = {"git status": ["git", "-c", "safe.directory=*", "status", "--short"],
-                     "test run (import every module)": ["python3", "-c", TEST_RUN]}
+                     f"test run (unittest, {args.files} test files)": [
+                         "python3", "-m", "unittest", "discover", "-q", "-s", "/workspace/pkg", "-t", "/workspace",
+                         "-p", "test_*.py"],
+                     "stress: import every module": ["python3", "-c", TEST_RUN]}
         rows = []
         mounts = {"read-only": {}, "writable": {"filesystem": {"writeRoots": ["/workspace"]}}}
         for adapter in ("docker", "nsjail"):
@@ -95,11 +110,11 @@ def main() -> int:
                              statistics.median(catch_up[True]), statistics.median(catch_up[False])))
         print(f"\nfile-access recording overhead, {args.files} files, n={args.n}; call times in ms\n")
         print("(index on/off: the query after each call, which waits for the forensic index to catch up)\n")
-        print(f"| {'workload':<52} | {'off':>8} | {'on':>8} | {'on/off':>7} | {'paired':>7} | {'paths':>6} "
+        print(f"| {'workload':<58} | {'off':>8} | {'on':>8} | {'on/off':>7} | {'paired':>7} | {'paths':>6} "
               f"| {'index on/off':>13} |")
-        print(f"|{'-' * 54}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 9}|{'-' * 8}|{'-' * 15}|")
+        print(f"|{'-' * 60}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 9}|{'-' * 8}|{'-' * 15}|")
         for name, off, on, ratio, paired, n_events, idx_on, idx_off in rows:
-            print(f"| {name:<52} | {off:8.1f} | {on:8.1f} | {ratio:6.2f}x | {paired:6.2f}x | {n_events:6d} | "
+            print(f"| {name:<58} | {off:8.1f} | {on:8.1f} | {ratio:6.2f}x | {paired:6.2f}x | {n_events:6d} | "
                   f"{idx_on:5.1f} / {idx_off:5.1f} |")
     finally:
         d.stop()
