@@ -215,8 +215,11 @@ def require_egress(policy: EffectivePolicy, attachments: "Attachments") -> None:
         raise ValueError(f"egress {policy.egress!r} with{'out' if egress is None else ''} an egress attachment")
 
 
+SANDBOX_CGROUP_ROOT = "sandboxd"  # each Docker sandbox's parent cgroup is below it
+
+
 def cgroup_parent_for(sandbox_id: str) -> str:
-    return f"/sandboxd/{sandbox_id}"
+    return f"/{SANDBOX_CGROUP_ROOT}/{sandbox_id}"
 
 
 def _mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str,

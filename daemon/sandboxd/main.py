@@ -26,8 +26,11 @@ from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 
 from . import audit, filewatch
 from .artifacts import FileArtifactStore
+from .backends import remove_stale_cgroups
 from .backends.docker import DockerBackend
 from .backends.nsjail import NsjailBackend
+from .compile import SANDBOX_CGROUP_ROOT
+from .compile_nsjail import NSJAIL_CGROUP_ROOT
 from .errors import BackendUnavailable, SandboxdError
 from .credentials import CredentialBroker
 from .events import CheckpointFile, EventLog
@@ -149,9 +152,17 @@ def _start_backends(settings: DaemonSettings, daemon_id: str, shim: str = "") ->
             unavailable["nsjail"] = exc.message
     else:
         unavailable["nsjail"] = "disabled in the daemon's settings"
+    # Other daemons' leftovers (killed outright, or state wiped): reaped by nobody else.
+    threading.Thread(target=_remove_stale_cgroups, name="stale-cgroups", daemon=True).start()
     for name, reason in unavailable.items():
         log.error("backend %s unavailable: %s", name, reason)
     return backends, unavailable
+
+
+def _remove_stale_cgroups() -> None:
+    removed = remove_stale_cgroups((NSJAIL_CGROUP_ROOT, SANDBOX_CGROUP_ROOT))
+    if removed:
+        log.info("removed %d empty sandbox cgroups that daemons no longer running left", removed)
 
 
 def _install_shim(settings: DaemonSettings) -> tuple[str, str]:

@@ -3,7 +3,9 @@ next). A backend is told a spec; it never sees a policy."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -73,3 +75,48 @@ class Backend(Protocol):
 
     def reap_orphans(self, daemon_id: str) -> int:
         """Removes sandboxes a previous run of this daemon left behind."""
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+# Sandbox cgroups younger than this are never taken for leftovers: a live daemon may
+# have just made one and not yet put a process in it.
+STALE_CGROUP_S = 600.0
+
+
+def remove_stale_cgroups(roots: tuple[str, ...], min_age_s: float = STALE_CGROUP_S,
+                         cgroup_root: str = CGROUP_ROOT) -> int:
+    """Removes, deepest first, the cgroup directories below each of `roots` (in every
+    hierarchy) that hold no process anywhere below them and were made more than
+    `min_age_s` ago: what daemons killed outright (or whose state was wiped) left, which
+    no restart of theirs will reap. A live daemon's sandbox cgroups always hold a
+    process (a jail, a container, a spawn slot's waiting nsjail) or are younger. The
+    roots themselves stay. Returns how many directories went."""
+    now = time.time()
+    removed = 0
+    try:
+        hierarchies = [e.path for e in os.scandir(cgroup_root) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return 0
+    tops = [f"{h}/{r}" for h in hierarchies + [cgroup_root] for r in roots]
+    for top in tops:
+        if not os.path.isdir(top):
+            continue
+        emptied: set[str] = set()  # directories whose (stale) children went in this pass
+        # Post-order: a directory is considered once its children are gone (or stay).
+        for dirpath, dirnames, _files in os.walk(top, topdown=False):
+            if dirpath == top or any(os.path.isdir(os.path.join(dirpath, d)) for d in dirnames):
+                continue
+            try:
+                st = os.stat(dirpath)
+                # Removing its children just now made it look new.
+                if dirpath not in emptied and now - max(st.st_mtime, st.st_ctime) < min_age_s:
+                    continue
+                with open(os.path.join(dirpath, "cgroup.procs")) as f:
+                    if f.read().strip():
+                        continue
+                os.rmdir(dirpath)
+                removed += 1
+                emptied.add(os.path.dirname(dirpath))
+            except OSError:
+                continue  # busy, gone meanwhile, or not a cgroup: left alone
+    return removed
