@@ -89,6 +89,10 @@ class RootTracker:
         self.last_used = time.monotonic()
         self._valid = False
         self._entries: dict[str, Entry] = {}
+        # The copy of _entries the last snapshot handed out, while nothing has changed
+        # since (None once something has): two snapshots of an unchanged tree are then one
+        # dict, neither copied nor compared entry by entry. Nobody may change it.
+        self._last: dict[str, Entry] | None = None
         self._children: dict[str, set[str]] = {}  # directory path -> names in it
         self._wd_dir: dict[int, str] = {}
         self._dir_wd: dict[str, int] = {}
@@ -131,7 +135,9 @@ class RootTracker:
             raise
         finally:
             os.close(root_fd)
-        return Snapshot(dict(self._entries), unhashed=len(self._unhashed))
+        if self._last is None:
+            self._last = dict(self._entries)
+        return Snapshot(self._last, unhashed=len(self._unhashed))
 
     # -- events -------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -195,6 +201,7 @@ class RootTracker:
         if self._ifd < 0:
             raise _Unusable(f"inotify_init1: {os.strerror(ctypes.get_errno())}")
         self._entries, self._children, self._wd_dir, self._dir_wd = {}, {}, {}, {}
+        self._last = None
         self._wd_inode, self._inode_of, self._paths_of, self._dirty, self._unhashed = {}, {}, {}, set(), set()
         st = os.fstat(root_fd)
         self._root_id = (st.st_dev, st.st_ino)
@@ -277,6 +284,8 @@ class RootTracker:
         return Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, note, st.st_dev)
 
     def _set(self, path: str, entry: Entry) -> None:
+        if self._entries.get(path) != entry:
+            self._last = None
         self._entries[path] = entry
         if entry.note:
             self._unhashed.add(path)
@@ -300,7 +309,8 @@ class RootTracker:
 
     def _drop(self, path: str) -> None:
         """Forgets one entry (and its place in the inode map)."""
-        self._entries.pop(path, None)
+        if self._entries.pop(path, None) is not None:
+            self._last = None
         self._unhashed.discard(path)
         self._unlink_inode(path)
 
@@ -422,6 +432,7 @@ class LiveSnapshots:
              max_entries: int = 200_000) -> Snapshot:
         budget = budget or HashBudget()
         out = Snapshot()
+        shared = False  # out.entries is a tracker's copy (to be copied before it is added to)
         for sandbox_root, host_root in binds:
             left = max_entries - len(out.entries)
             part = None
@@ -433,14 +444,19 @@ class LiveSnapshots:
                     budget.bytes_left = spent.bytes_left
             if part is None:
                 self.fallbacks += 1
+                if shared:  # the walk adds to it
+                    out.entries, shared = dict(out.entries), False
                 gaps = len(out.gaps)
                 take([(sandbox_root, host_root)], self._hashes, budget, max_entries, into=out)
                 if len(out.gaps) > gaps and len(out.entries) >= max_entries:
                     break  # the cap: the walk stops there too
                 continue
             if not out.entries and not out.gaps:
-                out.entries = part.entries  # already a copy of its own: not copied again
+                out.entries = part.entries  # the tracker's own copy: never changed below
+                shared = True
             else:
+                if shared:
+                    out.entries, shared = dict(out.entries), False
                 out.entries.update(part.entries)
             out.gaps += part.gaps
             out.unhashed += part.unhashed

@@ -250,6 +250,8 @@ def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, bud
 def diff(before: dict[str, Entry], after: dict[str, Entry]) -> list[dict[str, Any]]:
     """create | delete | rename (path -> renamedTo) | write (content changed or the path
     replaced) | chmod, in path order, with the content hashes the snapshots hold."""
+    if before is after:  # a tracked tree that did not change: one dict
+        return []
     # Only entries that differ can say anything: compared in C, whatever the tree's size.
     differing = {p for p, _ in before.items() ^ after.items()}
     before = {p: before[p] for p in differing if p in before}

@@ -393,3 +393,30 @@ def test_depth_counts_from_the_write_root_not_the_sandbox_path(live, tmp_path):
 
 
 MAX_NEST = ls.MAX_DEPTH - 3
+
+
+def test_an_unchanged_tree_gives_the_same_snapshot_and_a_changed_one_leaves_the_old_alone(live, tree):
+    """Two snapshots with nothing changed in between are one dict (nothing copied, the
+    diff has nothing to compare); a change makes a new one, and the earlier snapshot
+    still says what the tree was then."""
+    first = kept(live, tree)
+    (tree / "top.txt").read_text()  # a read changes nothing
+    second = kept(live, tree)
+    assert second is first and snapshot.diff(first, second) == []
+    (tree / "d1" / "f1.txt").write_text("changed\n")
+    third = kept(live, tree)
+    assert third is not first and third == walked(tree)
+    assert first["/workspace/d1/f1.txt"].sha256 != third["/workspace/d1/f1.txt"].sha256
+    assert [c["path"] for c in snapshot.diff(first, third)] == ["/workspace/d1/f1.txt"]
+    assert kept(live, tree) is third
+
+
+def test_several_roots_never_change_a_tracker_s_snapshot(live, tree, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x.txt").write_text("x\n")
+    alone = kept(live, tree)
+    size = len(alone)
+    both = live.take([(SB, str(tree)), ("/workspace/other", str(other))])
+    assert "/workspace/other/x.txt" in both.entries and len(alone) == size
+    assert kept(live, tree) is alone
