@@ -214,11 +214,8 @@ class CallRun:
                     arrival = GateArrival(p.attachments.gate_host_path)  # before the sandbox can reach it
                 except FileWatchError as exc:
                     raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
-            if not cancelled_early and record_files and writable:
-                # Walked while the sandbox is made; the command starts only after it.
-                before_walk = _Background(self._executor.walk_write_roots, writable)
-                if p.lease is not None:
-                    before = before_walk.result()
+            if not cancelled_early and record_files and writable and p.lease is not None:
+                before = self._executor.walk_write_roots(writable)  # the sandbox is idle
             if not cancelled_early:
                 handle = backend.create(p.spec)
                 with self._cond:
@@ -232,6 +229,10 @@ class CallRun:
                 # Digested while a jail or container comes up (the spec's digest took a
                 # millisecond between create and start, on every call's path).
                 prepared_event = self._prepared_event(handle)
+                if record_files and writable and p.lease is None:
+                    # Walked while the sandbox comes up (a kept snapshot takes well under
+                    # a millisecond; a thread for it cost more); the gate waits for it.
+                    before_walk = _Background.now(self._executor.walk_write_roots, writable)
                 if p.attachments.gate_host_path:
                     # The command waits at the gate until its mounts are watched and walked.
                     watch, gate_fd = self._watch_and_open_gate(handle, before_walk, arrival)
@@ -532,11 +533,19 @@ def _make_gate(path: Path, uid: int, gid: int) -> None:
 class _Background:
     """fn(*args) on a thread of its own; result() joins it and returns or raises."""
 
-    def __init__(self, fn, *args):
+    def __init__(self, fn, *args, thread: bool = True):
         self._value: Any = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True, name="walk")
-        self._thread.start()
+        if thread:
+            self._thread.start()
+        else:
+            self._run(fn, args)
+
+    @classmethod
+    def now(cls, fn, *args) -> "_Background":
+        """fn(*args) run at once on the caller's thread, its result kept alike."""
+        return cls(fn, *args, thread=False)
 
     def _run(self, fn, args) -> None:
         try:
@@ -545,10 +554,11 @@ class _Background:
             self._error = exc
 
     def join(self) -> None:
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def result(self) -> Any:
-        self._thread.join()
+        self.join()
         if self._error is not None:
             raise self._error
         return self._value
