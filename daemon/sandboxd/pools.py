@@ -72,10 +72,13 @@ class WarmSandbox:
     dead: bool = False
     endpoint: Any = None  # its egress proxy endpoint, for a proxied policy
     baseline_pids: set[int] | None = None  # processes of the idle sandbox (init, supervisor, ...)
-    # Their task count in the sandbox's pids cgroup: the same count after a command says
-    # nothing of it is left, without listing the tree (each of them is single-threaded
-    # and lives as long as the sandbox does: any of them gone retires the sandbox).
+    # Their task count in the sandbox's pids cgroup, and a pidfd on each: while every one
+    # of them lives, the same count after a command says nothing of it is left, without
+    # listing the tree (each is single-threaded). A command can kill one of them (the
+    # egress forwarder runs as the sandbox user) to hide a process of its own in the
+    # count: then the tree is listed, and the sandbox retired.
     baseline_tasks: int | None = None
+    baseline_pidfds: tuple[int, ...] = ()
     # A host pid inside it (its init), for file watches, and a pidfd that keeps that
     # number from being reused: 0 / -1 until first asked.
     pid: int = 0
@@ -432,10 +435,21 @@ class PoolManager:
         log.info("warm sandbox %s ready for %s", sandbox_id, pool.key)
         baseline = sandbox_processes(spec)
         tasks = sandbox_task_count(spec)
+        pidfds: list[int] = []
+        if baseline is not None and tasks == len(baseline):
+            try:
+                for pid in sorted(baseline):
+                    pidfds.append(os.pidfd_open(pid))
+            except OSError:  # one exited already: no shortcut for this sandbox
+                tasks = None
         if baseline is None or tasks != len(baseline) or sandbox_processes(spec) != baseline:
             tasks = None  # not a quiet sandbox of one thread per process: list it every time
+        if tasks is None:
+            for fd in pidfds:
+                os.close(fd)
+            pidfds = []
         return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, conn, endpoint=endpoint,
-                           baseline_pids=baseline, baseline_tasks=tasks)
+                           baseline_pids=baseline, baseline_tasks=tasks, baseline_pidfds=tuple(pidfds))
 
     def _destroy_later(self, pool: Pool | None, ws: WarmSandbox) -> None:
         """Under the lock: removal happens off the caller's thread."""
@@ -467,6 +481,9 @@ class PoolManager:
         if ws.pidfd >= 0:
             os.close(ws.pidfd)
             ws.pidfd = -1
+        for fd in ws.baseline_pidfds:
+            os.close(fd)
+        ws.baseline_pidfds = ()
         self._ex.release_workspace(f"pool:{ws.sandbox_id}")
 
     # -- upkeep -------------------------------------------------------------------------
@@ -750,9 +767,15 @@ class LeaseBackend:
         baseline = self._ws.baseline_pids
         if baseline is None:
             return
-        if self._ws.baseline_tasks is not None and sandbox_task_count(self._ws.prepared.spec) == self._ws.baseline_tasks:
+        ws = self._ws
+        intact = _all_alive(ws.baseline_pidfds)
+        if ws.baseline_tasks is not None and intact and sandbox_task_count(ws.prepared.spec) == ws.baseline_tasks:
             self._found_clean = True  # one read instead of listing the tree (~0.3 ms)
             return
+        if ws.baseline_pidfds and not intact:
+            log.warning("a process the sandbox %s started with is gone: it is retired after this command",
+                        ws.sandbox_id)
+            self._healthy = False
         present = sandbox_processes(self._ws.prepared.spec)
         left = (present or set()) - baseline
         self._found_clean = present is not None and not left
@@ -798,6 +821,16 @@ class LeaseBackend:
                     break
                 time.sleep(0.01)
         self._pools.command_done(self._ws, self._healthy and self._done.is_set())
+
+
+def _all_alive(pidfds: tuple[int, ...]) -> bool:
+    """True while none of the processes exited (a pidfd turns readable when it does)."""
+    if not pidfds:
+        return False
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    return not poller.poll(0)
 
 
 def _pids_cgroup(spec: Any, cgroup_root: str) -> str | None:

@@ -1,0 +1,102 @@
+"""What is left in cgroups, on the host's real hierarchies under a root of the test's
+own: sandbox cgroups of daemons that are gone (removed when empty and old), and a leased
+command's processes (found, whatever it did to hide them)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+
+import pytest
+
+from sandboxd.backends import remove_stale_cgroups
+
+PIDS = "/sys/fs/cgroup/pids"
+
+
+@pytest.fixture
+def root():
+    if not os.path.isdir(PIDS):
+        pytest.fail("the host has no cgroup v1 pids hierarchy (this suite needs one)")
+    name = f"sandboxd-test-{secrets.token_hex(4)}"
+    yield name
+    for dirpath, _dirs, _files in os.walk(f"{PIDS}/{name}", topdown=False):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass
+
+
+def test_empty_old_cgroups_go_and_those_with_a_process_stay(root):
+    base = f"{PIDS}/{root}"
+    for d in ("sd-dead/.slot-a", "sd-dead/sbx-1", "sd-live/.slot-b", "sd-live/.slot-c"):
+        os.makedirs(f"{base}/{d}")
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        with open(f"{base}/sd-live/.slot-b/cgroup.procs", "w") as f:
+            f.write(str(sleeper.pid))
+        assert remove_stale_cgroups((root,), min_age_s=3600) == 0  # all too young
+        assert remove_stale_cgroups((root,), min_age_s=0) == 4  # sd-dead's two and itself, .slot-c
+        assert [d for d in os.listdir(base) if os.path.isdir(f"{base}/{d}")] == ["sd-live"]
+        assert os.path.isdir(f"{base}/sd-live/.slot-b") and not os.path.exists(f"{base}/sd-live/.slot-c")
+        assert not os.path.exists(f"{base}/sd-dead")
+        assert os.path.isdir(base)  # the root stays
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert remove_stale_cgroups((root,), min_age_s=0) == 2  # its process gone: .slot-b, then sd-live
+    assert not [d for d in os.listdir(base) if os.path.isdir(f"{base}/{d}")]
+
+
+def test_a_missing_root_is_nothing_to_do():
+    assert remove_stale_cgroups((f"sandboxd-test-none-{secrets.token_hex(4)}",), min_age_s=0) == 0
+
+
+def test_a_leased_command_cannot_hide_a_process_by_killing_one_the_sandbox_started_with(root):
+    """The leftover check trusts the sandbox's task count only while every process it
+    started with lives: a command that kills one (the egress forwarder runs as the
+    sandbox user) and leaves one of its own behind is found by listing the cgroup, and
+    the sandbox is retired. Real processes in a real pids cgroup."""
+    from types import SimpleNamespace
+
+    from sandboxd.pools import LeaseBackend, sandbox_processes, sandbox_task_count
+
+    cg = f"{PIDS}/{root}/sbx-1"
+    os.makedirs(cg)
+    procs = []
+
+    def in_sandbox() -> subprocess.Popen:
+        p = subprocess.Popen(["sleep", "60"])
+        procs.append(p)
+        with open(f"{cg}/cgroup.procs", "w") as f:
+            f.write(str(p.pid))
+        return p
+
+    try:
+        init, forwarder = in_sandbox(), in_sandbox()
+        spec = SimpleNamespace(cgroup=f"{root}/sbx-1")
+        baseline = sandbox_processes(spec)
+        assert baseline == {init.pid, forwarder.pid} and sandbox_task_count(spec) == 2
+        ws = SimpleNamespace(sandbox_id="sbx-1", prepared=SimpleNamespace(spec=spec, backend=SimpleNamespace(name="t")),
+                             baseline_pids=baseline, baseline_tasks=2,
+                             baseline_pidfds=tuple(os.pidfd_open(p.pid) for p in (init, forwarder)))
+        clean = LeaseBackend(None, ws)
+        clean._kill_leftovers()
+        assert clean._found_clean and clean._healthy  # nothing left: the one-file shortcut
+
+        forwarder.kill()
+        forwarder.wait()
+        hidden = in_sandbox()  # the count is 2 again
+        assert sandbox_task_count(spec) == 2
+        check = LeaseBackend(None, ws)
+        check._kill_leftovers()
+        assert hidden.wait(5) == -9  # found by listing the tree, and killed
+        assert not check._found_clean and not check._healthy  # and the sandbox goes
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for fd in getattr(locals().get("ws"), "baseline_pidfds", ()):
+            os.close(fd)
