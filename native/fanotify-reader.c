@@ -83,12 +83,18 @@ void fw_set_fd(void *handle, int fan_fd) { ((struct watch *)handle)->fan_fd = fa
 /* A marked mount: its id (statx STATX_MNT_ID) and its path inside the sandbox. */
 int fw_add_mount(void *handle, uint64_t mount_id, const char *sandbox_path) {
     struct watch *w = handle;
-    if (w->mounts_len >= MAX_MOUNTS || strlen(sandbox_path) >= PATH_MAX)
+    if (strlen(sandbox_path) >= PATH_MAX)
         return -EINVAL;
-    w->mounts[w->mounts_len].id = mount_id;
-    strcpy(w->mounts[w->mounts_len].path, sandbox_path);
-    w->mounts_len++;
-    return 0;
+    pthread_mutex_lock(&w->lock); /* the reader may already be draining */
+    int result = -EINVAL;
+    if (w->mounts_len < MAX_MOUNTS) {
+        w->mounts[w->mounts_len].id = mount_id;
+        strcpy(w->mounts[w->mounts_len].path, sandbox_path);
+        w->mounts_len++;
+        result = 0;
+    }
+    pthread_mutex_unlock(&w->lock);
+    return result;
 }
 
 /* Every event is through this one mount: no mount id asked per event. */
@@ -96,10 +102,12 @@ int fw_only_mount(void *handle, const char *sandbox_path) {
     struct watch *w = handle;
     if (strlen(sandbox_path) >= PATH_MAX)
         return -EINVAL;
+    pthread_mutex_lock(&w->lock);
     w->mounts[0].id = 0;
     strcpy(w->mounts[0].path, sandbox_path);
     w->mounts_len = 1;
     w->only_mount = 1;
+    pthread_mutex_unlock(&w->lock);
     return 0;
 }
 

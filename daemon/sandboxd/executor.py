@@ -26,7 +26,8 @@ from .compile import Attachments, EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
                      PermissionDenied, ResourceExhausted, SandboxdError)
 from .events import CheckpointFile, EventDraft, EventLog
-from .filewatch import MAX_PATHS as MAX_WATCHED_PATHS, Access, FileWatch, FileWatchError, GateArrival
+from .filewatch import (MAX_PATHS as MAX_WATCHED_PATHS, Access, FileWatch, FileWatchError, GateArrival,
+                        reader_library)
 from .live_snapshot import LiveSnapshots
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
 from .redact import Redactor
@@ -212,8 +213,8 @@ class CallRun:
                 _make_gate(Path(p.attachments.gate_host_path), p.plan.uid, p.plan.gid)
                 try:
                     arrival = GateArrival(p.attachments.gate_host_path)  # before the sandbox can reach it
-                except FileWatchError as exc:
-                    raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
+                except FileWatchError as exc:  # out of inotify instances: the sandbox's pid is polled
+                    log.warning("call %s: the gate's arrival is polled for: %s", self.tool_call_id, exc)
             if not cancelled_early and record_files and writable and p.lease is not None:
                 before = self._executor.walk_write_roots(writable)  # the sandbox is idle
             if not cancelled_early:
@@ -360,7 +361,7 @@ class CallRun:
             log.exception("recording the sandbox of %s failed", self.tool_call_id)
 
     def _watch_and_open_gate(self, handle: SandboxHandle, before_walk: "_Background | None",
-                             arrival: GateArrival) -> tuple[FileWatch, int]:
+                             arrival: GateArrival | None) -> tuple[FileWatch, int]:
         """Attaches a fanotify watch to the call's own mounts, waits for the walk of its
         write roots, then lets the command go. A watch that cannot be attached (or a walk
         that failed) fails the call: it never runs unrecorded."""
@@ -375,7 +376,8 @@ class CallRun:
             pid = 0
             while not pid and time.monotonic() < deadline and not handle.output_closed.is_set():
                 # The shim opens the gate once the sandbox is up: its mounts are final.
-                if arrival.wait(0.05):
+                # (Without the inotify instance, the sandbox's pid says when it is up.)
+                if arrival is None or arrival.wait(0.05):
                     pid = p.backend.sandbox_pid(handle)
                     if not pid:
                         time.sleep(0.0005)
@@ -770,6 +772,12 @@ class CallExecutor:
         if not any(fnmatch.fnmatchcase(image, pat) for pat in self.settings.allowed_images):
             raise PermissionDenied(f"image {image!r} is not in the daemon's allowed images", field="runtime.image")
         plan = preflight(policy, call.workspace, self.settings)
+        if policy.record_file_access and self.settings.file_watch and plan.binds:
+            try:
+                reader_library()  # refused here, before any sandbox is made
+            except FileWatchError as exc:
+                raise FailedPrecondition(f"file-access recording is unavailable on this daemon: {exc}",
+                                         field="policy.audit.recordFileAccess") from None
         if not sandbox:
             return Prepared(call, policy, plan, image, "", backend, None, "")
         digest = backend.image_digest(image)
@@ -941,6 +949,7 @@ class CallExecutor:
                     # Named now (ToolSandboxPrepared may commit with the result): a crash
                     # recovery finds the call's spooled output by it.
                     "sandboxId": prepared.sandbox_id,
+                    **({"leaseId": call.runtime.lease_id} if prepared.lease is not None else {}),
                     "authorization": ({"grantId": call.authorization.grant_id, "approvalDigest": approved,
                                        "verified": True} if approved else {"status": call.authorization.status}),
                     "imageDigest": prepared.image_digest, "uid": prepared.plan.uid, "gid": prepared.plan.gid,
@@ -1007,9 +1016,10 @@ class CallExecutor:
         for row in rows:
             tool_call_id = row["tool_call_id"]
             trace = self.events.for_call(tool_call_id)
-            named = [e.payload.get("sandboxId") for e in trace if e.type in (ev.POLICY_CHECKED, ev.SANDBOX_PREPARED)]
-            named = [n for n in named if isinstance(n, str) and n]
-            records = self._salvage_output(tool_call_id, named[-1]) if named else []
+            named = [e.payload for e in trace if e.type in (ev.POLICY_CHECKED, ev.SANDBOX_PREPARED)
+                     and isinstance(e.payload.get("sandboxId"), str) and e.payload["sandboxId"]]
+            leased = any(p.get("leaseId") for p in named)
+            records = self._salvage_output(tool_call_id, named[-1]["sandboxId"], leased) if named else []
             result = _error_result(tool_call_id, "INTERRUPTED",
                                    "the daemon stopped before the call finished; its sandbox was removed")
             finished_id, validated_id = ev.new_id("ev"), ev.new_id("ev")
@@ -1025,17 +1035,18 @@ class CallExecutor:
         self.checkpoint(force=True)
         return len(rows)
 
-    def _salvage_output(self, tool_call_id: str, sandbox_id: str) -> list[ArtifactRecord]:
+    def _salvage_output(self, tool_call_id: str, sandbox_id: str, leased: bool = False) -> list[ArtifactRecord]:
         """What an interrupted call printed before the crash, from its spool files."""
         records = []
         # A leased command's spool is named after the warm sandbox and the call (the
-        # sandbox's own, under its name alone, holds its supervisor's output).
-        spools = [self.settings.spool_dir / name for name in (f"{sandbox_id}.{tool_call_id}", sandbox_id)
-                  if "/" not in name and name not in (".", "..")]
-        spool = next((s for s in spools if s.is_dir()), None)
+        # sandbox's own, under its name alone, holds its supervisor's output: never
+        # taken for the call's).
+        name = f"{sandbox_id}.{tool_call_id}" if leased else sandbox_id
+        if "/" in name or name in (".", ".."):
+            return []
         for kind in ("stdout", "stderr"):
-            path = spool / f"{kind}.out" if spool is not None else None
-            if path is None or not path.exists() or path.stat().st_size == 0:
+            path = self.settings.spool_dir / name / f"{kind}.out"
+            if not path.exists() or path.stat().st_size == 0:
                 continue
             digest = hashlib.sha256()
             with open(path, "rb") as f:

@@ -114,7 +114,9 @@ class FileWatch:
         self._fw = lib.fw_new(MAX_PATHS)
         if not self._fw:
             raise FileWatchError("the fanotify reader could not allocate its table")
-        weakref.finalize(self, lib.fw_free, self._fw)  # once no thread can use it
+        # Freed once no thread can use it; never at interpreter exit, when a reader that
+        # did not stop may still be reading into it.
+        weakref.finalize(self, lib.fw_free, self._fw).atexit = False
 
     @property
     def accesses(self) -> dict[str, Access]:

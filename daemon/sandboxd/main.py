@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import fcntl
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -153,14 +155,55 @@ def _start_backends(settings: DaemonSettings, daemon_id: str, shim: str = "") ->
     else:
         unavailable["nsjail"] = "disabled in the daemon's settings"
     # Other daemons' leftovers (killed outright, or state wiped): reaped by nobody else.
-    threading.Thread(target=_remove_stale_cgroups, name="stale-cgroups", daemon=True).start()
+    docker_backend = backends.get("docker")
+    threading.Thread(target=_remove_stale_cgroups, args=(daemon_id, docker_backend), name="stale-cgroups",
+                     daemon=True).start()
     for name, reason in unavailable.items():
         log.error("backend %s unavailable: %s", name, reason)
     return backends, unavailable
 
 
-def _remove_stale_cgroups() -> None:
-    removed = remove_stale_cgroups((NSJAIL_CGROUP_ROOT, SANDBOX_CGROUP_ROOT))
+# Each running daemon holds an exclusive lock on <its id>.lock here, host-wide: another
+# daemon's cleanup never touches the cgroups of one that is running.
+DAEMON_LOCK_DIR = Path("/run/sandboxd-daemons")
+
+
+def _hold_daemon_lock(daemon_id: str) -> int:
+    """The lock that says this daemon id is running (held until the process ends)."""
+    DAEMON_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(DAEMON_LOCK_DIR / f"{daemon_id}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.warning("another process holds the lock of daemon id %s", daemon_id)
+    return fd
+
+
+def daemon_running(daemon_id: str) -> bool:
+    """Whether a daemon with this id holds its lock now."""
+    try:
+        fd = os.open(DAEMON_LOCK_DIR / f"{daemon_id}.lock", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False  # never started here (or before these locks existed)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_cgroups(daemon_id: str, docker_backend) -> None:
+    def keep(root: str, name: str) -> bool:
+        if root == NSJAIL_CGROUP_ROOT:  # <daemon id>/<sandbox or slot>
+            return name == daemon_id or daemon_running(name)
+        # <sandbox id>: a Docker sandbox's parent, kept while any container of it exists
+        # (or while dockerd cannot say).
+        return docker_backend is None or docker_backend.has_sandbox(name)
+
+    removed = remove_stale_cgroups((NSJAIL_CGROUP_ROOT, SANDBOX_CGROUP_ROOT), keep=keep)
     if removed:
         log.info("removed %d empty sandbox cgroups that daemons no longer running left", removed)
 
@@ -210,6 +253,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(settings.state_dir, 0o700)
     daemon_id = _daemon_id(settings)
+    lock_fd = _hold_daemon_lock(daemon_id)  # noqa: F841 - held for the process's life
     shim, no_shim_reason = _install_shim(settings)  # before the backends: every jail starts with it
     if settings.file_watch:
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
+import sys
 
 import pytest
 
@@ -47,6 +48,41 @@ def test_empty_old_cgroups_go_and_those_with_a_process_stay(root):
         sleeper.wait()
     assert remove_stale_cgroups((root,), min_age_s=0) == 2  # its process gone: .slot-b, then sd-live
     assert not [d for d in os.listdir(base) if os.path.isdir(f"{base}/{d}")]
+
+
+def test_what_keep_spares_stays_whatever_its_age(root):
+    base = f"{PIDS}/{root}"
+    for d in ("sd-running/.slot-a", "sd-gone/.slot-b"):
+        os.makedirs(f"{base}/{d}")
+    asked = []
+
+    def keep(r: str, name: str) -> bool:
+        asked.append((r, name))
+        return name == "sd-running"
+
+    assert remove_stale_cgroups((root,), min_age_s=0, keep=keep) == 2  # sd-gone's slot, then itself
+    assert os.path.isdir(f"{base}/sd-running/.slot-a") and not os.path.exists(f"{base}/sd-gone")
+    assert sorted(set(asked)) == [(root, "sd-gone"), (root, "sd-running")]  # once per name
+
+
+def test_a_daemon_is_running_while_it_holds_its_lock():
+    import fcntl
+
+    from sandboxd.main import DAEMON_LOCK_DIR, _hold_daemon_lock, daemon_running
+
+    daemon_id = f"sd-test-{secrets.token_hex(6)}"
+    assert not daemon_running(daemon_id)  # never started
+    fd = _hold_daemon_lock(daemon_id)
+    try:
+        child = subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = {sys.path!r}; "
+                                "from sandboxd.main import daemon_running; "
+                                f"print(daemon_running({daemon_id!r}))"], capture_output=True, text=True)
+        assert child.stdout.strip() == "True", child.stderr
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    assert not daemon_running(daemon_id)  # its lock is free: gone
+    (DAEMON_LOCK_DIR / f"{daemon_id}.lock").unlink()
 
 
 def test_a_missing_root_is_nothing_to_do():

@@ -186,3 +186,14 @@ def test_the_gate_s_arrival_is_its_opening_by_the_sandbox(tmp_path):
         os.close(opened[0])
     finally:
         arrival.close()
+
+
+def test_a_missing_reader_library_is_a_clear_error(monkeypatch, tmp_path):
+    from sandboxd import filewatch
+
+    monkeypatch.setattr(filewatch, "_reader", None)
+    monkeypatch.setattr(filewatch, "READER_LIBRARY", tmp_path / "missing.so")
+    with pytest.raises(filewatch.FileWatchError, match="make native"):
+        filewatch.reader_library()
+    with pytest.raises(filewatch.FileWatchError):
+        FileWatch(1, ("/workspace",))

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..output import OutputSpool
@@ -84,27 +85,36 @@ STALE_CGROUP_S = 600.0
 
 
 def remove_stale_cgroups(roots: tuple[str, ...], min_age_s: float = STALE_CGROUP_S,
-                         cgroup_root: str = CGROUP_ROOT) -> int:
+                         cgroup_root: str = CGROUP_ROOT,
+                         keep: Callable[[str, str], bool] = lambda root, name: False) -> int:
     """Removes, deepest first, the cgroup directories below each of `roots` (in every
     hierarchy) that hold no process anywhere below them and were made more than
     `min_age_s` ago: what daemons killed outright (or whose state was wiped) left, which
     no restart of theirs will reap. A live daemon's sandbox cgroups always hold a
-    process (a jail, a container, a spawn slot's waiting nsjail) or are younger. The
-    roots themselves stay. Returns how many directories went."""
+    process (a jail, a container, a spawn slot's waiting nsjail) or are younger, but not
+    in every instant (a jail that just ended, an idle daemon's empty directory): so
+    `keep(root, name)` spares each first-level directory whose owner is alive (a running
+    daemon's id, a sandbox that still exists). The roots themselves stay. Returns how
+    many directories went."""
     now = time.time()
     removed = 0
     try:
         hierarchies = [e.path for e in os.scandir(cgroup_root) if e.is_dir(follow_symlinks=False)]
     except OSError:
         return 0
-    tops = [f"{h}/{r}" for h in hierarchies + [cgroup_root] for r in roots]
-    for top in tops:
+    kept: dict[tuple[str, str], bool] = {}  # asked once per name, not per hierarchy
+    for top, root in [(f"{h}/{r}", r) for h in hierarchies + [cgroup_root] for r in roots]:
         if not os.path.isdir(top):
             continue
         emptied: set[str] = set()  # directories whose (stale) children went in this pass
         # Post-order: a directory is considered once its children are gone (or stay).
         for dirpath, dirnames, _files in os.walk(top, topdown=False):
             if dirpath == top or any(os.path.isdir(os.path.join(dirpath, d)) for d in dirnames):
+                continue
+            name = os.path.relpath(dirpath, top).split(os.sep, 1)[0]
+            if (root, name) not in kept:
+                kept[(root, name)] = keep(root, name)
+            if kept[(root, name)]:
                 continue
             try:
                 st = os.stat(dirpath)

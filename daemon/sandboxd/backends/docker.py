@@ -377,6 +377,14 @@ class DockerBackend:
             if exc.status_code != 409:  # removal already in progress
                 log.error("could not remove container %s: %s", ref, exc.explanation)
 
+    def has_sandbox(self, sandbox_id: str) -> bool:
+        """Whether any container of that sandbox exists (True when dockerd cannot say)."""
+        try:
+            return bool(self._api.containers(all=True, quiet=True,
+                                             filters={"label": f"{LABEL_PREFIX}sandbox_id={sandbox_id}"}))
+        except Exception:  # noqa: BLE001 - in doubt, it exists
+            return True
+
     @_engine_errors_are_unavailable
     def reap_orphans(self, daemon_id: str) -> int:
         containers = self._api.containers(all=True, filters={"label": f"{LABEL_PREFIX}daemon_id={daemon_id}"})
