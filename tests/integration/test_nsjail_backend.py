@@ -693,3 +693,37 @@ def test_jails_start_from_an_nsjail_waiting_in_their_slot_and_a_dead_one_fails_c
     spool.close()
     assert cgroup_procs(spec) == []
     assert not any(os.path.exists(f"{CGROUP_ROOT}/{c}/{spec.cgroup}") for c in CONTROLLERS)
+
+
+def test_a_waiting_nsjail_killed_before_its_call_does_not_fail_the_call(backend, host):
+    """An nsjail that died waiting in its slot (killed from outside) is not handed a
+    config: the jail starts the slow way, from the slot's thread, in its cgroup."""
+    backend.warm(host.daemon_id)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with backend._slots._cond:
+            ready = [s for s in backend._slots._ready.get(host.daemon_id, []) if s.early is not None]
+        if ready:
+            break
+        time.sleep(0.05)
+    assert ready, "no slot came with a waiting nsjail"
+    for slot in ready:
+        slot.early.proc.kill()
+        slot.early.proc.wait()
+    data = {"toolId": "it", "argv": ["echo", "late"], "workspace": str(host.ws),
+            "authorization": {"status": "not_required"}}
+    pol = resolve_policy(parse_call(data), LIMITS, {})
+    plan = preflight(pol, str(host.ws), host.settings)
+    spec = backend.compile(pol, plan, SandboxIdentity(host.daemon_id, f"sbx-late-{secrets.token_hex(3)}", "tc"),
+                           argv=("echo", "late"), image=DEFAULT_IMAGE, stdin_open=False)
+    handle = backend.create(spec)
+    assert backend._jails[handle.sandbox_id].early is None  # the dead one was not used
+    spool = OutputSpool(host.tmp / "late", {STDOUT: 1 << 20, STDERR: 1 << 20}, 64)
+    try:
+        backend.start(handle, spool, b"")
+        assert backend.wait(handle, 10)
+        assert backend.collect(handle)[0].exit_code == 0
+    finally:
+        backend.destroy(handle)
+        spool.close()
+    assert spool.summary(STDOUT).path.read_bytes() == b"late\n"

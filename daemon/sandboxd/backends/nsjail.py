@@ -543,6 +543,12 @@ class NsjailBackend:
             limits = cgroup_limits(spec)
             slot = self._slots.take(spec.labels[f"{LABEL_PREFIX}daemon_id"], spec.cgroup, limits)
             early, slot_early = None, slot.take_early() if slot is not None else None
+            if slot_early is not None and slot_early.proc.poll() is not None:
+                # It died waiting (killed from outside): this jail's nsjail starts late.
+                log.warning("a waiting nsjail (pid %d) had exited; starting one for %s", slot_early.proc.pid,
+                            sandbox_id)
+                slot_early.discard()
+                slot_early = None
             try:
                 # Before the early nsjail reads its config: nothing runs unlimited.
                 _make_cgroups(spec.cgroup, limits, slot.limits if slot is not None else None)
