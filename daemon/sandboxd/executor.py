@@ -188,7 +188,6 @@ class CallRun:
         record_files = bool(p.attachments.gate_host_path) or (
             p.lease is not None and p.policy.record_file_access and self._executor.settings.file_watch
             and bool(p.plan.binds))
-        before_walk: _Background | None = None
         before: snapshot.Snapshot | None = None
         after: snapshot.Snapshot | None = None
         prepared_event: EventDraft | None = None  # until recorded
@@ -216,7 +215,7 @@ class CallRun:
                 except FileWatchError as exc:  # out of inotify instances: the sandbox's pid is polled
                     log.warning("call %s: the gate's arrival is polled for: %s", self.tool_call_id, exc)
             if not cancelled_early and record_files and writable and p.lease is not None:
-                before = self._executor.walk_write_roots(writable)  # the sandbox is idle
+                before = self._walk_before(writable)  # the sandbox is idle
             if not cancelled_early:
                 handle = backend.create(p.spec)
                 with self._cond:
@@ -231,13 +230,12 @@ class CallRun:
                 # millisecond between create and start, on every call's path).
                 prepared_event = self._prepared_event(handle)
                 if record_files and writable and p.lease is None:
-                    # Walked while the sandbox comes up (a kept snapshot takes well under
-                    # a millisecond; a thread for it cost more); the gate waits for it.
-                    before_walk = _Background.now(self._executor.walk_write_roots, writable)
+                    # Walked while the sandbox comes up, on this thread (a kept snapshot
+                    # takes well under a millisecond; a thread for it cost more).
+                    before = self._walk_before(writable)
                 if p.attachments.gate_host_path:
-                    # The command waits at the gate until its mounts are watched and walked.
-                    watch, gate_fd = self._watch_and_open_gate(handle, before_walk, arrival)
-                    before = before_walk.result() if before_walk is not None else None
+                    # The command waits at the gate until its mounts are watched.
+                    watch, gate_fd = self._watch_and_open_gate(handle, arrival)
                 # ToolSandboxPrepared and ToolCallStarted: a command that ends within
                 # STARTED_COMMIT_AFTER_S has them in its result's commit (a commit of their
                 # own took a third of a millisecond beside a short command); a longer one
@@ -279,8 +277,6 @@ class CallRun:
                 except Exception:
                     log.exception("stopping the file watch of %s failed", p.sandbox_id)
             after_walk: _Background | None = None
-            if before_walk is not None:
-                before_walk.join()  # never leave a walk running past the call
             if before is not None and watch is not None:
                 # The command's processes are gone: the walk runs while the sandbox is
                 # removed, except that a leased sandbox takes its next command once this
@@ -360,11 +356,18 @@ class CallRun:
         except Exception:
             log.exception("recording the sandbox of %s failed", self.tool_call_id)
 
-    def _watch_and_open_gate(self, handle: SandboxHandle, before_walk: "_Background | None",
-                             arrival: GateArrival | None) -> tuple[FileWatch, int]:
-        """Attaches a fanotify watch to the call's own mounts, waits for the walk of its
-        write roots, then lets the command go. A watch that cannot be attached (or a walk
-        that failed) fails the call: it never runs unrecorded."""
+    def _walk_before(self, writable: list[tuple[str, str]]) -> snapshot.Snapshot:
+        """The write roots before the command; a walk that fails fails the call (it never
+        runs unrecorded)."""
+        try:
+            return self._executor.walk_write_roots(writable)
+        except Exception as exc:
+            log.exception("walking the write roots of %s failed", self.prepared.sandbox_id)
+            raise FailedPrecondition(f"file-access recording could not walk the write roots: {exc}") from None
+
+    def _watch_and_open_gate(self, handle: SandboxHandle, arrival: GateArrival | None) -> tuple[FileWatch, int]:
+        """Attaches a fanotify watch to the call's own mounts, then lets the command go. A
+        watch that cannot be attached fails the call: it never runs unrecorded."""
         p = self.prepared
         watch = FileWatch(0, tuple(b.sandbox_path for b in p.plan.binds))
         try:
@@ -387,12 +390,6 @@ class CallRun:
                 watch.attach(pid)
             except FileWatchError as exc:
                 raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
-            if before_walk is not None:
-                try:
-                    before_walk.result()
-                except Exception as exc:
-                    log.exception("walking the write roots of %s failed", p.sandbox_id)
-                    raise FailedPrecondition(f"file-access recording could not walk the write roots: {exc}") from None
             fd = os.open(p.attachments.gate_host_path, os.O_RDWR | os.O_CLOEXEC)  # never blocks on a FIFO
             try:
                 os.write(fd, b"1")
@@ -524,6 +521,13 @@ class CallRun:
             self._cond.notify_all()
 
 
+def _spool_name(sandbox_id: str, tool_call_id: str, leased: bool) -> str:
+    """A call's output spool, under the daemon's spool dir: a leased command's is named
+    after the warm sandbox and the call (the sandbox's own, under its name alone, holds
+    its supervisor's output)."""
+    return f"{sandbox_id}.{tool_call_id}" if leased else sandbox_id
+
+
 def _make_gate(path: Path, uid: int, gid: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
     os.chmod(path.parent, 0o711)
@@ -535,19 +539,11 @@ def _make_gate(path: Path, uid: int, gid: int) -> None:
 class _Background:
     """fn(*args) on a thread of its own; result() joins it and returns or raises."""
 
-    def __init__(self, fn, *args, thread: bool = True):
+    def __init__(self, fn, *args):
         self._value: Any = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True, name="walk")
-        if thread:
-            self._thread.start()
-        else:
-            self._run(fn, args)
-
-    @classmethod
-    def now(cls, fn, *args) -> "_Background":
-        """fn(*args) run at once on the caller's thread, its result kept alike."""
-        return cls(fn, *args, thread=False)
+        self._thread.start()
 
     def _run(self, fn, args) -> None:
         try:
@@ -556,11 +552,10 @@ class _Background:
             self._error = exc
 
     def join(self) -> None:
-        if self._thread.is_alive():
-            self._thread.join()
+        self._thread.join()
 
     def result(self) -> Any:
-        self.join()
+        self._thread.join()
         if self._error is not None:
             raise self._error
         return self._value
@@ -926,9 +921,8 @@ class CallExecutor:
                 self._reject(tool_call_id, raw, principal, "verification", internal)
                 raise internal from None
             # Before the call is recorded as accepted: once it is, it must get a result.
-            # A leased command's spool is its own (the warm sandbox's spool is not).
-            spool_name = prepared.sandbox_id if prepared.lease is None else f"{prepared.sandbox_id}.{tool_call_id}"
-            spool = OutputSpool(self.settings.spool_dir / spool_name,
+            spool = OutputSpool(self.settings.spool_dir / _spool_name(prepared.sandbox_id, tool_call_id,
+                                                                      prepared.lease is not None),
                                 {STDOUT: prepared.policy.max_stdout_bytes, STDERR: prepared.policy.max_stderr_bytes},
                                 self.settings.limits.preview_bytes,
                                 redactor=Redactor({s.binding_id: s.value for s in prepared.secrets}))
@@ -1038,10 +1032,7 @@ class CallExecutor:
     def _salvage_output(self, tool_call_id: str, sandbox_id: str, leased: bool = False) -> list[ArtifactRecord]:
         """What an interrupted call printed before the crash, from its spool files."""
         records = []
-        # A leased command's spool is named after the warm sandbox and the call (the
-        # sandbox's own, under its name alone, holds its supervisor's output: never
-        # taken for the call's).
-        name = f"{sandbox_id}.{tool_call_id}" if leased else sandbox_id
+        name = _spool_name(sandbox_id, tool_call_id, leased)
         if "/" in name or name in (".", ".."):
             return []
         for kind in ("stdout", "stderr"):

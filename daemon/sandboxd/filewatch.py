@@ -22,6 +22,7 @@ import select
 import struct
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -48,7 +49,7 @@ FAN_Q_OVERFLOW = 0x4000
 AT_FDCWD = -100
 MAX_PATHS = 10_000
 # native/fanotify-reader.c (`make native`): reads a group's events and counts their
-# paths outside the GIL.
+# paths outside the GIL. The daemon names it from its settings (use_reader_library).
 READER_LIBRARY = REPO_ROOT / "build" / "libsandboxd-fanotify.so"
 # After a read of fewer events than this, the reader lets more gather for a while.
 BATCH_EVENTS = 32
@@ -62,6 +63,12 @@ class FileWatchError(Exception):
 
 
 _reader: ctypes.CDLL | None = None
+
+
+def use_reader_library(path) -> None:
+    """The reader this process loads (before any watch is made)."""
+    global READER_LIBRARY, _reader
+    READER_LIBRARY, _reader = path, None
 
 
 def reader_library() -> ctypes.CDLL:
@@ -302,12 +309,37 @@ class FileWatch:
         reader_library().fw_note(self._fw, raw, len(raw), mask)
 
 
+# inotify, for the gate here and for live_snapshot's trackers.
 IN_OPEN = 0x20
 _INOTIFY_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
-IN_NONBLOCK = os.O_NONBLOCK
-IN_CLOEXEC = os.O_CLOEXEC
 _libc.inotify_init1.argtypes = [ctypes.c_int]
 _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+
+
+def inotify_init() -> int:
+    """A non-blocking, close-on-exec inotify instance (OSError when there is none)."""
+    fd = _libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return fd
+
+
+def inotify_add_watch(fd: int, path: str, mask: int) -> int:
+    wd = _libc.inotify_add_watch(fd, os.fsencode(path), mask)
+    if wd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return wd
+
+
+def inotify_events(buf: bytes) -> Iterator[tuple[int, int]]:
+    """(watch descriptor, mask) of each event in one read of an inotify instance."""
+    i = 0
+    while i + _INOTIFY_EVENT.size <= len(buf):
+        wd, mask, _cookie, length = _INOTIFY_EVENT.unpack_from(buf, i)
+        i += _INOTIFY_EVENT.size + length
+        yield wd, mask
 
 
 class GateArrival:
@@ -315,13 +347,15 @@ class GateArrival:
     does only once the sandbox is up: no polling of the sandbox's processes."""
 
     def __init__(self, gate_path: str):
-        fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-        if fd < 0:
-            raise FileWatchError(f"inotify_init1: {os.strerror(ctypes.get_errno())}")
-        if _libc.inotify_add_watch(fd, os.fsencode(gate_path), IN_OPEN) < 0:
-            err = ctypes.get_errno()
+        try:
+            fd = inotify_init()
+        except OSError as exc:
+            raise FileWatchError(f"inotify_init1: {exc.strerror}") from None
+        try:
+            inotify_add_watch(fd, gate_path, IN_OPEN)
+        except OSError as exc:
             os.close(fd)
-            raise FileWatchError(f"inotify_add_watch {gate_path}: {os.strerror(err)}")
+            raise FileWatchError(f"inotify_add_watch {gate_path}: {exc.strerror}") from None
         self._fd = fd
         self.arrived = False
 
@@ -335,11 +369,7 @@ class GateArrival:
                     buf = os.read(self._fd, 4096)
                 except BlockingIOError:
                     buf = b""
-                i = 0
-                while i + _INOTIFY_EVENT.size <= len(buf):
-                    _wd, mask, _cookie, length = _INOTIFY_EVENT.unpack_from(buf, i)
-                    self.arrived = self.arrived or bool(mask & IN_OPEN)
-                    i += _INOTIFY_EVENT.size + length
+                self.arrived = any(mask & IN_OPEN for _wd, mask in inotify_events(buf))
         return self.arrived
 
     def close(self) -> None:

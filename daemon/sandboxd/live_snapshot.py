@@ -19,23 +19,18 @@ in full instead (and for a while after, when its tracker gave up)."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
 import stat
-import struct
 import threading
 import time
 from collections import OrderedDict
 
+from .filewatch import inotify_add_watch, inotify_events, inotify_init
 from .snapshot import _OPEN_DIR, MAX_DEPTH, Entry, HashBudget, HashCache, Snapshot, _open_beneath_root, take
 
 log = logging.getLogger("sandboxd.live_snapshot")
-
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
-_libc.inotify_init1.argtypes = [ctypes.c_int]
-_libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
 
 IN_MODIFY = 0x2
 IN_ATTRIB = 0x4
@@ -50,8 +45,6 @@ IN_Q_OVERFLOW = 0x4000
 IN_IGNORED = 0x8000
 IN_ONLYDIR = 0x1000000
 IN_DONT_FOLLOW = 0x2000000
-IN_NONBLOCK = os.O_NONBLOCK
-IN_CLOEXEC = os.O_CLOEXEC
 # A directory's own watch: its entries made, removed, renamed; its own attributes (and
 # its children's: IN_ATTRIB reaches a directory's watch for them too). Writes are left to
 # the files' own watches: a stream of writes to one file then queues one event, not two
@@ -62,7 +55,6 @@ _DIR_MASK = (IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | I
 # (mode, times, its link count) changed, renamed (which moves its ctime: its other links'
 # entries must follow), through whichever of its links.
 _FILE_MASK = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVE_SELF | IN_DONT_FOLLOW
-_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
 
 # Trackers kept (each holds an inotify instance), and how long an unused one lives.
 MAX_TRACKERS = 32
@@ -146,10 +138,7 @@ class RootTracker:
                 buf = os.read(self._ifd, 256 * 1024)
             except BlockingIOError:
                 return
-            i = 0
-            while i + _EVENT.size <= len(buf):
-                wd, mask, _cookie, length = _EVENT.unpack_from(buf, i)
-                i += _EVENT.size + length
+            for wd, mask in inotify_events(buf):
                 if mask & IN_Q_OVERFLOW:
                     self._valid = False
                     continue
@@ -197,9 +186,11 @@ class RootTracker:
         # A fresh instance: watches of the old tree must not name paths of the new one.
         if self._ifd >= 0:
             os.close(self._ifd)
-        self._ifd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-        if self._ifd < 0:
-            raise _Unusable(f"inotify_init1: {os.strerror(ctypes.get_errno())}")
+        try:
+            self._ifd = inotify_init()
+        except OSError as exc:
+            self._ifd = -1
+            raise _Unusable(f"inotify_init1: {exc.strerror}") from None
         self._entries, self._children, self._wd_dir, self._dir_wd = {}, {}, {}, {}
         self._last = None
         self._wd_inode, self._inode_of, self._paths_of, self._dirty, self._unhashed = {}, {}, {}, set(), set()
@@ -247,14 +238,13 @@ class RootTracker:
         return fd
 
     def _add_watch(self, target: str, mask: int, what: str) -> int:
-        wd = _libc.inotify_add_watch(self._ifd, target.encode(), mask)
-        if wd < 0:
-            err = ctypes.get_errno()
-            if err == errno.ENOENT:
+        try:
+            return inotify_add_watch(self._ifd, target, mask)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
                 return -1
-            raise _Unusable(f"inotify_add_watch {what}: {os.strerror(err)}"
-                            + (" (fs.inotify.max_user_watches)" if err == errno.ENOSPC else ""))
-        return wd
+            raise _Unusable(f"inotify_add_watch {what}: {exc.strerror}"
+                            + (" (fs.inotify.max_user_watches)" if exc.errno == errno.ENOSPC else "")) from None
 
     def _watch_dir(self, fd: int, path: str) -> None:
         wd = self._add_watch(f"/proc/self/fd/{fd}", _DIR_MASK, path)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import fcntl
 import json
 import logging
 import os
@@ -15,7 +14,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -28,7 +26,7 @@ from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 
 from . import audit, filewatch
 from .artifacts import FileArtifactStore
-from .backends import remove_stale_cgroups
+from .backends import daemon_running, hold_daemon_lock, remove_stale_cgroups
 from .backends.docker import DockerBackend
 from .backends.nsjail import NsjailBackend
 from .compile import SANDBOX_CGROUP_ROOT
@@ -163,38 +161,6 @@ def _start_backends(settings: DaemonSettings, daemon_id: str, shim: str = "") ->
     return backends, unavailable
 
 
-# Each running daemon holds an exclusive lock on <its id>.lock here, host-wide: another
-# daemon's cleanup never touches the cgroups of one that is running.
-DAEMON_LOCK_DIR = Path("/run/sandboxd-daemons")
-
-
-def _hold_daemon_lock(daemon_id: str) -> int:
-    """The lock that says this daemon id is running (held until the process ends)."""
-    DAEMON_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(DAEMON_LOCK_DIR / f"{daemon_id}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        log.warning("another process holds the lock of daemon id %s", daemon_id)
-    return fd
-
-
-def daemon_running(daemon_id: str) -> bool:
-    """Whether a daemon with this id holds its lock now."""
-    try:
-        fd = os.open(DAEMON_LOCK_DIR / f"{daemon_id}.lock", os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return False  # never started here (or before these locks existed)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def _remove_stale_cgroups(daemon_id: str, docker_backend) -> None:
     def keep(root: str, name: str) -> bool:
         if root == NSJAIL_CGROUP_ROOT:  # <daemon id>/<sandbox or slot>
@@ -253,9 +219,10 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(settings.state_dir, 0o700)
     daemon_id = _daemon_id(settings)
-    lock_fd = _hold_daemon_lock(daemon_id)  # noqa: F841 - held for the process's life
+    hold_daemon_lock(daemon_id)  # its descriptor stays open, and locked, while the process lives
     shim, no_shim_reason = _install_shim(settings)  # before the backends: every jail starts with it
     if settings.file_watch:
+        filewatch.use_reader_library(settings.file_audit.reader_library)
         try:
             filewatch.reader_library()
         except filewatch.FileWatchError as exc:  # said now; each recorded call is refused

@@ -72,12 +72,11 @@ class WarmSandbox:
     dead: bool = False
     endpoint: Any = None  # its egress proxy endpoint, for a proxied policy
     baseline_pids: set[int] | None = None  # processes of the idle sandbox (init, supervisor, ...)
-    # Their task count in the sandbox's pids cgroup, and a pidfd on each: while every one
-    # of them lives, the same count after a command says nothing of it is left, without
-    # listing the tree (each is single-threaded). A command can kill one of them (the
-    # egress forwarder runs as the sandbox user) to hide a process of its own in the
-    # count: then the tree is listed, and the sandbox retired.
-    baseline_tasks: int | None = None
+    # A pidfd on each of them, when each is single-threaded (the pids cgroup counted as
+    # many tasks as it listed processes): while every one lives, the same task count after
+    # a command says nothing of it is left, without listing the tree. A command can kill
+    # one of them (the egress forwarder runs as the sandbox user) to hide a process of its
+    # own in the count: then the tree is listed, and the sandbox retired.
     baseline_pidfds: tuple[int, ...] = ()
     # A host pid inside it (its init), for file watches, and a pidfd that keeps that
     # number from being reused: 0 / -1 until first asked.
@@ -434,22 +433,10 @@ class PoolManager:
         prepared = replace(t, spec=spec, sandbox_id=sandbox_id, attachments=attachments, image_digest=image_digest)
         log.info("warm sandbox %s ready for %s", sandbox_id, pool.key)
         baseline = sandbox_processes(spec)
-        tasks = sandbox_task_count(spec)
-        pidfds: list[int] = []
-        if baseline is not None and tasks == len(baseline):
-            try:
-                for pid in sorted(baseline):
-                    pidfds.append(os.pidfd_open(pid))
-            except OSError:  # one exited already: no shortcut for this sandbox
-                tasks = None
-        if baseline is None or tasks != len(baseline) or sandbox_processes(spec) != baseline:
-            tasks = None  # not a quiet sandbox of one thread per process: list it every time
-        if tasks is None:
-            for fd in pidfds:
-                os.close(fd)
-            pidfds = []
+        single_threaded = baseline is not None and sandbox_task_count(spec) == len(baseline)
         return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, conn, endpoint=endpoint,
-                           baseline_pids=baseline, baseline_tasks=tasks, baseline_pidfds=tuple(pidfds))
+                           baseline_pids=baseline,
+                           baseline_pidfds=_pidfds(baseline) if single_threaded else ())
 
     def _destroy_later(self, pool: Pool | None, ws: WarmSandbox) -> None:
         """Under the lock: removal happens off the caller's thread."""
@@ -769,7 +756,7 @@ class LeaseBackend:
             return
         ws = self._ws
         intact = _all_alive(ws.baseline_pidfds)
-        if ws.baseline_tasks is not None and intact and sandbox_task_count(ws.prepared.spec) == ws.baseline_tasks:
+        if intact and sandbox_task_count(ws.prepared.spec) == len(ws.baseline_pidfds):
             self._found_clean = True  # one read instead of listing the tree (~0.3 ms)
             return
         if ws.baseline_pidfds and not intact:
@@ -821,6 +808,19 @@ class LeaseBackend:
                     break
                 time.sleep(0.01)
         self._pools.command_done(self._ws, self._healthy and self._done.is_set())
+
+
+def _pidfds(pids: set[int]) -> tuple[int, ...]:
+    """A pidfd on each process, or none at all if one has exited already."""
+    out: list[int] = []
+    try:
+        for pid in sorted(pids):
+            out.append(os.pidfd_open(pid))
+    except OSError:
+        for fd in out:
+            os.close(fd)
+        return ()
+    return tuple(out)
 
 
 def _all_alive(pidfds: tuple[int, ...]) -> bool:

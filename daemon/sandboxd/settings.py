@@ -152,6 +152,8 @@ class FileAuditSettings(BaseModel):
     # Content hashing: the largest file hashed, and the uncached bytes one walk may read.
     hash_max_file_mb: int = Field(256, ge=0)
     hash_budget_mb: int = Field(1024, ge=0)
+    # The fanotify reader (native/fanotify-reader.c, `make native`).
+    reader_library: Path = REPO_ROOT / "build" / "libsandboxd-fanotify.so"
 
 
 class RetentionSettings(BaseModel):

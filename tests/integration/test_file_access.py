@@ -8,6 +8,10 @@ import hashlib
 import json
 import threading
 
+import pytest
+
+from sandboxd_client import errors
+
 from .conftest import call, sh
 
 
@@ -192,3 +196,19 @@ def test_changes_made_between_calls_are_nobody_s_and_the_next_call_finds_them(cl
     [write] = [a for a in accesses(client, third.tool_call_id) if a["operation"] == "write"]
     assert write["path"] == "/workspace/new/a.txt"
     assert write["sha256Before"] == sha(b"host edit\n") and write["sha256After"] == sha(b"three\n")
+
+
+def test_without_the_fanotify_reader_recorded_calls_are_refused_and_others_run(spare_daemon):
+    """A daemon whose file-access reader cannot be loaded refuses each call that asks for
+    recording, before any sandbox is made, and says why; a call that does not ask runs."""
+    d = spare_daemon(file_audit={"reader_library": "/nonexistent/libsandboxd-fanotify.so"}).start()
+    ws = d.new_workspace({"a.txt": "a"})
+    with d.client() as c:
+        with pytest.raises(errors.FailedPrecondition) as exc:
+            c.run(call(ws, ["cat", "a.txt"]))
+        assert "policy.audit.recordFileAccess" in exc.value.message and "make native" in exc.value.message
+        refused = c.get_trace(exc.value.tool_call_id)
+        assert [e.type for e in refused] == ["ToolCallRequested", "ToolCallRejected"]
+        plain = c.run(call(ws, ["cat", "a.txt"], {"audit": {"recordFileAccess": False}}))
+        assert plain.result.status == "success" and plain.stdout == b"a"
+    assert "file-access recording unavailable" in d.log()

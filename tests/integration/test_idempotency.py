@@ -99,19 +99,24 @@ def test_the_key_survives_a_restart(spare_daemon):
     assert runs(ws) == 1 and again.result == first.result
 
 
-def test_a_call_interrupted_by_a_crash_is_never_run_again(spare_daemon):
-    d = spare_daemon().start()
-    ws = counting_workspace(d)
-    c = d.client()
-    stream = iter(c.execute(keyed(ws, "key-crash", COUNT + "; sleep 60")))
+def crash_after_first_output_then_retry(d, client, request):
+    """The daemon SIGKILLed once the call has printed, started again, and the call
+    retried under its key: the retry's outcome."""
+    stream = iter(client.execute(request))
     for event in stream:
         if event.WhichOneof("kind") == "output":
             break
     d.stop(signal.SIGKILL)
-    c.close()
+    client.close()
     d.start()
-    with d.client() as c2:
-        again = c2.run(keyed(ws, "key-crash", COUNT + "; sleep 60"))
+    with d.client() as again:
+        return again.run(request)
+
+
+def test_a_call_interrupted_by_a_crash_is_never_run_again(spare_daemon):
+    d = spare_daemon().start()
+    ws = counting_workspace(d)
+    again = crash_after_first_output_then_retry(d, d.client(), keyed(ws, "key-crash", COUNT + "; sleep 60"))
     assert runs(ws) == 1
     assert again.result.status == "error" and again.result.error.code == "INTERRUPTED"
     # What the first attempt printed before the crash was kept, and is what the retry sees.
@@ -125,18 +130,9 @@ def test_a_leased_command_interrupted_by_a_crash_keeps_what_it_printed(spare_dae
     d = spare_daemon(pools={"min_idle": 0, "max_size": 2}).start()
     ws = counting_workspace(d)
     c = d.client()
-    lease = c.acquire_sandbox(str(ws), policy=POLICY)
     request = keyed(ws, "key-leased-crash", COUNT + "; sleep 60")
-    request["runtime"]["leaseId"] = lease.lease_id
-    stream = iter(c.execute(request))
-    for event in stream:
-        if event.WhichOneof("kind") == "output":
-            break
-    d.stop(signal.SIGKILL)
-    c.close()
-    d.start()
-    with d.client() as c2:
-        again = c2.run(request)
+    request["runtime"]["leaseId"] = c.acquire_sandbox(str(ws), policy=POLICY).lease_id
+    again = crash_after_first_output_then_retry(d, c, request)
     assert runs(ws) == 1
     assert again.result.status == "error" and again.result.error.code == "INTERRUPTED"
     assert again.stdout == b"runs=1\n"

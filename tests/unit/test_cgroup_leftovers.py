@@ -68,14 +68,14 @@ def test_what_keep_spares_stays_whatever_its_age(root):
 def test_a_daemon_is_running_while_it_holds_its_lock():
     import fcntl
 
-    from sandboxd.main import DAEMON_LOCK_DIR, _hold_daemon_lock, daemon_running
+    from sandboxd.backends import DAEMON_LOCK_DIR, daemon_running, hold_daemon_lock
 
     daemon_id = f"sd-test-{secrets.token_hex(6)}"
     assert not daemon_running(daemon_id)  # never started
-    fd = _hold_daemon_lock(daemon_id)
+    fd = hold_daemon_lock(daemon_id)
     try:
         child = subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = {sys.path!r}; "
-                                "from sandboxd.main import daemon_running; "
+                                "from sandboxd.backends import daemon_running; "
                                 f"print(daemon_running({daemon_id!r}))"], capture_output=True, text=True)
         assert child.stdout.strip() == "True", child.stderr
     finally:
@@ -115,7 +115,7 @@ def test_a_leased_command_cannot_hide_a_process_by_killing_one_the_sandbox_start
         baseline = sandbox_processes(spec)
         assert baseline == {init.pid, forwarder.pid} and sandbox_task_count(spec) == 2
         ws = SimpleNamespace(sandbox_id="sbx-1", prepared=SimpleNamespace(spec=spec, backend=SimpleNamespace(name="t")),
-                             baseline_pids=baseline, baseline_tasks=2,
+                             baseline_pids=baseline,
                              baseline_pidfds=tuple(os.pidfd_open(p.pid) for p in (init, forwarder)))
         clean = LeaseBackend(None, ws)
         clean._kill_leftovers()

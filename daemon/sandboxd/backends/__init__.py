@@ -3,11 +3,14 @@ next). A backend is told a spec; it never sees a policy."""
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..output import OutputSpool
@@ -76,6 +79,40 @@ class Backend(Protocol):
 
     def reap_orphans(self, daemon_id: str) -> int:
         """Removes sandboxes a previous run of this daemon left behind."""
+
+
+log = logging.getLogger("sandboxd.backends")
+
+# Each running daemon holds an exclusive lock on <its id>.lock here, host-wide: another
+# daemon's cleanup never touches the cgroups of one that is running.
+DAEMON_LOCK_DIR = Path("/run/sandboxd-daemons")
+
+
+def hold_daemon_lock(daemon_id: str) -> int:
+    """The lock that says this daemon id is running (held until the process ends)."""
+    DAEMON_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(DAEMON_LOCK_DIR / f"{daemon_id}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.warning("another process holds the lock of daemon id %s", daemon_id)
+    return fd
+
+
+def daemon_running(daemon_id: str) -> bool:
+    """Whether a daemon with this id holds its lock now."""
+    try:
+        fd = os.open(DAEMON_LOCK_DIR / f"{daemon_id}.lock", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False  # never started here (or before these locks existed)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"

@@ -28,10 +28,9 @@ import requests
 from ..compile import LABEL_PREFIX, Attachments, DockerSpec, SandboxIdentity, cgroup_parent_for, compile_docker
 from ..errors import BackendUnavailable, FailedPrecondition, InternalError
 from ..output import STDERR, STDOUT, OutputSpool
-from . import ExitStatus, ResourceUsage, SandboxHandle
+from . import CGROUP_ROOT, ExitStatus, ResourceUsage, SandboxHandle
 
 log = logging.getLogger("sandboxd.docker")
-CGROUP_ROOT = "/sys/fs/cgroup"
 _RECV_BYTES = 4 << 20
 _FIFO_READ_BYTES = 1 << 20
 # How long output FIFOs stay open after their container has ended (pump_fifos).

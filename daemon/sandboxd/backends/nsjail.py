@@ -72,11 +72,10 @@ from ..errors import BackendUnavailable, FailedPrecondition, InternalError
 from ..output import STDERR, STDOUT, OutputSpool
 from ..policy import WORKSPACE, is_within
 from ..settings import REPO_ROOT
-from . import ExitStatus, ResourceUsage, SandboxHandle
+from . import CGROUP_ROOT, ExitStatus, ResourceUsage, SandboxHandle
 from .docker import _signal_name, cgroup_usage
 
 log = logging.getLogger("sandboxd.nsjail")
-CGROUP_ROOT = "/sys/fs/cgroup"
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 # Files each controller must offer (cgroup v1).
 _CONTROLLER_FILES = {
@@ -543,12 +542,6 @@ class NsjailBackend:
             limits = cgroup_limits(spec)
             slot = self._slots.take(spec.labels[f"{LABEL_PREFIX}daemon_id"], spec.cgroup, limits)
             early, slot_early = None, slot.take_early() if slot is not None else None
-            if slot_early is not None and slot_early.proc.poll() is not None:
-                # It died waiting (killed from outside): this jail's nsjail starts late.
-                log.warning("a waiting nsjail (pid %d) had exited; starting one for %s", slot_early.proc.pid,
-                            sandbox_id)
-                slot_early.discard()
-                slot_early = None
             try:
                 # Before the early nsjail reads its config: nothing runs unlimited.
                 _make_cgroups(spec.cgroup, limits, slot.limits if slot is not None else None)
@@ -1130,11 +1123,17 @@ class _Slot:
         return result["proc"]
 
     def take_early(self) -> "_Early | None":
+        """Its waiting nsjail; None if it has none, or if that one died waiting (killed
+        from outside): the jail's nsjail then starts late, from this slot's thread."""
         early, self.early = self.early, None
+        if early is not None and early.proc.poll() is not None:
+            log.warning("a waiting nsjail (pid %d) had exited: one is started late", early.proc.pid)
+            early.discard()
+            return None
         return early
 
     def discard_early(self) -> None:
-        early = self.take_early()
+        early, self.early = self.early, None
         if early is not None:
             early.discard()
 
