@@ -120,6 +120,8 @@ def make_daemon(base: Path, env: dict[str, str] | None = None, **settings) -> Da
         "secrets_dir": str(base / "secrets"),
     }
     config["egress"].update(settings.pop("egress", {}))
+    if "docker" not in os.environ.get("SANDBOXD_TEST_BACKENDS", "docker").split(","):
+        config["default_backend"] = "nsjail"  # a host without Docker (the cgroup v2 guest)
     config.update(settings)
     d.config.write_text(yaml.safe_dump(config))
     return d

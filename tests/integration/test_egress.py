@@ -19,7 +19,7 @@ import pytest
 from sandboxd.testing import make_daemon
 from sandboxd_client import errors
 
-from .conftest import DAEMON_ENV, AdapterClient, call, leftover_sandboxes, public_tmpdir, sandbox_containers
+from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, leftover_sandboxes, public_tmpdir, sandbox_containers
 from .egress_hosts import RemoteHosts
 
 ALLOW = ["allowed.test", "*.allowed.test", "rebind.test", "private.test", "self.test"]
@@ -48,7 +48,7 @@ def egress_daemon(docker_engine, hosts):
     assert not leftovers, f"sandboxes left behind: {leftovers}"
 
 
-@pytest.fixture(params=["docker", "nsjail"])
+@pytest.fixture(params=BACKENDS)
 def ec(egress_daemon, request):
     c = AdapterClient(str(egress_daemon.socket), request.param)
     yield c

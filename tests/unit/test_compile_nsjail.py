@@ -412,11 +412,11 @@ def unquote(literal: str) -> str:
 
 
 def _limit_writes(monkeypatch, limits, present):
-    from sandboxd.backends import nsjail as backend
+    from sandboxd.backends import cgroups
 
     writes = []
-    monkeypatch.setattr(backend, "_write", lambda path, value: writes.append((path.split("/")[-1], value)))
-    backend._write_limits("sandboxd-nsjail/d/sbx", limits, present)
+    monkeypatch.setattr(cgroups, "_write", lambda path, value: writes.append((path.split("/")[-1], value)))
+    cgroups.V1().write_limits("sandboxd-nsjail/d/sbx", limits, present)
     return writes
 
 

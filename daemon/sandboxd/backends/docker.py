@@ -29,6 +29,7 @@ from ..compile import LABEL_PREFIX, Attachments, DockerSpec, SandboxIdentity, cg
 from ..errors import BackendUnavailable, FailedPrecondition, InternalError
 from ..output import STDERR, STDOUT, OutputSpool
 from . import CGROUP_ROOT, ExitStatus, ResourceUsage, SandboxHandle
+from .cgroups import cgroup_usage
 
 log = logging.getLogger("sandboxd.docker")
 _RECV_BYTES = 4 << 20
@@ -120,32 +121,6 @@ def _signal_name(exit_code: int) -> str:
         except ValueError:
             return f"SIG{exit_code - 128}"
     return ""
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def cgroup_usage(cgroup_parent: str) -> ResourceUsage:
-    rel = cgroup_parent.strip("/")
-    if os.path.isdir(f"{CGROUP_ROOT}/memory"):  # v1 (or hybrid)
-        peak = _read_int(f"{CGROUP_ROOT}/memory/{rel}/memory.max_usage_in_bytes")
-        cpu_ns = _read_int(f"{CGROUP_ROOT}/cpuacct/{rel}/cpuacct.usage")
-        return ResourceUsage(cpu_ms=(cpu_ns or 0) // 1_000_000, peak_memory_bytes=peak or 0)
-    peak = _read_int(f"{CGROUP_ROOT}/{rel}/memory.peak")
-    cpu_us = 0
-    try:
-        with open(f"{CGROUP_ROOT}/{rel}/cpu.stat") as f:
-            for line in f:
-                if line.startswith("usage_usec"):
-                    cpu_us = int(line.split()[1])
-    except OSError:
-        pass
-    return ResourceUsage(cpu_ms=cpu_us // 1000, peak_memory_bytes=peak or 0)
 
 
 def remove_cgroup(cgroup_parent: str) -> None:

@@ -10,17 +10,18 @@ How a jail runs:
   (compile_nsjail renders it) from a memfd and logs, at warning level, to another
   memfd that collect() reads: its messages never mix into the command's stderr.
 - PID 1 of the jail is the host's static tini, as docker-init is PID 1 of a container.
-- The per-sandbox cgroups (cgroup v1: memory, pids, cpu, cpuacct) are made and limited
-  here, not by nsjail: nsjail would put the jail in a child cgroup it deletes when the
-  jail ends, taking the OOM-kill count with it. nsjail itself is spawned into them by a
-  thread that moved itself there first (a thread's children inherit its cgroups; v1
-  moves single threads), so everything of the sandbox, nsjail included, is in one
+- The per-sandbox cgroup (v1: memory, pids, cpu, cpuacct; or v2: cgroups.py) is made
+  and limited here, not by nsjail: nsjail would put the jail in a child cgroup it
+  deletes when the jail ends, taking the OOM-kill count with it. nsjail itself is born
+  in it: spawned by a thread that moved itself there first (v1 moves single threads;
+  a thread's children inherit its cgroups), or, on v2, moved by its own child process
+  between fork and exec. So everything of the sandbox, nsjail included, is in one
   cgroup: kill() kills its process list, collect() reads peak memory, CPU time and OOM
   kills from it after the end, reap_orphans() finds it by path
-  (sandboxd-nsjail/<daemon id>/<sandbox id>). Moving a task between v1 cgroups waits
-  for an RCU grace period (5-15 ms on an idle host), so such threads are made ahead of
-  the calls, each in a directory of its own (a "slot") that create() renames to the
-  sandbox's name.
+  (sandboxd-nsjail/<daemon id>/<sandbox id>). Moving a task between cgroups waits for
+  an RCU grace period (5-15 ms on an idle host), so nsjails are started ahead of the
+  calls, each in a cgroup of its own (a "slot") that create() renames to the sandbox's
+  name.
 - Output: the jail's stdout and stderr are two pipes that one thread reads into the
   OutputSpool; stdin is the call's bytes then EOF, or /dev/null.
 
@@ -72,18 +73,10 @@ from ..errors import BackendUnavailable, FailedPrecondition, InternalError
 from ..output import STDERR, STDOUT, OutputSpool
 from ..policy import WORKSPACE, is_within
 from ..settings import REPO_ROOT
-from . import CGROUP_ROOT, ExitStatus, ResourceUsage, SandboxHandle
-from .docker import _signal_name, cgroup_usage
+from . import ExitStatus, ResourceUsage, SandboxHandle, cgroups
+from .docker import _signal_name
 
 log = logging.getLogger("sandboxd.nsjail")
-CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
-# Files each controller must offer (cgroup v1).
-_CONTROLLER_FILES = {
-    "memory": ("memory.limit_in_bytes", "memory.max_usage_in_bytes", "memory.oom_control"),
-    "pids": ("pids.max",),
-    "cpu": ("cpu.cfs_quota_us", "cpu.cfs_period_us"),
-    "cpuacct": ("cpuacct.usage",),
-}
 # The Docker backend's profile: compiled to BPF here, loaded in each jail by the shim.
 DEFAULT_SECCOMP_PROFILE = REPO_ROOT / "seccomp" / "sandboxd-docker.json"
 _READ_BYTES = 1 << 20
@@ -129,79 +122,33 @@ def is_static_elf(path: str) -> bool:
     return True
 
 
-def _write(path: str, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
-
-
-def _read_pids(path: str) -> list[int]:
-    try:
-        with open(path) as f:
-            return [int(line) for line in f if line.strip()]
-    except OSError:
-        return []
+def _cgroups() -> cgroups.Layout:
+    """The host's cgroup layout (check() refused the backend when there is none)."""
+    if cgroups.LAYOUT is None:
+        raise BackendUnavailable("no cgroup hierarchy is mounted at /sys/fs/cgroup")
+    return cgroups.LAYOUT
 
 
 def oom_kills(cgroup: str) -> int:
-    try:
-        with open(f"{CGROUP_ROOT}/memory/{cgroup}/memory.oom_control") as f:
-            for line in f:
-                if line.startswith("oom_kill "):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
+    return _cgroups().oom_kills(cgroup)
 
 
 KILL_SWEEP_S = 2.0
 
 
 def kill_cgroup(cgroup: str, timeout_s: float = 0.0) -> bool:
-    """SIGKILLs every process of the sandbox's cgroups; with a timeout, waits for them
+    """SIGKILLs every process of the sandbox's cgroup; with a timeout, waits for them
     to be gone. True when none is left."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        # A thread of this daemon may be in the cgroup (the one that spawns nsjail into
-        # it): cgroup.procs then lists the daemon's own pid, which is never killed.
-        me = os.getpid()
-        pids = sorted({p for c in CONTROLLERS for p in _read_pids(f"{CGROUP_ROOT}/{c}/{cgroup}/cgroup.procs")} - {me})
-        if not pids:
-            return True
-        for pid in pids:
-            try:
-                os.kill(pid, signal_module.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.005)
+    return _cgroups().kill(cgroup, timeout_s)
 
 
 def remove_cgroups(cgroup: str, timeout_s: float = _CGROUP_DRAIN_S) -> bool:
-    """Removes the sandbox's directory in every controller, retrying while its last
-    tasks finish exiting. True when all are gone."""
-    deadline = time.monotonic() + timeout_s
-    pending = [f"{CGROUP_ROOT}/{c}/{cgroup}" for c in CONTROLLERS]
-    while True:
-        left = []
-        for path in pending:
-            try:
-                os.rmdir(path)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                left.append(path)
-        if not left:
-            return True
-        if time.monotonic() >= deadline:
-            log.error("could not remove cgroups %s", left)
-            return False
-        pending = left
-        kill_cgroup(cgroup)
-        time.sleep(0.01)
+    """Removes the sandbox's cgroup directories, retrying while its last tasks finish
+    exiting. True when all are gone."""
+    left = _cgroups().remove(cgroup, timeout_s)
+    if left:
+        log.error("could not remove cgroups %s", left)
+    return not left
 
 
 class _ChunkReader(io.RawIOBase):
@@ -339,18 +286,13 @@ class NsjailBackend:
                     raise BackendUnavailable("user namespaces are disabled (user.max_user_namespaces is 0)")
         except (OSError, ValueError):
             raise BackendUnavailable("this kernel has no user namespaces (/proc/sys/user/max_user_namespaces)") from None
-        for controller, files in _CONTROLLER_FILES.items():
-            base = f"{CGROUP_ROOT}/{controller}"
-            if not os.path.exists(f"{base}/cgroup.procs") or os.path.exists(f"{base}/cgroup.controllers"):
-                raise BackendUnavailable(f"the cgroup v1 '{controller}' controller is not mounted at {base}; "
-                                         "cgroup v2-only hosts are not supported by the nsjail backend yet")
-            try:
-                os.makedirs(f"{base}/{NSJAIL_CGROUP_ROOT}", exist_ok=True)
-            except OSError as exc:
-                raise BackendUnavailable(f"cannot create {base}/{NSJAIL_CGROUP_ROOT}: {exc}") from None
-            missing = [f for f in files if not os.path.exists(f"{base}/{NSJAIL_CGROUP_ROOT}/{f}")]
-            if missing:
-                raise BackendUnavailable(f"the cgroup '{controller}' controller at {base} lacks {', '.join(missing)}")
+        if cgroups.LAYOUT is None:
+            raise BackendUnavailable(f"no cgroup hierarchy is mounted at {cgroups.CGROUP_ROOT}: neither a v1 "
+                                     "memory controller nor the v2 unified hierarchy")
+        try:
+            cgroups.LAYOUT.check(NSJAIL_CGROUP_ROOT)
+        except cgroups.CgroupUnavailable as exc:
+            raise BackendUnavailable(str(exc)) from None
         self._probe()
 
     def _probe(self) -> None:
@@ -590,11 +532,11 @@ class NsjailBackend:
         out_r, out_w, err_r, err_w = _output_pipes()
         command = spec.command(f"/proc/self/fd/{jail.config_fd}", jail.log_fd)
 
-        def spawn() -> subprocess.Popen:
+        def spawn(preexec_fn: Callable[[], None] | None) -> subprocess.Popen:
             # An empty environment: nsjail passes nothing of its own anyway (keep_env: false).
             return subprocess.Popen(command, env={}, cwd="/", close_fds=True, pass_fds=(jail.config_fd, jail.log_fd),
                                     stdin=subprocess.PIPE if spec.stdin_open else subprocess.DEVNULL,
-                                    stdout=out_w, stderr=err_w, start_new_session=True)
+                                    stdout=out_w, stderr=err_w, start_new_session=True, preexec_fn=preexec_fn)
 
         try:
             if jail.slot is not None:
@@ -705,7 +647,7 @@ class NsjailBackend:
         # jail's init) died of signal N; it is itself killed only by kill().
         code = rc if rc >= 0 else 128 - rc
         status = ExitStatus(exit_code=code, signal=_signal_name(code), oom_killed=oom_kills(jail.spec.cgroup) > 0)
-        return status, cgroup_usage(jail.spec.cgroup)
+        return status, _cgroups().usage(jail.spec.cgroup)
 
     def destroy(self, handle: SandboxHandle) -> None:
         with self._lock:
@@ -742,21 +684,16 @@ class NsjailBackend:
 
     def reap_orphans(self, daemon_id: str) -> int:
         self._slots.forget(daemon_id)  # this backend's own warm slots for that id, if any
-        sandboxes: set[str] = set()
-        for c in CONTROLLERS:
-            base = f"{CGROUP_ROOT}/{c}/{NSJAIL_CGROUP_ROOT}/{daemon_id}"
-            try:
-                sandboxes.update(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
-            except OSError:
-                pass
+        layout = _cgroups()
+        sandboxes = layout.children(f"{NSJAIL_CGROUP_ROOT}/{daemon_id}")
         for sandbox_id in sorted(sandboxes):
             cgroup = f"{NSJAIL_CGROUP_ROOT}/{daemon_id}/{sandbox_id}"
             kill_cgroup(cgroup, timeout_s=_CGROUP_DRAIN_S)
             remove_cgroups(cgroup)
         sandboxes = {s for s in sandboxes if not s.startswith(_SLOT_PREFIX)}  # warm slots are no sandboxes
-        for c in CONTROLLERS:
+        for path in layout.dirs(f"{NSJAIL_CGROUP_ROOT}/{daemon_id}"):
             try:
-                os.rmdir(f"{CGROUP_ROOT}/{c}/{NSJAIL_CGROUP_ROOT}/{daemon_id}")
+                os.rmdir(path)
             except OSError:
                 pass
         return len(sandboxes)
@@ -919,51 +856,32 @@ def _ensure_mount_points(spec: NsjailSpec) -> None:
 
 
 def cgroup_limits(spec: NsjailSpec) -> dict[str, str]:
-    """controller/file -> value: what a jail's cgroups must say before anything runs."""
-    limits = {"memory/memory.limit_in_bytes": str(spec.memory_bytes)}
-    if os.path.exists(f"{CGROUP_ROOT}/memory/memory.memsw.limit_in_bytes"):
-        limits["memory/memory.memsw.limit_in_bytes"] = str(spec.memory_bytes)  # no swap, as in Docker
-    limits["pids/pids.max"] = str(spec.pids_max)
-    limits["cpu/cpu.cfs_period_us"] = str(spec.cpu_period_us)
-    limits["cpu/cpu.cfs_quota_us"] = str(spec.cpu_quota_us)
-    return limits
+    """What a jail's cgroup must say before anything runs (keys as the layout spells them)."""
+    return _cgroups().limits(spec.memory_bytes, spec.pids_max, spec.cpu_quota_us, spec.cpu_period_us)
 
 
 def _make_cgroups(cgroup: str, limits: dict[str, str], present: dict[str, str] | None = None) -> None:
-    """Makes the jail's cgroups and writes its limits, skipping those `present` says are
+    """Makes the jail's cgroup and writes its limits, skipping those `present` says are
     already there (a spawn slot writes the usual ones ahead: each write costs ~0.4 ms)."""
-    for c in CONTROLLERS:
-        os.makedirs(f"{CGROUP_ROOT}/{c}/{cgroup}", exist_ok=True)
-    _write_limits(cgroup, limits, present or {})
+    layout = _cgroups()
+    layout.make(cgroup)
+    layout.write_limits(cgroup, limits, present or {})
 
 
-def _write_limits(cgroup: str, limits: dict[str, str], present: dict[str, str]) -> None:
-    names = list(limits)
-    mem, memsw = "memory/memory.limit_in_bytes", "memory/memory.memsw.limit_in_bytes"
-    if memsw in limits and int(limits[mem]) > int(present.get(mem, -1)) >= 0:
-        # Raising: memory+swap first (it may never be below the memory limit).
-        names.remove(memsw)
-        names.insert(names.index(mem), memsw)
-    for name in names:
-        value = limits[name]
-        if present.get(name) != value:
-            controller, file = name.split("/", 1)
-            _write(f"{CGROUP_ROOT}/{controller}/{cgroup}/{file}", value)
-
-
-def _spawn_in_cgroup(cgroup: str, spawn: Callable[[], subprocess.Popen]) -> subprocess.Popen:
-    """Runs `spawn` on a fresh thread that first moves itself into the sandbox's cgroups
-    (cgroup v1 accepts single threads): the process it starts is born there, so no task
-    of the sandbox ever runs outside them. The thread then ends; the caller's thread
-    never changes cgroup."""
+def _spawn_in_cgroup(cgroup: str, spawn: Callable[[Callable[[], None] | None], subprocess.Popen]) -> subprocess.Popen:
+    """Runs `spawn(preexec_fn)` so that the process it starts is born in the sandbox's
+    cgroup and no task of the sandbox ever runs outside it. v1: on a fresh thread that
+    first moves itself there (the caller's thread never changes cgroup); v2: the child
+    joins it between fork and exec."""
+    layout = _cgroups()
+    if not layout.moves_threads:
+        return spawn(layout.joiner(cgroup))
     result: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            tid = str(threading.get_native_id())
-            for c in CONTROLLERS:
-                _write(f"{CGROUP_ROOT}/{c}/{cgroup}/tasks", tid)
-            result["proc"] = spawn()
+            layout.enter_thread(cgroup)
+            result["proc"] = spawn(None)
         except BaseException as exc:  # handed to the caller
             result["error"] = exc
 
@@ -994,7 +912,7 @@ class _Early:
     err_r: int
 
     @classmethod
-    def spawn(cls, binary: str) -> "_Early":
+    def spawn(cls, binary: str, preexec_fn: Callable[[], None] | None = None) -> "_Early":
         config_r, config_w = os.pipe2(os.O_CLOEXEC)
         made = [config_r, config_w]
         try:
@@ -1007,7 +925,7 @@ class _Early:
             made += [out_r, out_w, err_r, err_w]
             proc = subprocess.Popen(nsjail_command(binary, f"/proc/self/fd/{config_r}", log_fd), env={}, cwd="/",
                                     close_fds=True, pass_fds=(config_r, log_fd), stdin=in_r, stdout=out_w,
-                                    stderr=err_w, start_new_session=True)
+                                    stderr=err_w, start_new_session=True, preexec_fn=preexec_fn)
         except BaseException:
             for fd in made:
                 os.close(fd)
@@ -1032,26 +950,43 @@ class _Early:
 
 
 class _Slot:
-    """A thread already moved into a fresh cgroup directory of its own, which starts
-    one nsjail there at once (waiting for its config: `_Early`), or, if that fails,
-    waits to spawn one. Moving a task between cgroup v1 groups waits for an RCU grace
-    period (5-15 ms on an idle host), so slots are made ahead of the calls that use
-    them; a call then only renames the directory to its sandbox's name."""
+    """A cgroup directory of its own with one nsjail already born there, waiting for its
+    config (`_Early`); on v1, also a thread moved into it, which spawns the jail's
+    nsjail late if that one failed or cannot be used. Moving a task between cgroups
+    waits for an RCU grace period (5-15 ms on an idle host), so slots are made ahead of
+    the calls that use them; a call then only renames the directory to its sandbox's
+    name. On v2 a slot without its waiting nsjail is not made (no thread can move)."""
 
     def __init__(self, daemon_id: str, binary: str | None = None, limits: dict[str, str] | None = None):
         self.daemon_id = daemon_id
         self.early: _Early | None = None
         self.limits: dict[str, str] = {}  # written ahead: the last call's, most likely the next's
         self.cgroup = f"{NSJAIL_CGROUP_ROOT}/{daemon_id}/{_SLOT_PREFIX}{secrets.token_hex(6)}"
+        self._layout = layout = _cgroups()
+        self._thread: threading.Thread | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        layout.make(self.cgroup)
+        if limits:
+            try:
+                layout.write_limits(self.cgroup, limits, {})
+                self.limits = dict(limits)
+            except OSError as exc:
+                log.warning("cannot write limits ahead into a spawn slot: %s", exc)
+        if not layout.moves_threads:
+            try:
+                if not binary:
+                    raise InternalError("a v2 spawn slot needs the nsjail binary")
+                self.early = _Early.spawn(binary, layout.joiner(self.cgroup))  # born in this cgroup
+            except BaseException:
+                layout.remove(self.cgroup, timeout_s=0.5)
+                raise
+            return
         ready = threading.Event()
         failure: list[BaseException] = []
 
         def body() -> None:
             try:
-                tid = str(threading.get_native_id())
-                for c in CONTROLLERS:
-                    _write(f"{CGROUP_ROOT}/{c}/{self.cgroup}/tasks", tid)
+                layout.enter_thread(self.cgroup)
             except BaseException as exc:  # handed to the maker
                 failure.append(exc)
                 ready.set()
@@ -1066,51 +1001,37 @@ class _Slot:
             if job is not None:
                 job()
 
-        for c in CONTROLLERS:
-            os.makedirs(f"{CGROUP_ROOT}/{c}/{self.cgroup}", exist_ok=True)
-        if limits:
-            try:
-                _write_limits(self.cgroup, limits, {})
-                self.limits = dict(limits)
-            except OSError as exc:
-                log.warning("cannot write limits ahead into a spawn slot: %s", exc)
         self._thread = threading.Thread(target=body, name="nsjail-slot", daemon=True)
         self._thread.start()
         ready.wait()
         if failure:
             self._thread.join()
-            remove_cgroups(self.cgroup, timeout_s=0.5)
+            layout.remove(self.cgroup, timeout_s=0.5)
             raise failure[0]
 
     def claim(self, cgroup: str) -> bool:
-        """Renames the slot's directories to the sandbox's cgroup; False (and the slot
-        released) if that fails."""
-        done: list[str] = []
+        """Renames the slot's cgroup to the sandbox's; False (and the slot released) if
+        that fails."""
         try:
-            for c in CONTROLLERS:
-                os.rename(f"{CGROUP_ROOT}/{c}/{self.cgroup}", f"{CGROUP_ROOT}/{c}/{cgroup}")
-                done.append(c)
+            self._layout.rename(self.cgroup, cgroup)
         except OSError as exc:
             log.warning("cannot use spawn slot %s for %s: %s", self.cgroup, cgroup, exc)
-            for c in done:
-                try:
-                    os.rename(f"{CGROUP_ROOT}/{c}/{cgroup}", f"{CGROUP_ROOT}/{c}/{self.cgroup}")
-                except OSError:
-                    pass
             self.release(remove=True)  # its waiting nsjail and cgroup go too
             return False
         self.cgroup = cgroup
         return True
 
-    def run(self, spawn: Callable[[], subprocess.Popen]) -> subprocess.Popen:
-        """Spawns from the slot's thread (so the process is born in the cgroup); the
-        thread then ends."""
+    def run(self, spawn: Callable[[Callable[[], None] | None], subprocess.Popen]) -> subprocess.Popen:
+        """Spawns into the slot's cgroup: from the slot's thread (v1), which then ends,
+        or by the child joining it (v2)."""
+        if self._thread is None:
+            return _spawn_in_cgroup(self.cgroup, spawn)
         done = threading.Event()
         result: dict[str, Any] = {}
 
         def job() -> None:
             try:
-                result["proc"] = spawn()
+                result["proc"] = spawn(None)
             except BaseException as exc:  # handed to the caller
                 result["error"] = exc
             finally:
@@ -1138,11 +1059,12 @@ class _Slot:
             early.discard()
 
     def release(self, remove: bool = False, wait: bool = True) -> None:
-        """Ends the thread without spawning (it leaves the cgroup by ending); an early
-        nsjail nobody took goes too."""
-        self._jobs.put(None)
-        if wait or remove:
-            self._thread.join(5)
+        """Ends the thread without spawning (it leaves the cgroup by ending); with
+        `remove`, an early nsjail nobody took and the cgroup go too."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            if wait or remove:
+                self._thread.join(5)
         if remove:
             self.discard_early()
             remove_cgroups(self.cgroup, timeout_s=1.0)

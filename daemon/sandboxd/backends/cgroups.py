@@ -1,0 +1,377 @@
+"""A sandbox's cgroup, on cgroup v1 or v2: where its directories are, how its limits are
+spelled, how processes are put in it, counted, killed and how it goes away.
+
+- v1 (and hybrid hosts): one directory per controller (memory, pids, cpu, cpuacct),
+  each named by the same relative path. A single thread may move, so a thread of the
+  daemon moves itself in and every process it spawns is born there.
+- v2 (unified): one directory, the controllers enabled in each ancestor's
+  cgroup.subtree_control (no process may sit in an ancestor: the sandbox cgroups are
+  leaves under a tree of the daemon's own). Only whole processes move, so a process is
+  put in its cgroup by the child itself between fork and exec (`joiner`): it never runs
+  a line of its program outside it.
+
+The sandbox's relative path (sandboxd-nsjail/<daemon id>/<sandbox id>) is the same on
+both; the layout is detected once, from the host's mounts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+from . import CGROUP_ROOT, ResourceUsage
+
+V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+V2_CONTROLLERS = ("memory", "pids", "cpu")
+# Files each v1 controller must offer.
+_V1_FILES = {
+    "memory": ("memory.limit_in_bytes", "memory.max_usage_in_bytes", "memory.oom_control"),
+    "pids": ("pids.max",),
+    "cpu": ("cpu.cfs_quota_us", "cpu.cfs_period_us"),
+    "cpuacct": ("cpuacct.usage",),
+}
+_V2_FILES = ("memory.max", "memory.events", "pids.max", "cpu.max", "cpu.stat")
+
+
+class CgroupUnavailable(Exception):
+    """The host's cgroups cannot hold a sandbox (said plainly, as the backend's refusal)."""
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _read_pids(path: str) -> list[int]:
+    try:
+        with open(path) as f:
+            return [int(line) for line in f if line.strip()]
+    except OSError:
+        return []
+
+
+def _keyed(path: str, key: str) -> int:
+    """The value of `key` in a flat keyed file (memory.events, cpu.stat, oom_control)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+class Layout:
+    """The host's cgroup hierarchy as the sandboxes use it. Limits are keyed
+    "<directory key>/<file>": the controller on v1, "" on v2."""
+
+    version = 0
+    moves_threads = False
+
+    def __init__(self, root: str = CGROUP_ROOT):
+        self.root = root
+
+    def dirs(self, cgroup: str) -> list[str]:
+        raise NotImplementedError
+
+    def pids_dir(self, cgroup: str) -> str:
+        """The directory whose cgroup.procs and pids.current cover the whole sandbox."""
+        raise NotImplementedError
+
+    def limits(self, memory_bytes: int, pids_max: int, cpu_quota_us: int, cpu_period_us: int) -> dict[str, str]:
+        raise NotImplementedError
+
+    def check(self, top: str) -> None:
+        raise NotImplementedError
+
+    def make(self, cgroup: str) -> None:
+        for d in self.dirs(cgroup):
+            os.makedirs(d, exist_ok=True)
+
+    def limit_path(self, cgroup: str, key: str) -> str:
+        where, _, file = key.rpartition("/")
+        return f"{self.root}/{where}/{cgroup}/{file}" if where else f"{self.root}/{cgroup}/{file}"
+
+    def write_limits(self, cgroup: str, limits: dict[str, str], present: dict[str, str]) -> None:
+        """Writes the limits `present` does not already hold, in an order the kernel accepts."""
+        for key in self._write_order(limits, present):
+            if present.get(key) != limits[key]:
+                _write(self.limit_path(cgroup, key), limits[key])
+
+    def _write_order(self, limits: dict[str, str], present: dict[str, str]) -> list[str]:
+        return list(limits)
+
+    def procs(self, cgroup: str) -> set[int]:
+        return {p for d in self.dirs(cgroup) for p in _read_pids(f"{d}/cgroup.procs")}
+
+    def oom_kills(self, cgroup: str) -> int:
+        raise NotImplementedError
+
+    def usage(self, cgroup: str) -> ResourceUsage:
+        return cgroup_usage(cgroup, self.root)
+
+    def kill(self, cgroup: str, timeout_s: float = 0.0) -> bool:
+        """SIGKILLs every process of the sandbox's cgroup; with a timeout, waits for them
+        to be gone. True when none is left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # v1: a thread of this daemon may be in the cgroup (the one that spawns nsjail
+            # into it): cgroup.procs then lists the daemon's own pid, never killed.
+            pids = sorted(self.procs(cgroup) - {os.getpid()})
+            if not pids:
+                return True
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+    def remove(self, cgroup: str, timeout_s: float) -> list[str]:
+        """Removes the sandbox's directories, retrying (and killing) while its last tasks
+        finish exiting; the paths still there after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        pending = self.dirs(cgroup)
+        while True:
+            left = []
+            for path in pending:
+                try:
+                    os.rmdir(path)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    left.append(path)
+            if not left or time.monotonic() >= deadline:
+                return left
+            pending = left
+            self.kill(cgroup)
+            time.sleep(0.01)
+
+    def rename(self, old: str, new: str) -> None:
+        """Renames the cgroup (same parent); on failure the directories are as before."""
+        done: list[tuple[str, str]] = []
+        try:
+            for a, b in zip(self.dirs(old), self.dirs(new)):
+                os.rename(a, b)
+                done.append((a, b))
+        except OSError:
+            for a, b in reversed(done):
+                try:
+                    os.rename(b, a)
+                except OSError:
+                    pass
+            raise
+
+    def children(self, parent: str) -> set[str]:
+        """Names of the cgroups directly below `parent`, in any of its directories."""
+        names: set[str] = set()
+        for d in self.dirs(parent):
+            try:
+                names.update(e.name for e in os.scandir(d) if e.is_dir(follow_symlinks=False))
+            except OSError:
+                pass
+        return names
+
+    def enter_thread(self, cgroup: str) -> None:
+        """Moves the calling thread into the cgroup (v1 only)."""
+        raise NotImplementedError
+
+    def joiner(self, cgroup: str) -> Callable[[], None]:
+        """A preexec_fn that puts the freshly forked child into the cgroup before it execs."""
+        paths = [f"{d}/cgroup.procs" for d in self.dirs(cgroup)]
+
+        def join() -> None:
+            for path in paths:
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.write(fd, b"0")  # "0": the writer itself
+                finally:
+                    os.close(fd)
+
+        return join
+
+
+class V1(Layout):
+    version = 1
+    moves_threads = True
+
+    def dirs(self, cgroup: str) -> list[str]:
+        return [f"{self.root}/{c}/{cgroup}" for c in V1_CONTROLLERS]
+
+    def pids_dir(self, cgroup: str) -> str:
+        return f"{self.root}/pids/{cgroup}"
+
+    def limits(self, memory_bytes: int, pids_max: int, cpu_quota_us: int, cpu_period_us: int) -> dict[str, str]:
+        limits = {"memory/memory.limit_in_bytes": str(memory_bytes)}
+        if os.path.exists(f"{self.root}/memory/memory.memsw.limit_in_bytes"):
+            limits["memory/memory.memsw.limit_in_bytes"] = str(memory_bytes)  # no swap, as in Docker
+        limits["pids/pids.max"] = str(pids_max)
+        limits["cpu/cpu.cfs_period_us"] = str(cpu_period_us)
+        limits["cpu/cpu.cfs_quota_us"] = str(cpu_quota_us) if cpu_quota_us > 0 else "-1"  # -1: no quota
+        return limits
+
+    def _write_order(self, limits: dict[str, str], present: dict[str, str]) -> list[str]:
+        names = list(limits)
+        mem, memsw = "memory/memory.limit_in_bytes", "memory/memory.memsw.limit_in_bytes"
+        if memsw in limits and int(limits[mem]) > int(present.get(mem, -1)) >= 0:
+            # Raising: memory+swap first (it may never be below the memory limit).
+            names.remove(memsw)
+            names.insert(names.index(mem), memsw)
+        return names
+
+    def check(self, top: str) -> None:
+        for controller, files in _V1_FILES.items():
+            base = f"{self.root}/{controller}"
+            try:
+                os.makedirs(f"{base}/{top}", exist_ok=True)
+            except OSError as exc:
+                raise CgroupUnavailable(f"cannot create {base}/{top}: {exc}") from None
+            missing = [f for f in files if not os.path.exists(f"{base}/{top}/{f}")]
+            if missing:
+                raise CgroupUnavailable(f"the cgroup '{controller}' controller at {base} lacks {', '.join(missing)}")
+
+    def oom_kills(self, cgroup: str) -> int:
+        return _keyed(f"{self.root}/memory/{cgroup}/memory.oom_control", "oom_kill")
+
+    def enter_thread(self, cgroup: str) -> None:
+        tid = str(threading.get_native_id())
+        for d in self.dirs(cgroup):
+            _write(f"{d}/tasks", tid)
+
+
+class V2(Layout):
+    version = 2
+
+    def __init__(self, root: str = CGROUP_ROOT):
+        super().__init__(root)
+        self._delegating: set[str] = set()  # ancestors whose subtree_control is known done
+        self.swap_control: bool | None = None  # memory.swap.max exists (swap accounting on)
+
+    def dirs(self, cgroup: str) -> list[str]:
+        return [f"{self.root}/{cgroup}"]
+
+    def pids_dir(self, cgroup: str) -> str:
+        return f"{self.root}/{cgroup}"
+
+    def limits(self, memory_bytes: int, pids_max: int, cpu_quota_us: int, cpu_period_us: int) -> dict[str, str]:
+        limits = {"memory.max": str(memory_bytes)}
+        if self.swap_control is None:
+            self.swap_control = _has_swap_control(self.root)
+        if self.swap_control:
+            limits["memory.swap.max"] = "0"  # no swap, as in Docker
+        limits["pids.max"] = str(pids_max)
+        quota = str(cpu_quota_us) if cpu_quota_us > 0 else "max"
+        limits["cpu.max"] = f"{quota} {cpu_period_us}"
+        return limits
+
+    def check(self, top: str) -> None:
+        try:
+            with open(f"{self.root}/cgroup.controllers") as f:
+                available = set(f.read().split())
+        except OSError as exc:
+            raise CgroupUnavailable(f"cannot read {self.root}/cgroup.controllers: {exc}") from None
+        missing = [c for c in V2_CONTROLLERS if c not in available]
+        if missing:
+            raise CgroupUnavailable(f"the cgroup v2 hierarchy at {self.root} does not offer {', '.join(missing)} "
+                                    "(a controller still bound to a v1 hierarchy cannot be used here)")
+        try:
+            self._delegate(top)
+        except OSError as exc:
+            raise CgroupUnavailable(f"cannot make {self.root}/{top} with the {', '.join(V2_CONTROLLERS)} "
+                                    f"controllers enabled below it: {exc}") from None
+        absent = [f for f in _V2_FILES if not os.path.exists(f"{self.root}/{top}/{f}")]
+        if absent:
+            raise CgroupUnavailable(f"the cgroup {self.root}/{top} lacks {', '.join(absent)}")
+        self.swap_control = os.path.exists(f"{self.root}/{top}/memory.swap.max")
+
+    def _delegate(self, parent: str) -> None:
+        """Makes `parent` (and its ancestors below the root) with the sandbox controllers
+        enabled for its children: the root's subtree_control, then each level's."""
+        parts = [p for p in parent.split("/") if p]
+        for i in range(len(parts) + 1):
+            rel = "/".join(parts[:i])
+            if rel in self._delegating:
+                continue
+            path = f"{self.root}/{rel}" if rel else self.root
+            if rel:
+                os.makedirs(path, exist_ok=True)
+            with open(f"{path}/cgroup.subtree_control") as f:
+                enabled = set(f.read().split())
+            wanted = [c for c in V2_CONTROLLERS if c not in enabled]
+            if wanted:
+                _write(f"{path}/cgroup.subtree_control", " ".join(f"+{c}" for c in wanted))
+            self._delegating.add(rel)
+
+    def make(self, cgroup: str) -> None:
+        parent = cgroup.rpartition("/")[0]
+        if parent not in self._delegating:
+            self._delegate(parent)
+        os.makedirs(f"{self.root}/{cgroup}", exist_ok=True)
+
+    def oom_kills(self, cgroup: str) -> int:
+        return _keyed(f"{self.root}/{cgroup}/memory.events", "oom_kill")
+
+    def kill(self, cgroup: str, timeout_s: float = 0.0) -> bool:
+        # cgroup.kill (5.14+) kills the whole cgroup at once, forks in flight included.
+        try:
+            _write(f"{self.root}/{cgroup}/cgroup.kill", "1")
+        except OSError:
+            pass  # gone, or an older kernel: the pid sweep below does it
+        return super().kill(cgroup, timeout_s)
+
+    def enter_thread(self, cgroup: str) -> None:
+        raise CgroupUnavailable("cgroup v2 moves whole processes only")
+
+
+def _has_swap_control(root: str) -> bool:
+    """Whether memory.swap.max exists below the root (swap accounting is on)."""
+    try:
+        for e in os.scandir(root):
+            if e.is_dir(follow_symlinks=False):
+                return os.path.exists(f"{e.path}/memory.swap.max")
+    except OSError:
+        pass
+    return False
+
+
+def cgroup_usage(rel: str, root: str = CGROUP_ROOT) -> ResourceUsage:
+    """Peak memory and CPU time of a cgroup (its whole subtree): a sandbox's, or the
+    parent of a container's."""
+    rel = rel.strip("/")
+    if os.path.isdir(f"{root}/memory"):  # v1 (or hybrid)
+        peak = _read_int(f"{root}/memory/{rel}/memory.max_usage_in_bytes")
+        cpu_ns = _read_int(f"{root}/cpuacct/{rel}/cpuacct.usage")
+        return ResourceUsage(cpu_ms=(cpu_ns or 0) // 1_000_000, peak_memory_bytes=peak or 0)
+    peak = _read_int(f"{root}/{rel}/memory.peak")  # 5.19+
+    return ResourceUsage(cpu_ms=_keyed(f"{root}/{rel}/cpu.stat", "usage_usec") // 1000, peak_memory_bytes=peak or 0)
+
+
+def detect(root: str = CGROUP_ROOT) -> Layout | None:
+    """v1 when the memory controller has a v1 hierarchy of its own (hybrid hosts too),
+    v2 when the root is the unified hierarchy; None when neither is mounted."""
+    if os.path.exists(f"{root}/memory/cgroup.procs") and not os.path.exists(f"{root}/memory/cgroup.controllers"):
+        return V1(root)
+    if os.path.exists(f"{root}/cgroup.controllers"):
+        return V2(root)
+    return None
+
+
+LAYOUT: Layout | None = detect()

@@ -1,0 +1,186 @@
+"""The cgroup layouts as pure path and file logic, on fake hierarchies in a temporary
+directory (the real ones: tests/integration/test_nsjail_backend.py on this host's v1,
+tests/integration/test_cgroup_v2.py in a guest whose only hierarchy is v2)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from sandboxd.backends import cgroups
+from sandboxd.backends.cgroups import V1, V2, CgroupUnavailable, cgroup_usage, detect
+
+
+def touch(path: Path, text: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def v2_tree(root: Path, controllers: str = "cpuset cpu io memory hugetlb pids rdma misc") -> Path:
+    touch(root / "cgroup.controllers", controllers + "\n")
+    touch(root / "cgroup.subtree_control", "")
+    return root
+
+
+def test_a_host_with_a_v1_memory_hierarchy_is_v1_even_beside_a_unified_one(tmp_path):
+    touch(tmp_path / "memory" / "cgroup.procs")
+    touch(tmp_path / "unified" / "cgroup.controllers")
+    assert isinstance(detect(str(tmp_path)), V1)
+
+
+def test_a_host_whose_root_is_the_unified_hierarchy_is_v2(tmp_path):
+    assert isinstance(detect(str(v2_tree(tmp_path))), V2)
+
+
+def test_a_host_without_cgroups_has_no_layout(tmp_path):
+    assert detect(str(tmp_path)) is None
+
+
+def test_v1_keeps_one_directory_per_controller_and_v2_one(tmp_path):
+    assert V1(str(tmp_path)).dirs("a/b") == [f"{tmp_path}/{c}/a/b" for c in ("memory", "pids", "cpu", "cpuacct")]
+    assert V1(str(tmp_path)).pids_dir("a/b") == f"{tmp_path}/pids/a/b"
+    assert V2(str(tmp_path)).dirs("a/b") == [f"{tmp_path}/a/b"]
+    assert V2(str(tmp_path)).pids_dir("a/b") == f"{tmp_path}/a/b"
+
+
+def test_v2_limits_are_spelled_as_the_unified_hierarchy_wants(tmp_path):
+    layout = V2(str(tmp_path))
+    layout.swap_control = True
+    assert layout.limits(256 << 20, 65, 50_000, 100_000) == {
+        "memory.max": str(256 << 20), "memory.swap.max": "0", "pids.max": "65", "cpu.max": "50000 100000"}
+    assert layout.limit_path("sandboxd-nsjail/d/s", "cpu.max") == f"{tmp_path}/sandboxd-nsjail/d/s/cpu.max"
+
+
+def test_v2_without_a_cpu_quota_says_max_and_without_swap_accounting_writes_no_swap_limit(tmp_path):
+    layout = V2(str(tmp_path))
+    layout.swap_control = False
+    limits = layout.limits(1 << 20, 8, 0, 100_000)
+    assert limits["cpu.max"] == "max 100000"
+    assert "memory.swap.max" not in limits
+
+
+def test_v2_swap_accounting_is_read_from_a_child_cgroup_when_not_checked_yet(tmp_path):
+    v2_tree(tmp_path)
+    touch(tmp_path / "system.slice" / "memory.swap.max", "max\n")
+    assert V2(str(tmp_path)).limits(1 << 20, 8, 0, 100_000)["memory.swap.max"] == "0"
+
+
+def test_v1_limits_keep_the_controller_in_the_key(tmp_path):
+    touch(tmp_path / "memory" / "memory.memsw.limit_in_bytes")
+    layout = V1(str(tmp_path))
+    limits = layout.limits(1 << 20, 8, 20_000, 100_000)
+    assert limits == {"memory/memory.limit_in_bytes": str(1 << 20), "memory/memory.memsw.limit_in_bytes": str(1 << 20),
+                      "pids/pids.max": "8", "cpu/cpu.cfs_period_us": "100000", "cpu/cpu.cfs_quota_us": "20000"}
+    assert layout.limit_path("x/y", "pids/pids.max") == f"{tmp_path}/pids/x/y/pids.max"
+
+
+def test_v2_make_enables_the_controllers_at_every_level_above_the_sandbox_once(tmp_path, monkeypatch):
+    v2_tree(tmp_path)
+    for rel in ("sandboxd-nsjail", "sandboxd-nsjail/d"):
+        touch(tmp_path / rel / "cgroup.subtree_control", "")
+    writes = []
+    real_write = cgroups._write
+    monkeypatch.setattr(cgroups, "_write", lambda path, value: (writes.append((path, value)), real_write(path, value)))
+    layout = V2(str(tmp_path))
+    layout.make("sandboxd-nsjail/d/sbx-1")
+    assert (tmp_path / "sandboxd-nsjail" / "d" / "sbx-1").is_dir()
+    assert writes == [(f"{p}/cgroup.subtree_control", "+memory +pids +cpu")
+                      for p in (tmp_path, tmp_path / "sandboxd-nsjail", tmp_path / "sandboxd-nsjail" / "d")]
+    writes.clear()
+    layout.make("sandboxd-nsjail/d/sbx-2")
+    assert writes == []  # known delegated
+
+
+def test_v2_make_only_enables_what_is_missing(tmp_path, monkeypatch):
+    v2_tree(tmp_path)
+    (tmp_path / "cgroup.subtree_control").write_text("cpu memory pids io\n")
+    touch(tmp_path / "top" / "cgroup.subtree_control", "memory\n")
+    writes = []
+    monkeypatch.setattr(cgroups, "_write", lambda path, value: writes.append((path, value)))
+    V2(str(tmp_path)).make("top/sbx")
+    assert writes == [(f"{tmp_path}/top/cgroup.subtree_control", "+pids +cpu")]
+
+
+def test_v2_check_refuses_a_hierarchy_whose_controllers_are_bound_to_v1(tmp_path):
+    v2_tree(tmp_path, controllers="hugetlb perf_event")
+    with pytest.raises(CgroupUnavailable, match="does not offer memory, pids, cpu"):
+        V2(str(tmp_path)).check("sandboxd-nsjail")
+
+
+def test_v2_check_refuses_a_top_cgroup_without_the_limit_files(tmp_path):
+    v2_tree(tmp_path)
+    touch(tmp_path / "sandboxd-nsjail" / "cgroup.subtree_control")
+    touch(tmp_path / "sandboxd-nsjail" / "memory.max")
+    with pytest.raises(CgroupUnavailable, match="lacks memory.events, pids.max, cpu.max, cpu.stat"):
+        V2(str(tmp_path)).check("sandboxd-nsjail")
+
+
+def test_v1_check_names_the_controller_that_lacks_a_file(tmp_path):
+    for c, files in cgroups._V1_FILES.items():
+        for f in files:
+            touch(tmp_path / c / "sandboxd-nsjail" / f)
+    os.remove(tmp_path / "pids" / "sandboxd-nsjail" / "pids.max")
+    with pytest.raises(CgroupUnavailable, match="'pids' controller .* lacks pids.max"):
+        V1(str(tmp_path)).check("sandboxd-nsjail")
+
+
+def test_oom_kills_are_read_from_each_versions_own_file(tmp_path):
+    touch(tmp_path / "memory" / "s" / "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    assert V1(str(tmp_path)).oom_kills("s") == 3
+    touch(tmp_path / "s" / "memory.events", "low 0\nhigh 0\nmax 9\noom 2\noom_kill 1\noom_group_kill 0\n")
+    assert V2(str(tmp_path)).oom_kills("s") == 1
+    assert V2(str(tmp_path)).oom_kills("gone") == 0
+
+
+def test_usage_on_v2_is_the_peak_and_cpu_stat(tmp_path):
+    touch(tmp_path / "s" / "memory.peak", "7340032\n")
+    touch(tmp_path / "s" / "cpu.stat", "usage_usec 25300\nuser_usec 20000\nsystem_usec 5300\n")
+    assert cgroup_usage("/s/", str(tmp_path)) == cgroups.ResourceUsage(cpu_ms=25, peak_memory_bytes=7340032)
+
+
+def test_usage_on_v1_is_max_usage_and_cpuacct(tmp_path):
+    touch(tmp_path / "memory" / "s" / "memory.max_usage_in_bytes", "4096\n")
+    touch(tmp_path / "cpuacct" / "s" / "cpuacct.usage", "3000000000\n")
+    assert cgroup_usage("s", str(tmp_path)) == cgroups.ResourceUsage(cpu_ms=3000, peak_memory_bytes=4096)
+
+
+def test_a_failed_v1_rename_puts_back_the_controllers_already_renamed(tmp_path):
+    layout = V1(str(tmp_path))
+    for d in layout.dirs("p/slot"):
+        os.makedirs(d)
+    touch(tmp_path / "cpu" / "p" / "sbx" / "occupied")  # a non-empty target: that rename fails
+    with pytest.raises(OSError):
+        layout.rename("p/slot", "p/sbx")
+    assert all(os.path.isdir(d) for d in layout.dirs("p/slot"))
+    assert not os.path.exists(f"{tmp_path}/memory/p/sbx") and not os.path.exists(f"{tmp_path}/pids/p/sbx")
+
+
+def test_children_are_gathered_from_every_controller(tmp_path):
+    layout = V1(str(tmp_path))
+    os.makedirs(f"{tmp_path}/memory/p/a")
+    os.makedirs(f"{tmp_path}/pids/p/b")
+    touch(tmp_path / "cpu" / "p" / "notes")
+    assert layout.children("p") == {"a", "b"}
+
+
+def test_v2_kill_asks_the_kernel_to_kill_the_whole_cgroup(tmp_path):
+    kill_file = touch(tmp_path / "s" / "cgroup.kill")
+    touch(tmp_path / "s" / "cgroup.procs", "")
+    assert V2(str(tmp_path)).kill("s", timeout_s=0.1)
+    assert kill_file.read_text() == "1"
+
+
+def test_v2_never_moves_a_thread(tmp_path):
+    with pytest.raises(CgroupUnavailable):
+        V2(str(tmp_path)).enter_thread("s")
+    assert not V2(str(tmp_path)).moves_threads and V1(str(tmp_path)).moves_threads
+
+
+def test_the_joiner_writes_the_writer_itself_into_every_directory(tmp_path):
+    layout = V1(str(tmp_path))
+    files = [touch(Path(d) / "cgroup.procs") for d in layout.dirs("s")]
+    layout.joiner("s")()
+    assert [f.read_text() for f in files] == ["0"] * 4
