@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: run test unit integration venv docker images native proto proto-check bench clean
+.PHONY: run test unit integration venv docker images native proto proto-check bench clean cgroup2-vm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,10 +48,15 @@ run: venv images native
 unit: venv native
 	$(VENV)/bin/pytest -q tests/unit $(PYTEST_ARGS)
 
-integration: venv images native
+integration: venv images native cgroup2-vm
 	$(VENV)/bin/pytest -q tests/integration $(PYTEST_ARGS)
 
-test: venv images native proto-check
+# The cgroup v2 host of tests/integration/test_cgroup_v2.py: qemu, Debian's kernel
+# (downloaded, never installed) and the guest's initramfs, cached by content.
+cgroup2-vm:
+	scripts/cgroup2-vm/run.sh --prepare
+
+test: venv images native proto-check cgroup2-vm
 	$(VENV)/bin/pytest -q tests $(PYTEST_ARGS)
 
 $(VENV)/.bench-stamp: pyproject.toml $(STAMP)

@@ -37,7 +37,8 @@ from .errors import FailedPrecondition, Unimplemented
 from .policy import WORKSPACE, EffectivePolicy
 from .preflight import HostPlan
 
-# Each controller's per-sandbox cgroup is <mount>/<NSJAIL_CGROUP_ROOT>/<daemon id>/<sandbox id>.
+# Each controller's per-sandbox cgroup is <mount>/<NSJAIL_CGROUP_ROOT>/<daemon id>/<sandbox id>
+# (on cgroup v2, where no cgroup can be renamed, a spawn slot's name instead: backends/nsjail.py).
 NSJAIL_CGROUP_ROOT = "sandboxd-nsjail"
 # Where the init binary is bound inside the jail (inside the /dev tmpfs, so that no
 # mount point is needed in the image).

@@ -430,10 +430,11 @@ class PoolManager:
         finally:
             listener.close()
             control_path.unlink(missing_ok=True)
-        prepared = replace(t, spec=spec, sandbox_id=sandbox_id, attachments=attachments, image_digest=image_digest)
+        # handle.spec: the backend may have placed the sandbox (nsjail on cgroup v2: its cgroup).
+        prepared = replace(t, spec=handle.spec, sandbox_id=sandbox_id, attachments=attachments, image_digest=image_digest)
         log.info("warm sandbox %s ready for %s", sandbox_id, pool.key)
-        baseline = sandbox_processes(spec)
-        single_threaded = baseline is not None and sandbox_task_count(spec) == len(baseline)
+        baseline = sandbox_processes(handle.spec)
+        single_threaded = baseline is not None and sandbox_task_count(handle.spec) == len(baseline)
         return WarmSandbox(sandbox_id, pool.key, prepared, handle, spool, conn, endpoint=endpoint,
                            baseline_pids=baseline,
                            baseline_pidfds=_pidfds(baseline) if single_threaded else ())

@@ -23,6 +23,10 @@ SANDBOXD = str(Path(sys.executable).with_name("sandboxd"))
 WORKSPACE_UID = 1000
 _counter = itertools.count()
 
+# Waits for a daemon are stretched by this factor on a slow host (the cgroup v2 guest,
+# whose CPU is emulated): SANDBOXD_TEST_TIME_SCALE.
+TIME_SCALE = float(os.environ.get("SANDBOXD_TEST_TIME_SCALE", "1"))
+
 
 @dataclass
 class DaemonProcess:
@@ -41,6 +45,7 @@ class DaemonProcess:
         return self.base / "daemon.log"
 
     def start(self, timeout_s: float = 30.0) -> "DaemonProcess":
+        timeout_s *= TIME_SCALE
         self.started_at = time.time()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([SANDBOXD, "--config", str(self.config)], env=self.env,

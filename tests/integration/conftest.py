@@ -84,15 +84,28 @@ def nsjail_leftovers(d: DaemonProcess) -> list[str]:
     running = d.proc is not None and d.proc.poll() is None
     found = []
     for cg in root.glob("*/"):
-        if running and cg.name.startswith(".slot-"):
+        # (On cgroup v2 a sandbox keeps its slot's name, marked with its id.)
+        if running and cg.name.startswith(".slot-") and not LAYOUT.marked(f"sandboxd-nsjail/{d.daemon_id}/{cg.name}"):
             continue
         try:
             pids = {int(p) for p in (cg / "cgroup.procs").read_text().split()}
         except OSError:
             continue
         if pids - {d.proc.pid if d.proc else -1}:
-            found.append(cg.name)
+            found.append(LAYOUT.marked(f"sandboxd-nsjail/{d.daemon_id}/{cg.name}") or cg.name)
     return found
+
+
+def nsjail_sandbox_ids(daemon_id: str) -> set[str]:
+    """The sandboxes whose jail cgroups a daemon has now: named after them (cgroup v1),
+    or a spawn slot's cgroup marked with their id (v2, where cgroups cannot be renamed)."""
+    parent = f"sandboxd-nsjail/{daemon_id}"
+    ids = set()
+    for name in LAYOUT.children(parent):
+        sandbox_id = LAYOUT.marked(f"{parent}/{name}") if name.startswith(".slot-") else name
+        if sandbox_id:
+            ids.add(sandbox_id)
+    return ids
 
 
 def kill_nsjail_leftovers(d: DaemonProcess) -> None:

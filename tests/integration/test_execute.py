@@ -465,8 +465,10 @@ def test_cpu_quota_limits_cpu_time(client, workspace):
     burn = "import time\nt=time.time()\nwhile time.time()-t<2: pass\n"
     r = client.run(call(workspace, ["python3", "-c", burn], {"process": {"cpuMillicores": 250}})).result
     assert r.exit_code == 0
-    # 2 s of wall time at a quarter of a core: about 500 ms of CPU, never the full 2000.
-    assert 200 <= r.usage.cpu_ms <= 1000, r.usage.cpu_ms
+    # 2 s of wall time at a quarter of a core: about 500 ms of CPU, never the full 2000;
+    # over the whole call (a slow host's interpreter start included), a quarter of its
+    # wall time plus the scheduler's slack (a slice per CPU per period).
+    assert 200 <= r.usage.cpu_ms <= 0.375 * r.usage.latency_ms, (r.usage.cpu_ms, r.usage.latency_ms)
 
 
 def test_busybox_image_runs(client, workspace):

@@ -9,14 +9,12 @@ import hashlib
 import json
 import signal
 import threading
-from pathlib import Path
 
 import pytest
 
-from sandboxd.backends.cgroups import LAYOUT
 from sandboxd_client import errors
 
-from .conftest import BUSYBOX_IMAGE, call, leftover_sandboxes, sh, wait_for
+from .conftest import BUSYBOX_IMAGE, call, leftover_sandboxes, nsjail_sandbox_ids, sh, wait_for
 from .test_tenants import ALICE, BOB, client_as
 
 
@@ -190,8 +188,7 @@ def test_a_created_pool_is_warm_before_its_first_lease(pooled):
     assert key.startswith("pool-")
     with d.client() as c:
         assert wait_for(lambda: [p.idle for p in c.list_pools() if p.pool_key == key] == [1], timeout_s=20)
-        jails = Path(LAYOUT.pids_dir(f"sandboxd-nsjail/{d.daemon_id}"))
-        warm = {p.name for p in jails.glob("sbx-*")}
+        warm = {s for s in nsjail_sandbox_ids(d.daemon_id) if s.startswith("sbx-")}
         lease = c.acquire_sandbox(str(ws), adapter="nsjail")
         # The lease got the sandbox that was already warm, not a new one.
         assert lease.pool_key == key and lease.sandbox_id in warm
@@ -259,8 +256,7 @@ def test_pools_are_capped_per_principal_and_retire_when_unused(spare_daemon, doc
                             timeout_s=20)
             # Unused for its idle TTL, a pool stops refilling and goes, sandboxes and all.
             assert wait_for(lambda: admin.list_pools() == [], timeout_s=20)
-        jails = Path(LAYOUT.pids_dir(f"sandboxd-nsjail/{d.daemon_id}"))
-        assert wait_for(lambda: not list(jails.glob("sbx-*")), timeout_s=20)
+        assert wait_for(lambda: not [s for s in nsjail_sandbox_ids(d.daemon_id) if s.startswith("sbx-")], timeout_s=20)
         # Its slot is free again.
         assert alice.create_pool(str(second), adapter="nsjail").pool_key != key
 

@@ -184,3 +184,13 @@ def test_the_joiner_writes_the_writer_itself_into_every_directory(tmp_path):
     files = [touch(Path(d) / "cgroup.procs") for d in layout.dirs("s")]
     layout.joiner("s")()
     assert [f.read_text() for f in files] == ["0"] * 4
+
+
+def test_a_cgroup_made_ahead_carries_the_sandbox_it_now_holds(tmp_path):
+    layout = V2(str(tmp_path))
+    os.makedirs(layout.dirs("p/.slot-1")[0])
+    assert layout.marked("p/.slot-1") is None
+    layout.mark("p/.slot-1", "sbx-42")
+    assert layout.marked("p/.slot-1") == "sbx-42"
+    assert layout.marked("p/gone") is None
+    assert V1.renames and not V2.renames

@@ -34,6 +34,9 @@ _V1_FILES = {
     "cpuacct": ("cpuacct.usage",),
 }
 _V2_FILES = ("memory.max", "memory.events", "pids.max", "cpu.max", "cpu.stat")
+# On v2, where a cgroup cannot be renamed, the sandbox a cgroup was made for ahead
+# (a spawn slot) is written on the directory itself (as systemd's trusted.invocation_id).
+SANDBOX_XATTR = "trusted.sandboxd.sandbox"
 
 
 class CgroupUnavailable(Exception):
@@ -83,6 +86,7 @@ class Layout:
 
     version = 0
     moves_threads = False
+    renames = True  # a cgroup made ahead can take the sandbox's name
 
     def __init__(self, root: str = CGROUP_ROOT):
         self.root = root
@@ -180,6 +184,17 @@ class Layout:
                     pass
             raise
 
+    def mark(self, cgroup: str, sandbox_id: str) -> None:
+        """Says on a cgroup made ahead which sandbox it now holds (where it cannot be renamed)."""
+        os.setxattr(self.dirs(cgroup)[0], SANDBOX_XATTR, sandbox_id.encode())
+
+    def marked(self, cgroup: str) -> str | None:
+        """The sandbox `mark` wrote on the cgroup, None if none."""
+        try:
+            return os.getxattr(self.dirs(cgroup)[0], SANDBOX_XATTR).decode()
+        except OSError:
+            return None
+
     def children(self, parent: str) -> set[str]:
         """Names of the cgroups directly below `parent`, in any of its directories."""
         names: set[str] = set()
@@ -259,6 +274,7 @@ class V1(Layout):
 
 class V2(Layout):
     version = 2
+    renames = False  # cgroup2 has no rename (kernel: cgroup1_rename only)
 
     def __init__(self, root: str = CGROUP_ROOT):
         super().__init__(root)

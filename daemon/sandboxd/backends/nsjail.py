@@ -55,12 +55,12 @@ import secrets
 import select
 import shutil
 import stat as stat_module
-import signal as signal_module
 import subprocess
 import tarfile
 import tempfile
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -482,7 +482,9 @@ class NsjailBackend:
             _check_reachable(spec)
             _ensure_mount_points(spec)
             limits = cgroup_limits(spec)
-            slot = self._slots.take(spec.labels[f"{LABEL_PREFIX}daemon_id"], spec.cgroup, limits)
+            slot = self._slots.take(spec.labels[f"{LABEL_PREFIX}daemon_id"], spec.cgroup, sandbox_id, limits)
+            if slot is not None and slot.cgroup != spec.cgroup:
+                spec = dataclasses.replace(spec, cgroup=slot.cgroup)  # v2: the slot's cgroup is kept
             early, slot_early = None, slot.take_early() if slot is not None else None
             try:
                 # Before the early nsjail reads its config: nothing runs unlimited.
@@ -685,12 +687,15 @@ class NsjailBackend:
     def reap_orphans(self, daemon_id: str) -> int:
         self._slots.forget(daemon_id)  # this backend's own warm slots for that id, if any
         layout = _cgroups()
-        sandboxes = layout.children(f"{NSJAIL_CGROUP_ROOT}/{daemon_id}")
+        parent = f"{NSJAIL_CGROUP_ROOT}/{daemon_id}"
+        sandboxes = layout.children(parent)
+        # A slot's cgroup that a sandbox took without renaming it (v2) says so on itself.
+        taken = {name for name in sandboxes if name.startswith(_SLOT_PREFIX) and layout.marked(f"{parent}/{name}")}
         for sandbox_id in sorted(sandboxes):
             cgroup = f"{NSJAIL_CGROUP_ROOT}/{daemon_id}/{sandbox_id}"
             kill_cgroup(cgroup, timeout_s=_CGROUP_DRAIN_S)
             remove_cgroups(cgroup)
-        sandboxes = {s for s in sandboxes if not s.startswith(_SLOT_PREFIX)}  # warm slots are no sandboxes
+        sandboxes = {s for s in sandboxes if not s.startswith(_SLOT_PREFIX) or s in taken}  # warm slots are none
         for path in layout.dirs(f"{NSJAIL_CGROUP_ROOT}/{daemon_id}"):
             try:
                 os.rmdir(path)
@@ -1009,16 +1014,20 @@ class _Slot:
             layout.remove(self.cgroup, timeout_s=0.5)
             raise failure[0]
 
-    def claim(self, cgroup: str) -> bool:
-        """Renames the slot's cgroup to the sandbox's; False (and the slot released) if
-        that fails."""
+    def claim(self, cgroup: str, sandbox_id: str) -> bool:
+        """Makes the slot's cgroup the sandbox's: renamed to `cgroup` (v1), or, where
+        cgroups cannot be renamed (v2), kept and marked with the sandbox's id, its path
+        then the sandbox's (self.cgroup). False (and the slot released) if that fails."""
         try:
-            self._layout.rename(self.cgroup, cgroup)
+            if self._layout.renames:
+                self._layout.rename(self.cgroup, cgroup)
+                self.cgroup = cgroup
+            else:
+                self._layout.mark(self.cgroup, sandbox_id)
         except OSError as exc:
             log.warning("cannot use spawn slot %s for %s: %s", self.cgroup, cgroup, exc)
             self.release(remove=True)  # its waiting nsjail and cgroup go too
             return False
-        self.cgroup = cgroup
         return True
 
     def run(self, spawn: Callable[[Callable[[], None] | None], subprocess.Popen]) -> subprocess.Popen:
@@ -1104,19 +1113,27 @@ class _SlotPool:
                 self._filler.start()
             self._cond.notify_all()
 
-    def take(self, daemon_id: str, cgroup: str, limits: dict[str, str] | None = None) -> _Slot | None:
-        """A ready slot renamed to `cgroup`, or None (the caller spawns the slow way).
-        `limits` are the call's: slots made from now on write them ahead."""
+    def take(self, daemon_id: str, cgroup: str, sandbox_id: str = "",
+             limits: dict[str, str] | None = None) -> _Slot | None:
+        """A ready slot claimed for the sandbox (its cgroup is then slot.cgroup: `cgroup`,
+        or on v2 the slot's own), or None (the caller spawns the slow way). `limits` are
+        the call's: slots made from now on write them ahead. done() takes the cgroup the
+        sandbox ended up in."""
         self.want(daemon_id)
         while True:
             with self._cond:
-                self._running[cgroup] = time.monotonic()
+                taken = time.monotonic()
+                self._running[cgroup] = taken
                 if limits:
                     self._limits = dict(limits)
                 ready = self._ready.get(daemon_id)
                 slot = ready.pop() if ready else None
                 self._cond.notify_all()
-            if slot is None or slot.claim(cgroup):
+            if slot is None or slot.claim(cgroup, sandbox_id or cgroup.rpartition("/")[2]):
+                if slot is not None and slot.cgroup != cgroup:
+                    with self._cond:
+                        self._running.pop(cgroup, None)
+                        self._running[slot.cgroup] = taken
                 return slot
 
     def _short(self) -> str | None:
