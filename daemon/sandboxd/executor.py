@@ -343,7 +343,8 @@ class CallRun:
         p = self.prepared
         return EventDraft(ev.SANDBOX_PREPARED, {
             "sandboxId": p.sandbox_id, "engineId": handle.engine_id, "backend": p.backend.name,
-            "specDigest": "sha256:" + hashlib.sha256(canonical_json(p.spec.to_json_dict())).hexdigest(),
+            # handle.spec: as it ran (nsjail on cgroup v2 may keep a spawn slot's cgroup).
+            "specDigest": "sha256:" + hashlib.sha256(canonical_json(handle.spec.to_json_dict())).hexdigest(),
             **({"leaseId": p.call.runtime.lease_id} if p.lease is not None else {}),
         })
 

@@ -81,6 +81,15 @@ mount -t tmpfs -o mode=1777 tmpfs $R/dev/shm
 ln -sf /proc/self/fd $R/dev/fd 2>/dev/null
 mount -t cgroup2 -o nsdelegate cgroup2 $R/sys/fs/cgroup || die "mount cgroup2"
 
+# The caller's working directory (the repo) stays visible even where a fresh tmpfs
+# covers its parent (a clone in /tmp): held aside now, put back after the tmpfs mounts.
+i=0
+for d in $VM_KEEP; do
+    [ -d "$R$d" ] || continue
+    mkdir -p "/keep/$i" && mount --bind "$R$d" "/keep/$i" && echo "$d" >"/keep/$i.path" || die "cannot hold $d"
+    i=$((i + 1))
+done
+
 # Empty, writable state dirs (a fresh boot's /tmp and /run; no daemon state of the host's).
 for d in $VM_TMPFS; do
     mkdir -p "$R$d" 2>/dev/null
@@ -91,6 +100,12 @@ for d in $VM_TMPFS; do
         say "warning: $d does not exist on the host's read-only root: not mounted"
     fi
 done
+for p in /keep/*.path; do
+    [ -e "$p" ] || continue
+    d=$(cat "$p")
+    mkdir -p "$R$d" && mount --bind "${p%.path}" "$R$d" || die "cannot put $d back"
+done
+
 # Writable copies of host dirs that must keep their content (ro mode only: in overlay
 # mode everything is already writable). /root holds /root/.pyenv, the venv's python.
 if [ "$VM_ROOT_MODE" != overlay ]; then

@@ -187,6 +187,7 @@ rm -f "$EXCHANGE/rc" "$EXCHANGE/output.log" "$VMD/started"
     echo "VM_TMPFS=$(shq "$VM_TMPFS")"
     echo "VM_COW=$(shq "$VM_COW")"
     echo "VM_CONTROLLERS=$(shq "$VM_CONTROLLERS")"
+    echo "VM_KEEP=$(shq "$PWD")" # visible in the guest even below one of VM_TMPFS
     echo "VM_MODULES_DIR=$(shq "$KTREE/lib/modules/$KVER")"
     echo "VM_EXTRA_MODULES=$(shq "$EXTRA_MODULES")"
 } >"$VMD/config"

@@ -170,7 +170,7 @@ def run(backend: NsjailBackend, host: Host, argv: list[str], policy: dict | None
         if timed_out:
             backend.kill(handle)
             assert backend.wait(handle, 10), "the jail did not end after kill()"
-        procs_after = cgroup_procs(spec)
+        procs_after = cgroup_procs(handle.spec)  # where the jail is (cgroup v2: maybe its slot's)
         status, usage = backend.collect(handle)
     finally:
         backend.destroy(handle)
@@ -543,8 +543,13 @@ def test_reap_orphans_kills_jails_a_dead_daemon_left(backend, host):
     orphan_daemon = "dead-" + secrets.token_hex(3)
     spec = backend.compile(pol, plan, SandboxIdentity(orphan_daemon, "sbx-orphan", "tc"), argv=("sleep", "300"),
                            image=DEFAULT_IMAGE, stdin_open=False)
+    # From a spawn slot: on cgroup v2 the jail then keeps the slot's cgroup, marked with its id.
+    backend.warm(orphan_daemon)
+    assert wait_for(lambda: backend._slots._ready.get(orphan_daemon), 10 * TIME_SCALE), "no spawn slot was made"
     handle = backend.create(spec)
     host.handles.append(handle)
+    assert backend._jails[handle.sandbox_id].early is not None, "the jail did not come from a slot"
+    spec = handle.spec
     spool = OutputSpool(host.tmp / "orphan", {STDOUT: 1 << 20, STDERR: 1 << 20}, 64)
     backend.start(handle, spool, b"")
     assert wait_for(lambda: len(cgroup_procs(spec)) >= 3, 5)  # nsjail, tini, sleep
@@ -563,6 +568,7 @@ def test_destroy_is_idempotent_and_leaves_nothing(backend, host):
     spec = backend.compile(pol, plan, SandboxIdentity(host.daemon_id, "sbx-destroy", "tc"), argv=("sleep", "300"),
                            image=DEFAULT_IMAGE, stdin_open=False)
     handle = backend.create(spec)
+    spec = handle.spec
     spool = OutputSpool(host.tmp / "destroy", {STDOUT: 1 << 20, STDERR: 1 << 20}, 64)
     backend.start(handle, spool, b"")
     backend.destroy(handle)

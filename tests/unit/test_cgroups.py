@@ -194,3 +194,51 @@ def test_a_cgroup_made_ahead_carries_the_sandbox_it_now_holds(tmp_path):
     assert layout.marked("p/.slot-1") == "sbx-42"
     assert layout.marked("p/gone") is None
     assert V1.renames and not V2.renames
+
+
+def test_v2_make_enables_the_controllers_again_once_a_level_was_removed(tmp_path, monkeypatch):
+    v2_tree(tmp_path)
+    writes = []
+    monkeypatch.setattr(cgroups, "_write", lambda path, value: writes.append(path))
+    layout = V2(str(tmp_path))
+    for rel in ("top", "top/d"):
+        touch(tmp_path / rel / "cgroup.subtree_control", "")
+    layout.make("top/d/s1")
+    os.rmdir(tmp_path / "top" / "d" / "s1")
+    (tmp_path / "top" / "d" / "cgroup.subtree_control").unlink()
+    os.rmdir(tmp_path / "top" / "d")  # a reap removed the daemon's level
+    writes.clear()
+    real_makedirs = os.makedirs
+
+    def makedirs(path, *a, **kw):  # the kernel gives every new cgroup its files
+        real_makedirs(path, *a, **kw)
+        Path(path, "cgroup.subtree_control").touch()
+
+    monkeypatch.setattr(cgroups.os, "makedirs", makedirs)
+    layout.make("top/d/s2")
+    assert f"{tmp_path}/top/d/cgroup.subtree_control" in writes
+
+
+def test_lowering_the_memory_limit_is_told_apart_per_version():
+    v2, v1 = V2("/x"), V1("/x")
+    assert v2.lowers_memory({"memory.max": "100"}, {"memory.max": "200"})
+    assert v2.lowers_memory({"memory.max": "100"}, {})  # nothing written ahead: unlimited before
+    assert v2.lowers_memory({"memory.max": "100"}, {"memory.max": "max"})
+    assert not v2.lowers_memory({"memory.max": "300"}, {"memory.max": "200"})
+    assert not v2.lowers_memory({"memory.max": "200"}, {"memory.max": "200"})
+    key = "memory/memory.limit_in_bytes"
+    assert v1.lowers_memory({key: "100"}, {key: "200"}) and not v1.lowers_memory({key: "300"}, {key: "200"})
+
+
+def test_v1_controllers_mounted_together_are_one_directory(tmp_path):
+    (tmp_path / "cpu,cpuacct").mkdir()
+    for c in ("memory", "pids"):
+        (tmp_path / c).mkdir()
+    os.symlink("cpu,cpuacct", tmp_path / "cpu")
+    os.symlink("cpu,cpuacct", tmp_path / "cpuacct")
+    layout = V1(str(tmp_path))
+    assert layout.dirs("p/s") == [f"{tmp_path}/{c}/p/s" for c in ("memory", "pids", "cpu")]
+    for d in layout.dirs("p/slot"):
+        os.makedirs(d)
+    layout.rename("p/slot", "p/s")  # once per directory: no ENOENT on the second name
+    assert os.path.isdir(f"{tmp_path}/cpuacct/p/s")

@@ -87,6 +87,16 @@ class Layout:
     version = 0
     moves_threads = False
     renames = True  # a cgroup made ahead can take the sandbox's name
+    MEMORY_LIMIT = ""  # the key of the memory limit
+
+    def lowers_memory(self, limits: dict[str, str], present: dict[str, str]) -> bool:
+        """Whether writing `limits` over `present` lowers the memory limit (or sets a
+        first one): v1 then refuses (EBUSY) if usage is above it, but v2 reclaims and
+        OOM-kills what is in the cgroup, so a process waiting there must leave first."""
+        new, old = limits.get(self.MEMORY_LIMIT), present.get(self.MEMORY_LIMIT)
+        if new is None or new == old:
+            return False
+        return old is None or old == "max" or (new != "max" and int(new) < int(old))
 
     def __init__(self, root: str = CGROUP_ROOT):
         self.root = root
@@ -228,8 +238,22 @@ class V1(Layout):
     version = 1
     moves_threads = True
 
+    def __init__(self, root: str = CGROUP_ROOT):
+        super().__init__(root)
+        # Controllers mounted together (systemd's cpu and cpuacct: links to cpu,cpuacct)
+        # are one directory, named once: it is renamed and removed once.
+        seen: set[str] = set()
+        self._controllers: list[str] = []
+        for c in V1_CONTROLLERS:
+            real = os.path.realpath(f"{root}/{c}")
+            if real not in seen:
+                seen.add(real)
+                self._controllers.append(c)
+
     def dirs(self, cgroup: str) -> list[str]:
-        return [f"{self.root}/{c}/{cgroup}" for c in V1_CONTROLLERS]
+        return [f"{self.root}/{c}/{cgroup}" for c in self._controllers]
+
+    MEMORY_LIMIT = "memory/memory.limit_in_bytes"
 
     def pids_dir(self, cgroup: str) -> str:
         return f"{self.root}/pids/{cgroup}"
@@ -280,6 +304,8 @@ class V2(Layout):
         super().__init__(root)
         self._delegating: set[str] = set()  # ancestors whose subtree_control is known done
         self.swap_control: bool | None = None  # memory.swap.max exists (swap accounting on)
+
+    MEMORY_LIMIT = "memory.max"
 
     def dirs(self, cgroup: str) -> list[str]:
         return [f"{self.root}/{cgroup}"]
@@ -338,7 +364,8 @@ class V2(Layout):
 
     def make(self, cgroup: str) -> None:
         parent = cgroup.rpartition("/")[0]
-        if parent not in self._delegating:
+        if parent not in self._delegating or not os.path.isdir(f"{self.root}/{parent}"):
+            self._delegating.clear()  # a level removed since (a reap): made and enabled again
             self._delegate(parent)
         os.makedirs(f"{self.root}/{cgroup}", exist_ok=True)
 

@@ -486,6 +486,10 @@ class NsjailBackend:
             if slot is not None and slot.cgroup != spec.cgroup:
                 spec = dataclasses.replace(spec, cgroup=slot.cgroup)  # v2: the slot's cgroup is kept
             early, slot_early = None, slot.take_early() if slot is not None else None
+            if slot_early is not None and not _cgroups().moves_threads and _cgroups().lowers_memory(limits, slot.limits):
+                # v2 would reclaim, then OOM-kill the waiting nsjail: it goes first, one starts late.
+                slot_early.discard()
+                slot_early = None
             try:
                 # Before the early nsjail reads its config: nothing runs unlimited.
                 _make_cgroups(spec.cgroup, limits, slot.limits if slot is not None else None)
@@ -549,7 +553,7 @@ class NsjailBackend:
         except BaseException as exc:
             for fd in (out_r, err_r):
                 os.close(fd)
-            if isinstance(exc, OSError):
+            if isinstance(exc, (OSError, subprocess.SubprocessError)):  # the latter: a failed preexec_fn (v2 join)
                 raise InternalError(f"cannot start nsjail: {exc}") from None
             raise
         finally:
