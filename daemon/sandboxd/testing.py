@@ -26,6 +26,9 @@ _counter = itertools.count()
 # Waits for a daemon are stretched by this factor on a slow host (the cgroup v2 guest,
 # whose CPU is emulated): SANDBOXD_TEST_TIME_SCALE.
 TIME_SCALE = float(os.environ.get("SANDBOXD_TEST_TIME_SCALE", "1"))
+# The backends the tests run on. A host without Docker (the cgroup v2 guest) names only
+# nsjail: its daemons then default to nsjail.
+TEST_BACKENDS = [b for b in os.environ.get("SANDBOXD_TEST_BACKENDS", "docker,nsjail").split(",") if b]
 
 
 @dataclass
@@ -125,8 +128,8 @@ def make_daemon(base: Path, env: dict[str, str] | None = None, **settings) -> Da
         "secrets_dir": str(base / "secrets"),
     }
     config["egress"].update(settings.pop("egress", {}))
-    if "docker" not in os.environ.get("SANDBOXD_TEST_BACKENDS", "docker").split(","):
-        config["default_backend"] = "nsjail"  # a host without Docker (the cgroup v2 guest)
+    if "docker" not in TEST_BACKENDS:
+        config["default_backend"] = "nsjail"
     config.update(settings)
     d.config.write_text(yaml.safe_dump(config))
     return d

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sandboxd.backends.cgroups import LAYOUT
-from sandboxd.testing import WORKSPACE_UID, DaemonProcess, make_daemon, prepared_call
+from sandboxd.testing import TEST_BACKENDS, WORKSPACE_UID, DaemonProcess, make_daemon, prepared_call
 from sandboxd_client import SandboxdClient
 
 DEFAULT_IMAGE = "sandboxd/default:latest"
@@ -23,9 +23,8 @@ DAEMON_SECRET = "sandboxd-daemon-secret-7f3a91"
 DAEMON_ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SANDBOXD_TEST_DAEMON_SECRET": DAEMON_SECRET,
               "LANG": "C.UTF-8", "TZ": "Europe/Berlin"}
 __all__ = ["WORKSPACE_UID", "call", "sh", "wait_for", "sandbox_containers"]
-# The backends the conformance suite runs on. A host without Docker (the cgroup v2
-# guest of test_cgroup_v2.py) names only nsjail: its daemons then default to nsjail.
-BACKENDS = [b for b in os.environ.get("SANDBOXD_TEST_BACKENDS", "docker,nsjail").split(",") if b]
+# The backends the conformance suite runs on (SANDBOXD_TEST_BACKENDS).
+BACKENDS = TEST_BACKENDS
 
 
 def docker_client():

@@ -62,12 +62,6 @@ def test_v2_without_a_cpu_quota_says_max_and_without_swap_accounting_writes_no_s
     assert "memory.swap.max" not in limits
 
 
-def test_v2_swap_accounting_is_read_from_a_child_cgroup_when_not_checked_yet(tmp_path):
-    v2_tree(tmp_path)
-    touch(tmp_path / "system.slice" / "memory.swap.max", "max\n")
-    assert V2(str(tmp_path)).limits(1 << 20, 8, 0, 100_000)["memory.swap.max"] == "0"
-
-
 def test_v1_limits_keep_the_controller_in_the_key(tmp_path):
     touch(tmp_path / "memory" / "memory.memsw.limit_in_bytes")
     layout = V1(str(tmp_path))
@@ -219,15 +213,16 @@ def test_v2_make_enables_the_controllers_again_once_a_level_was_removed(tmp_path
     assert f"{tmp_path}/top/d/cgroup.subtree_control" in writes
 
 
-def test_lowering_the_memory_limit_is_told_apart_per_version():
-    v2, v1 = V2("/x"), V1("/x")
-    assert v2.lowers_memory({"memory.max": "100"}, {"memory.max": "200"})
-    assert v2.lowers_memory({"memory.max": "100"}, {})  # nothing written ahead: unlimited before
-    assert v2.lowers_memory({"memory.max": "100"}, {"memory.max": "max"})
-    assert not v2.lowers_memory({"memory.max": "300"}, {"memory.max": "200"})
-    assert not v2.lowers_memory({"memory.max": "200"}, {"memory.max": "200"})
+def test_only_v2_evicts_for_a_lower_memory_limit():
+    v2 = V2("/x")
+    assert v2.evicts({"memory.max": "100"}, {"memory.max": "200"})
+    assert v2.evicts({"memory.max": "100"}, {})  # nothing written ahead: unlimited before
+    assert v2.evicts({"memory.max": "100"}, {"memory.max": "max"})
+    assert not v2.evicts({"memory.max": "300"}, {"memory.max": "200"})
+    assert not v2.evicts({"memory.max": "200"}, {"memory.max": "200"})
+    assert not v2.evicts({"memory.max": "max"}, {"memory.max": "200"})
     key = "memory/memory.limit_in_bytes"
-    assert v1.lowers_memory({key: "100"}, {key: "200"}) and not v1.lowers_memory({key: "300"}, {key: "200"})
+    assert not V1("/x").evicts({key: "100"}, {key: "200"})  # v1 refuses the write instead (EBUSY)
 
 
 def test_v1_controllers_mounted_together_are_one_directory(tmp_path):

@@ -84,19 +84,13 @@ class Layout:
     """The host's cgroup hierarchy as the sandboxes use it. Limits are keyed
     "<directory key>/<file>": the controller on v1, "" on v2."""
 
-    version = 0
     moves_threads = False
     renames = True  # a cgroup made ahead can take the sandbox's name
-    MEMORY_LIMIT = ""  # the key of the memory limit
 
-    def lowers_memory(self, limits: dict[str, str], present: dict[str, str]) -> bool:
-        """Whether writing `limits` over `present` lowers the memory limit (or sets a
-        first one): v1 then refuses (EBUSY) if usage is above it, but v2 reclaims and
-        OOM-kills what is in the cgroup, so a process waiting there must leave first."""
-        new, old = limits.get(self.MEMORY_LIMIT), present.get(self.MEMORY_LIMIT)
-        if new is None or new == old:
-            return False
-        return old is None or old == "max" or (new != "max" and int(new) < int(old))
+    def evicts(self, limits: dict[str, str], present: dict[str, str]) -> bool:
+        """Whether writing `limits` over `present` may OOM-kill a process already in the
+        cgroup. Not on v1: a memory limit below the usage is refused there (EBUSY)."""
+        return False
 
     def __init__(self, root: str = CGROUP_ROOT):
         self.root = root
@@ -235,7 +229,6 @@ class Layout:
 
 
 class V1(Layout):
-    version = 1
     moves_threads = True
 
     def __init__(self, root: str = CGROUP_ROOT):
@@ -252,8 +245,6 @@ class V1(Layout):
 
     def dirs(self, cgroup: str) -> list[str]:
         return [f"{self.root}/{c}/{cgroup}" for c in self._controllers]
-
-    MEMORY_LIMIT = "memory/memory.limit_in_bytes"
 
     def pids_dir(self, cgroup: str) -> str:
         return f"{self.root}/pids/{cgroup}"
@@ -297,15 +288,12 @@ class V1(Layout):
 
 
 class V2(Layout):
-    version = 2
     renames = False  # cgroup2 has no rename (kernel: cgroup1_rename only)
 
     def __init__(self, root: str = CGROUP_ROOT):
         super().__init__(root)
         self._delegating: set[str] = set()  # ancestors whose subtree_control is known done
-        self.swap_control: bool | None = None  # memory.swap.max exists (swap accounting on)
-
-    MEMORY_LIMIT = "memory.max"
+        self.swap_control = False  # memory.swap.max exists (swap accounting on): check() says
 
     def dirs(self, cgroup: str) -> list[str]:
         return [f"{self.root}/{cgroup}"]
@@ -315,8 +303,6 @@ class V2(Layout):
 
     def limits(self, memory_bytes: int, pids_max: int, cpu_quota_us: int, cpu_period_us: int) -> dict[str, str]:
         limits = {"memory.max": str(memory_bytes)}
-        if self.swap_control is None:
-            self.swap_control = _has_swap_control(self.root)
         if self.swap_control:
             limits["memory.swap.max"] = "0"  # no swap, as in Docker
         limits["pids.max"] = str(pids_max)
@@ -383,16 +369,10 @@ class V2(Layout):
     def enter_thread(self, cgroup: str) -> None:
         raise CgroupUnavailable("cgroup v2 moves whole processes only")
 
-
-def _has_swap_control(root: str) -> bool:
-    """Whether memory.swap.max exists below the root (swap accounting is on)."""
-    try:
-        for e in os.scandir(root):
-            if e.is_dir(follow_symlinks=False):
-                return os.path.exists(f"{e.path}/memory.swap.max")
-    except OSError:
-        pass
-    return False
+    def evicts(self, limits: dict[str, str], present: dict[str, str]) -> bool:
+        # A memory.max below the usage is accepted: the kernel reclaims, then OOM-kills.
+        new, old = limits.get("memory.max"), present.get("memory.max", "max")
+        return new is not None and new != old and new != "max" and (old == "max" or int(new) < int(old))
 
 
 def cgroup_usage(rel: str, root: str = CGROUP_ROOT) -> ResourceUsage:

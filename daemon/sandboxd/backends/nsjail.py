@@ -21,7 +21,7 @@ How a jail runs:
   (sandboxd-nsjail/<daemon id>/<sandbox id>). Moving a task between cgroups waits for
   an RCU grace period (5-15 ms on an idle host), so nsjails are started ahead of the
   calls, each in a cgroup of its own (a "slot") that create() renames to the sandbox's
-  name.
+  name (v2 renames no cgroup: the sandbox keeps the slot's, marked with its id).
 - Output: the jail's stdout and stderr are two pipes that one thread reads into the
   OutputSpool; stdin is the call's bytes then EOF, or /dev/null.
 
@@ -486,8 +486,8 @@ class NsjailBackend:
             if slot is not None and slot.cgroup != spec.cgroup:
                 spec = dataclasses.replace(spec, cgroup=slot.cgroup)  # v2: the slot's cgroup is kept
             early, slot_early = None, slot.take_early() if slot is not None else None
-            if slot_early is not None and not _cgroups().moves_threads and _cgroups().lowers_memory(limits, slot.limits):
-                # v2 would reclaim, then OOM-kill the waiting nsjail: it goes first, one starts late.
+            if slot_early is not None and _cgroups().evicts(limits, slot.limits):
+                # The limit would OOM-kill the waiting nsjail (v2): it goes first, one starts late.
                 slot_early.discard()
                 slot_early = None
             try:
@@ -1117,7 +1117,7 @@ class _SlotPool:
                 self._filler.start()
             self._cond.notify_all()
 
-    def take(self, daemon_id: str, cgroup: str, sandbox_id: str = "",
+    def take(self, daemon_id: str, cgroup: str, sandbox_id: str,
              limits: dict[str, str] | None = None) -> _Slot | None:
         """A ready slot claimed for the sandbox (its cgroup is then slot.cgroup: `cgroup`,
         or on v2 the slot's own), or None (the caller spawns the slow way). `limits` are
@@ -1133,7 +1133,7 @@ class _SlotPool:
                 ready = self._ready.get(daemon_id)
                 slot = ready.pop() if ready else None
                 self._cond.notify_all()
-            if slot is None or slot.claim(cgroup, sandbox_id or cgroup.rpartition("/")[2]):
+            if slot is None or slot.claim(cgroup, sandbox_id):
                 if slot is not None and slot.cgroup != cgroup:
                     with self._cond:
                         self._running.pop(cgroup, None)
