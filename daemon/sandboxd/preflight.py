@@ -6,6 +6,7 @@ compilers need."""
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from dataclasses import dataclass, field
@@ -45,21 +46,28 @@ def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+@functools.lru_cache(maxsize=64)
+def _resolved(paths: tuple[os.PathLike | str, ...]) -> tuple[str, ...]:
+    """The daemon's configured places, resolved once: nine realpath walks a call were a
+    fifth of a leased command's admission. (Its own paths; a workspace's are resolved
+    at every call.)"""
+    return tuple(os.path.realpath(p) for p in paths)
+
+
 def resolve_workspace(raw: str, settings: DaemonSettings) -> str:
     if not os.path.isabs(raw):
         raise InvalidArgument("must be an absolute host path", field="workspace")
     real = os.path.realpath(raw)
-    roots = [os.path.realpath(r) for r in settings.workspace_roots]
-    if not any(_within(real, r) and real != r for r in roots):
+    if not any(_within(real, r) and real != r for r in _resolved(tuple(settings.workspace_roots))):
         raise PermissionDenied(
             f"{raw} (resolved {real}) is not below a configured workspace root", field="workspace"
         )
     # The daemon's own places: its state, its socket, and what it hands sandboxes (the
     # shim, gates and output FIFOs, secrets, egress sockets), which another sandbox
     # must never see.
-    forbidden = [str(DOCKER_SOCKET), os.path.realpath(DOCKER_SOCKET), os.path.realpath(settings.state_dir),
-                 os.path.realpath(settings.socket_path), os.path.realpath(settings.runtime_dir),
-                 os.path.realpath(settings.secrets_dir), os.path.realpath(settings.egress.socket_dir)]
+    forbidden = (str(DOCKER_SOCKET),) + _resolved((DOCKER_SOCKET, settings.state_dir, settings.socket_path,
+                                                   settings.runtime_dir, settings.secrets_dir,
+                                                   settings.egress.socket_dir))
     for f in forbidden:
         if _within(f, real) or _within(real, f):
             raise PermissionDenied(f"{raw} contains or lies in {f}, which is never mounted", field="workspace")

@@ -5,7 +5,9 @@ every refusal is in the trace, and one tenant's load never locks out another."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import urllib.request
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -14,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sandboxd_client import errors
 from sandboxd_client.approval import public_key_b64, sign_grant
 
-from .conftest import call, sh
+from .conftest import BACKENDS, call, sh
 from .test_tenants import ALICE, BOB, client_as
 
 TOOL_MANAGER = Ed25519PrivateKey.generate()
@@ -118,6 +120,27 @@ def test_unsigned_calls_run_only_for_tools_the_daemon_lets(spare_daemon):
         with pytest.raises(errors.PermissionDenied) as exc:
             c.run(call(ws, ["true"], tool_id="shell.exec"))
         assert "authorization.status" in exc.value.message and "needs a signed grant" in exc.value.message
+
+
+@pytest.mark.parametrize("adapter", BACKENDS)
+def test_a_calls_slot_and_workspace_are_free_once_its_result_arrives(spare_daemon, adapter, docker_engine):
+    # An agent sends its next call the moment it has a result: with one call allowed
+    # and a writable workspace (which a writer holds alone), that call must be admitted.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = spare_daemon(quotas={"concurrent_calls": 8, "per_principal": {"root": 1}},
+                     metrics_address=f"127.0.0.1:{port}").start()
+    ws = d.new_workspace({"out/.keep": ""})
+    writable = {"filesystem": {"readRoots": ["/workspace"], "writeRoots": ["/workspace/out"]}}
+    with d.client() as c:
+        for i in range(12):
+            r = c.run(call(ws, sh(f"echo {i} > /workspace/out/n"), writable,
+                           runtime={"adapter": adapter, "image": "sandboxd/default:latest"}))
+            assert r.result.status == "success", (i, r.result.error)
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            assert "sandboxd_calls_running 0" in metrics.splitlines(), i
+    assert (ws / "out" / "n").read_text() == "11\n"
 
 
 def test_a_principal_past_its_quota_is_refused_without_hurting_others(spare_daemon):

@@ -1135,6 +1135,37 @@ def test_the_index_file_tails_the_log_on_its_own_thread(split):
     assert not tables & {"audit_calls", "audit_paths", "audit_network", "audit_meta"}
 
 
+def test_the_tail_waits_for_a_quiet_log_but_never_longer_than_its_bound(tmp_path, clock):
+    """Indexing at each commit competed with the call that had just committed; the
+    tail batches instead, and a log that never goes quiet is still indexed in time."""
+    log_db = Database(tmp_path / "sandboxd.db")
+    index = audit.AuditIndex(log_db, Database(tmp_path / "audit.db", schema="", durable=False),
+                             quiet_s=1.0, max_delay_s=2.0)
+    log = EventLog(log_db, on_append=index.notify)
+    index.start()
+    try:
+        run_call(log, "tc_first")
+        time.sleep(0.1)
+        assert ids(index.db) == [], "indexed before the log went quiet"
+        # An append every 0.2 s never leaves a quiet second: the bound decides.
+        begun = time.monotonic()
+        n = 0
+        while not ids(index.db):
+            assert time.monotonic() - begun < 6, "a busy log was never indexed"
+            accept(log, f"tc_busy{n}")
+            n += 1
+            time.sleep(0.2)
+        assert "tc_first" in ids(index.db) and n >= 3  # not before the bound, and while appends went on
+        deadline = time.monotonic() + 10
+        while index.lag():  # quiet now: the rest follows within a quiet interval
+            assert time.monotonic() < deadline, "the index never caught up once the log was quiet"
+            time.sleep(0.05)
+    finally:
+        index.stop()
+        index.db.close()
+        log_db.close()
+
+
 def test_sync_brings_the_index_to_the_logs_head(split):
     log_db, index, log = split  # no thread: only sync indexes
     run_call(log, "tc_a", argv=("echo", "a"))

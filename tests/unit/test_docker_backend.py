@@ -344,6 +344,15 @@ def test_results_encode_as_parse_dict_encodes_them(effects):
     assert result_to_pb(result).SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
 
 
+def test_a_result_field_the_contract_lacks_is_an_error_not_dropped():
+    from google.protobuf import json_format
+
+    from sandboxd.service import result_to_pb
+
+    with pytest.raises(json_format.ParseError, match="noSuchField"):
+        result_to_pb({"toolCallId": "tc_1", "usage": {"latencyMs": 1, "noSuchField": 2}})
+
+
 # ------------------------------------------------------------------ output FIFOs
 
 

@@ -395,6 +395,7 @@ def test_the_daemons_own_directories_are_never_a_workspace(host, place):
     inside = host.roots / "daemon-place"
     inside.mkdir()
     os.chown(inside, WORKSPACE_UID, WORKSPACE_GID)
+    assert resolve_workspace(str(inside), host.settings) == str(inside)  # the places resolved once: by value
     settings = host.settings.model_copy(update={place: inside})
     refused(PermissionDenied, resolve_workspace, str(inside), settings)
     below = inside / "ws"
