@@ -27,7 +27,13 @@ build/libsandboxd-fanotify.so: native/fanotify-reader.c
 	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
 	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ $< -lpthread
 
-native: build/sandbox-shim build/libsandboxd-fanotify.so
+# The peer-credential relay's byte pump, loaded by the daemon with ctypes.
+build/libsandboxd-relay.so: native/relay.c
+	@mkdir -p build
+	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
+	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ $< -lpthread
+
+native: build/sandbox-shim build/libsandboxd-fanotify.so build/libsandboxd-relay.so
 
 docker:
 	scripts/ensure-docker.sh

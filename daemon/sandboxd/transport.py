@@ -4,11 +4,12 @@ grpc-python cannot see a peer's credentials, so the daemon accepts connections i
 reads SO_PEERCRED, and relays each connection to its private gRPC socket from a client
 socket bound to a path that names the peer (`<n>.<uid>`). The servicers read the uid
 back from `context.peer()`; only this relay can connect to the private socket (its
-directory is 0700, root's), so the name cannot be forged."""
+directory is 0700, root's), so the name cannot be forged. The bytes are moved by
+native/relay.c, on threads outside the interpreter."""
 
 from __future__ import annotations
 
-import fcntl
+import ctypes
 import itertools
 import logging
 import os
@@ -20,11 +21,39 @@ from pathlib import Path
 
 import grpc
 
-from .errors import Unauthenticated
-from .settings import DaemonSettings
+from .errors import FailedPrecondition, Unauthenticated
+from .settings import REPO_ROOT, DaemonSettings
 
 log = logging.getLogger("sandboxd.transport")
-_RELAY_BYTES = 1 << 20
+# native/relay.c (`make native`).
+RELAY_LIBRARY = REPO_ROOT / "build" / "libsandboxd-relay.so"
+_relay_lib: ctypes.CDLL | None = None
+
+
+def relay_library() -> ctypes.CDLL:
+    """The byte pump (loaded once); FailedPrecondition when it was not built."""
+    global _relay_lib
+    if _relay_lib is None:
+        try:
+            lib = ctypes.CDLL(str(RELAY_LIBRARY), use_errno=True)
+        except OSError as exc:
+            raise FailedPrecondition(f"the relay {RELAY_LIBRARY} cannot be loaded (build it with `make native`): "
+                                     f"{exc}") from None
+        lib.relay_start.argtypes, lib.relay_start.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        _relay_lib = lib
+    return _relay_lib
+
+
+def relay(a: socket.socket, b: socket.socket) -> None:
+    """Moves bytes both ways between two connected sockets until each side has ended,
+    then closes both; the sockets are detached from Python at once."""
+    lib = relay_library()
+    fa, fb = a.detach(), b.detach()
+    if lib.relay_start(fa, fb) != 0:
+        err = ctypes.get_errno()
+        os.close(fa)
+        os.close(fb)
+        raise OSError(err, f"no relay thread: {os.strerror(err)}")
 
 
 @dataclass(frozen=True)
@@ -54,6 +83,7 @@ def peer_uid(context: grpc.ServicerContext, internal_dir: Path) -> int:
 class PeerCredentialRelay:
     def __init__(self, public_path: Path, internal_socket: Path, internal_dir: Path, mode: int,
                  owner: tuple[int, int] | None = None):
+        relay_library()  # refused here, before the socket exists
         self._public_path = public_path
         self._internal_socket = internal_socket
         self._internal_dir = internal_dir
@@ -107,32 +137,4 @@ class PeerCredentialRelay:
             upstream.connect(str(self._internal_socket))
         finally:
             name.unlink(missing_ok=True)  # the bound name stays the socket's address
-        for a, b in ((conn, upstream), (upstream, conn)):
-            threading.Thread(target=_pipe, args=(a, b), daemon=True, name="relay").start()
-
-
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
-    # splice(2) through a pipe: the bytes never enter Python, so the relay costs little
-    # CPU even when a call streams hundreds of MB.
-    r, w = os.pipe()
-    try:
-        try:  # a 1 MiB pipe: a sixteenth of the splices of the default 64 KiB
-            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, _RELAY_BYTES)
-        except OSError:
-            pass
-        while True:
-            n = os.splice(src.fileno(), w, _RELAY_BYTES)
-            if n == 0:
-                break
-            while n:
-                n -= os.splice(r, dst.fileno(), n)
-    except OSError:
-        pass
-    finally:
-        os.close(r)
-        os.close(w)
-        for s, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
-            try:
-                s.shutdown(how)
-            except OSError:
-                pass
+        relay(conn, upstream)

@@ -1,0 +1,134 @@
+"""The relay's byte pump (native/relay.c through transport.relay): bytes both ways,
+unchanged and in order, each side's end passed on, and both descriptors closed once
+both directions have ended."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from sandboxd.transport import relay
+
+
+def open_sockets() -> set[str]:
+    """What this process's descriptors point at ("socket:[inode]")."""
+    out = set()
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            out.add(os.readlink(f"/proc/self/fd/{n}"))
+        except OSError:
+            pass  # listdir's own descriptor, closed by now
+    return out
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.fixture
+def linked():
+    """client <-> [relay: a | b] <-> server, as the daemon wires a connection."""
+    client, a = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    b, server = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    relayed = {f"socket:[{os.fstat(s.fileno()).st_ino}]" for s in (a, b)}
+    relay(a, b)
+    assert a.fileno() == -1 and b.fileno() == -1, "the relay owns the descriptors now"
+    yield client, server, relayed
+    client.close()
+    server.close()
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def test_bytes_cross_both_ways_in_order(linked):
+    client, server, _ = linked
+    client.sendall(b"request")
+    assert recv_exactly(server, 7) == b"request"
+    server.sendall(b"answer one|")
+    server.sendall(b"answer two")
+    assert recv_exactly(client, 21) == b"answer one|answer two"
+
+
+def test_a_large_stream_arrives_whole_while_the_other_way_talks(linked):
+    client, server, _ = linked
+    data = os.urandom(3 << 20) * 4  # 12 MiB: many splices of the 1 MiB pipe
+    got = hashlib.sha256()
+    received = 0
+
+    def read_all():
+        nonlocal received
+        while received < len(data):
+            chunk = client.recv(1 << 20)
+            if not chunk:
+                return
+            got.update(chunk)
+            received += len(chunk)
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    client.sendall(b"ping")  # the other direction, meanwhile
+    server.sendall(data)
+    reader.join(30)
+    assert received == len(data) and got.digest() == hashlib.sha256(data).digest()
+    assert recv_exactly(server, 4) == b"ping"
+
+
+def test_each_sides_end_reaches_the_other_and_then_both_descriptors_close(linked):
+    client, server, relayed = linked
+    client.sendall(b"last words")
+    client.shutdown(socket.SHUT_WR)
+    assert recv_exactly(server, 10) == b"last words"
+    assert server.recv(1) == b"", "the client's end is passed on"
+    server.sendall(b"still answering")  # a half-closed link still carries the other way
+    assert recv_exactly(client, 15) == b"still answering"
+    server.close()
+    assert client.recv(1) == b"", "the server's end is passed on"
+    # Both directions ended: the relay's two descriptors are gone from this process.
+    assert wait_for(lambda: not relayed & open_sockets())
+
+
+def test_the_relay_holds_its_descriptors_while_a_direction_is_open(linked):
+    client, server, relayed = linked
+    client.shutdown(socket.SHUT_WR)
+    assert server.recv(1) == b""
+    time.sleep(0.1)
+    assert relayed <= open_sockets(), "closed while the server could still answer"
+    server.sendall(b"ok")
+    assert recv_exactly(client, 2) == b"ok"
+
+
+def test_a_peer_that_vanishes_ends_the_link(linked):
+    client, server, relayed = linked
+    server.close()  # the daemon's gRPC side goes away
+    assert client.recv(1) == b""
+    client.close()
+    assert wait_for(lambda: not relayed & open_sockets())
+
+
+def test_a_daemon_without_the_built_pump_is_refused_with_the_way_to_build_it(monkeypatch, tmp_path):
+    from sandboxd import transport
+    from sandboxd.errors import FailedPrecondition
+
+    monkeypatch.setattr(transport, "RELAY_LIBRARY", tmp_path / "missing.so")
+    monkeypatch.setattr(transport, "_relay_lib", None)
+    with pytest.raises(FailedPrecondition, match="make native"):
+        transport.PeerCredentialRelay(tmp_path / "public.sock", tmp_path / "internal.sock", tmp_path, 0o660)
+    assert not (tmp_path / "public.sock").exists()
