@@ -33,7 +33,13 @@ build/libsandboxd-relay.so: native/relay.c
 	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
 	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ $< -lpthread
 
-native: build/sandbox-shim build/libsandboxd-fanotify.so build/libsandboxd-relay.so
+# Starts nsjail inside a sandbox's cgroup on cgroup v2 (joins it, then execs).
+build/sandboxd-cgroup-exec: native/cgroup-exec.c
+	@mkdir -p build
+	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
+	gcc -static -O2 -Wall -Wextra -o $@ $< 2>&1 | { grep -v 'statically linked' || true; }
+
+native: build/sandbox-shim build/libsandboxd-fanotify.so build/libsandboxd-relay.so build/sandboxd-cgroup-exec
 
 docker:
 	scripts/ensure-docker.sh

@@ -406,12 +406,7 @@ class PoolManager:
             reserved = True
             handle = t.backend.create(spec)
             t.backend.start(handle, spool, b"")
-            listener.settimeout(READY_TIMEOUT_S)
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                raise InternalError(f"the supervisor of {sandbox_id} did not call in: "
-                                    f"{spool.summary(STDERR).preview[-300:]!r}") from None
+            conn = _await_supervisor(listener, t.backend, handle, spool)
             conn.settimeout(READY_TIMEOUT_S)
             if conn.recv(16) != b"R":
                 conn.close()
@@ -588,6 +583,24 @@ def _memfd(content: bytes) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _await_supervisor(listener: socket.socket, backend, handle: SandboxHandle, spool: OutputSpool) -> socket.socket:
+    """The supervisor's connection, once it calls in. A sandbox that ends first is
+    reported then, not after the whole wait."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise InternalError(f"the supervisor of {handle.sandbox_id} did not call in within {READY_TIMEOUT_S:.0f} s: "
+                                f"{spool.summary(STDERR).preview[-300:]!r}")
+        if select.select([listener], [], [], min(left, 0.1))[0]:
+            return listener.accept()[0]
+        if backend.wait(handle, 0):
+            status, _ = backend.collect(handle)
+            raise InternalError(f"the sandbox {handle.sandbox_id} ended before its supervisor called in (exit code "
+                                f"{status.exit_code}{', ' + status.signal if status.signal else ''}): "
+                                f"{spool.summary(STDERR).preview[-300:]!r}")
 
 
 class LeaseBackend:

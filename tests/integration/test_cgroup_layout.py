@@ -32,7 +32,7 @@ def cgroup():
 
 
 def start(layout, name, argv, **kw) -> subprocess.Popen:
-    return subprocess.Popen(argv, preexec_fn=layout.joiner(name), stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    return layout.popen_in(name)(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
 def test_limits_are_written_as_the_layout_spells_them_and_read_back(cgroup):

@@ -9,12 +9,14 @@ import hashlib
 import json
 import signal
 import threading
+import time
 
 import pytest
 
+from sandboxd.pools import READY_TIMEOUT_S
 from sandboxd_client import errors
 
-from .conftest import BUSYBOX_IMAGE, call, leftover_sandboxes, nsjail_sandbox_ids, sh, wait_for
+from .conftest import BACKENDS, BUSYBOX_IMAGE, call, leftover_sandboxes, nsjail_sandbox_ids, sh, wait_for
 from .test_tenants import ALICE, BOB, client_as
 
 
@@ -336,6 +338,26 @@ def test_a_crashed_warm_sandbox_is_replaced(spare_daemon, docker_engine):
         fresh = c.acquire_sandbox(str(ws))
         assert c.run(leased(ws, fresh, ["echo", "ok"])).stdout == b"ok\n"
         c.release_sandbox(fresh.lease_id)
+
+
+@pytest.mark.parametrize("adapter", BACKENDS)
+def test_a_warm_sandbox_that_cannot_start_is_refused_at_once_with_its_reason(spare_daemon, docker_engine, adapter):
+    # One pid: the sandbox's init cannot fork its supervisor. The acquire says so when
+    # the sandbox ends, not after the supervisor's whole wait, and leaves nothing behind.
+    d = spare_daemon(pools={"min_idle": 0, "max_size": 2}).start()
+    ws = d.new_workspace()
+    with d.client() as c:
+        begun = time.monotonic()
+        with pytest.raises(errors.Internal) as exc:
+            c.acquire_sandbox(str(ws), {"process": {"maxPids": 1}}, adapter=adapter)
+        assert time.monotonic() - begun < READY_TIMEOUT_S / 2
+        # tini's fork (or, on nsjail, nsjail's own clone: it counts in the cgroup too) hit the limit.
+        assert "temporarily unavailable" in exc.value.message, exc.value.message
+        assert wait_for(lambda: not leftover_sandboxes(docker_engine, d), timeout_s=20)
+        # The pool is usable with a policy that lets the sandbox start.
+        lease = c.acquire_sandbox(str(ws), adapter=adapter)
+        assert c.run(leased(ws, lease, ["echo", "ok"], adapter=adapter)).stdout == b"ok\n"
+        c.release_sandbox(lease.lease_id)
 
 
 def test_a_lease_that_expires_mid_command_ends_after_the_command(pooled, docker_engine):

@@ -5,6 +5,7 @@ tests/integration/test_cgroup_v2.py in a guest whose only hierarchy is v2)."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -173,11 +174,37 @@ def test_v2_never_moves_a_thread(tmp_path):
     assert not V2(str(tmp_path)).moves_threads and V1(str(tmp_path)).moves_threads
 
 
-def test_the_joiner_writes_the_writer_itself_into_every_directory(tmp_path):
+def test_a_process_is_started_by_the_helper_that_writes_itself_into_every_directory(tmp_path):
     layout = V1(str(tmp_path))
     files = [touch(Path(d) / "cgroup.procs") for d in layout.dirs("s")]
-    layout.joiner("s")()
+    out = tmp_path / "ran"
+    proc = layout.popen_in("s")(["/bin/sh", "-c", f"echo $$ > {out}"], stdout=subprocess.DEVNULL)
+    assert proc.wait(10) == 0
     assert [f.read_text() for f in files] == ["0"] * 4
+    assert out.read_text().strip() == str(proc.pid), "the helper execs the command: one process"
+
+
+def test_a_failed_join_runs_nothing_and_says_why(tmp_path):
+    layout = V2(str(tmp_path))  # no such cgroup.procs
+    out = tmp_path / "ran"
+    with pytest.raises(OSError, match=r"cannot start in cgroup s: cannot open .*/s/cgroup.procs: No such file"):
+        layout.popen_in("s")(["/bin/sh", "-c", f"touch {out}"])
+    assert not out.exists()
+
+
+def test_a_command_the_helper_cannot_run_is_an_error_too(tmp_path):
+    layout = V2(str(tmp_path))
+    touch(Path(layout.dirs("s")[0]) / "cgroup.procs")
+    with pytest.raises(OSError, match="cannot run /no/such/program"):
+        layout.popen_in("s")(["/no/such/program"])
+
+
+def test_the_helpers_status_pipe_is_not_left_to_the_command(tmp_path):
+    layout = V2(str(tmp_path))
+    touch(Path(layout.dirs("s")[0]) / "cgroup.procs")
+    proc = layout.popen_in("s")(["/bin/sh", "-c", "ls /proc/self/fd"], stdout=subprocess.PIPE, close_fds=True)
+    fds = sorted(int(n) for n in proc.communicate(timeout=10)[0].split())
+    assert fds == [0, 1, 2, 3], fds  # stdio and ls's own directory: nothing of the helper's
 
 
 def test_a_cgroup_made_ahead_carries_the_sandbox_it_now_holds(tmp_path):

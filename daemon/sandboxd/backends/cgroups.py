@@ -6,9 +6,9 @@ spelled, how processes are put in it, counted, killed and how it goes away.
   daemon moves itself in and every process it spawns is born there.
 - v2 (unified): one directory, the controllers enabled in each ancestor's
   cgroup.subtree_control (no process may sit in an ancestor: the sandbox cgroups are
-  leaves under a tree of the daemon's own). Only whole processes move, so a process is
-  put in its cgroup by the child itself between fork and exec (`joiner`): it never runs
-  a line of its program outside it.
+  leaves under a tree of the daemon's own). Only whole processes move, so a process
+  starts as a small helper (native/cgroup-exec.c) that joins the cgroup and then execs
+  the program (`popen_in`): it never runs a line of its program outside it.
 
 The sandbox's relative path (sandboxd-nsjail/<daemon id>/<sandbox id>) is the same on
 both; the layout is detected once, from the host's mounts.
@@ -17,12 +17,20 @@ both; the layout is detected once, from the host's mounts.
 from __future__ import annotations
 
 import os
+import select
 import signal
+import subprocess
 import threading
 import time
 from typing import Callable
 
+from ..settings import REPO_ROOT
 from . import CGROUP_ROOT, ResourceUsage
+
+# native/cgroup-exec.c (`make native`): joins cgroups, then execs the program.
+JOIN_EXEC = REPO_ROOT / "build" / "sandboxd-cgroup-exec"
+# How long the helper may take to join and exec before the spawn counts as failed.
+JOIN_TIMEOUT_S = 30.0
 
 V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 V2_CONTROLLERS = ("memory", "pids", "cpu")
@@ -213,19 +221,51 @@ class Layout:
         """Moves the calling thread into the cgroup (v1 only)."""
         raise NotImplementedError
 
-    def joiner(self, cgroup: str) -> Callable[[], None]:
-        """A preexec_fn that puts the freshly forked child into the cgroup before it execs."""
-        paths = [f"{d}/cgroup.procs" for d in self.dirs(cgroup)]
+    def popen_in(self, cgroup: str) -> Callable[..., subprocess.Popen]:
+        """subprocess.Popen, except that the process is born in the cgroup: it starts as
+        the join helper (JOIN_EXEC), which writes itself into the cgroup's cgroup.procs
+        and then execs the command. Returns once the command runs; OSError (and nothing
+        ran) when the join failed. No Python runs between fork and exec (a preexec_fn
+        did, in a child of the threaded daemon, and once in a while hung there), and
+        the spawn may vfork."""
+        procs = [f"{d}/cgroup.procs" for d in self.dirs(cgroup)]
 
-        def join() -> None:
-            for path in paths:
-                fd = os.open(path, os.O_WRONLY)
-                try:
-                    os.write(fd, b"0")  # "0": the writer itself
-                finally:
-                    os.close(fd)
+        def popen(args, **kwargs) -> subprocess.Popen:
+            status_r, status_w = os.pipe2(os.O_CLOEXEC)
+            try:
+                kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), status_w)
+                proc = subprocess.Popen([str(JOIN_EXEC), str(status_w), *procs, "--", *args], **kwargs)
+            except BaseException:
+                os.close(status_r)
+                raise
+            finally:
+                os.close(status_w)
+            try:
+                why = _read_to_eof(status_r, JOIN_TIMEOUT_S)
+            finally:
+                os.close(status_r)
+            if why is None or why:
+                if why is None:
+                    proc.kill()
+                proc.wait()
+                raise OSError(f"cannot start in cgroup {cgroup}: {why or 'the join helper did not finish'}")
+            return proc
 
-        return join
+        return popen
+
+
+def _read_to_eof(fd: int, timeout_s: float) -> str | None:
+    """What is written to the pipe until its last writer closes it; None past the timeout."""
+    deadline = time.monotonic() + timeout_s
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return b"".join(chunks).decode(errors="replace")
+        chunks.append(chunk)
 
 
 class V1(Layout):

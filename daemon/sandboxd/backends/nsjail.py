@@ -14,8 +14,8 @@ How a jail runs:
   and limited here, not by nsjail: nsjail would put the jail in a child cgroup it
   deletes when the jail ends, taking the OOM-kill count with it. nsjail itself is born
   in it: spawned by a thread that moved itself there first (v1 moves single threads;
-  a thread's children inherit its cgroups), or, on v2, moved by its own child process
-  between fork and exec. So everything of the sandbox, nsjail included, is in one
+  a thread's children inherit its cgroups), or, on v2, started as a static helper that
+  joins the cgroup and then execs nsjail. So everything of the sandbox, nsjail included, is in one
   cgroup: kill() kills its process list, collect() reads peak memory, CPU time and OOM
   kills from it after the end, reap_orphans() finds it by path
   (sandboxd-nsjail/<daemon id>/<sandbox id>). Moving a task between cgroups waits for
@@ -538,11 +538,11 @@ class NsjailBackend:
         out_r, out_w, err_r, err_w = _output_pipes()
         command = spec.command(f"/proc/self/fd/{jail.config_fd}", jail.log_fd)
 
-        def spawn(preexec_fn: Callable[[], None] | None) -> subprocess.Popen:
+        def spawn(popen: Callable[..., subprocess.Popen]) -> subprocess.Popen:
             # An empty environment: nsjail passes nothing of its own anyway (keep_env: false).
-            return subprocess.Popen(command, env={}, cwd="/", close_fds=True, pass_fds=(jail.config_fd, jail.log_fd),
-                                    stdin=subprocess.PIPE if spec.stdin_open else subprocess.DEVNULL,
-                                    stdout=out_w, stderr=err_w, start_new_session=True, preexec_fn=preexec_fn)
+            return popen(command, env={}, cwd="/", close_fds=True, pass_fds=(jail.config_fd, jail.log_fd),
+                         stdin=subprocess.PIPE if spec.stdin_open else subprocess.DEVNULL,
+                         stdout=out_w, stderr=err_w, start_new_session=True)
 
         try:
             if jail.slot is not None:
@@ -553,7 +553,7 @@ class NsjailBackend:
         except BaseException as exc:
             for fd in (out_r, err_r):
                 os.close(fd)
-            if isinstance(exc, (OSError, subprocess.SubprocessError)):  # the latter: a failed preexec_fn (v2 join)
+            if isinstance(exc, (OSError, subprocess.SubprocessError)):  # OSError too: a failed join (v2)
                 raise InternalError(f"cannot start nsjail: {exc}") from None
             raise
         finally:
@@ -877,20 +877,21 @@ def _make_cgroups(cgroup: str, limits: dict[str, str], present: dict[str, str] |
     layout.write_limits(cgroup, limits, present or {})
 
 
-def _spawn_in_cgroup(cgroup: str, spawn: Callable[[Callable[[], None] | None], subprocess.Popen]) -> subprocess.Popen:
-    """Runs `spawn(preexec_fn)` so that the process it starts is born in the sandbox's
-    cgroup and no task of the sandbox ever runs outside it. v1: on a fresh thread that
-    first moves itself there (the caller's thread never changes cgroup); v2: the child
-    joins it between fork and exec."""
+def _spawn_in_cgroup(cgroup: str, spawn: Callable[[Callable[..., subprocess.Popen]], subprocess.Popen]
+                     ) -> subprocess.Popen:
+    """Runs `spawn(popen)` so that the process it starts is born in the sandbox's cgroup
+    and no task of the sandbox ever runs outside it. v1: on a fresh thread that first
+    moves itself there (the caller's thread never changes cgroup); v2: the process
+    starts as the join helper (Layout.popen_in)."""
     layout = _cgroups()
     if not layout.moves_threads:
-        return spawn(layout.joiner(cgroup))
+        return spawn(layout.popen_in(cgroup))
     result: dict[str, Any] = {}
 
     def run() -> None:
         try:
             layout.enter_thread(cgroup)
-            result["proc"] = spawn(None)
+            result["proc"] = spawn(subprocess.Popen)
         except BaseException as exc:  # handed to the caller
             result["error"] = exc
 
@@ -921,7 +922,7 @@ class _Early:
     err_r: int
 
     @classmethod
-    def spawn(cls, binary: str, preexec_fn: Callable[[], None] | None = None) -> "_Early":
+    def spawn(cls, binary: str, popen: Callable[..., subprocess.Popen] = subprocess.Popen) -> "_Early":
         config_r, config_w = os.pipe2(os.O_CLOEXEC)
         made = [config_r, config_w]
         try:
@@ -932,9 +933,9 @@ class _Early:
             made += [in_r, in_w]
             out_r, out_w, err_r, err_w = _output_pipes()
             made += [out_r, out_w, err_r, err_w]
-            proc = subprocess.Popen(nsjail_command(binary, f"/proc/self/fd/{config_r}", log_fd), env={}, cwd="/",
-                                    close_fds=True, pass_fds=(config_r, log_fd), stdin=in_r, stdout=out_w,
-                                    stderr=err_w, start_new_session=True, preexec_fn=preexec_fn)
+            proc = popen(nsjail_command(binary, f"/proc/self/fd/{config_r}", log_fd), env={}, cwd="/",
+                         close_fds=True, pass_fds=(config_r, log_fd), stdin=in_r, stdout=out_w,
+                         stderr=err_w, start_new_session=True)
         except BaseException:
             for fd in made:
                 os.close(fd)
@@ -985,7 +986,7 @@ class _Slot:
             try:
                 if not binary:
                     raise InternalError("a v2 spawn slot needs the nsjail binary")
-                self.early = _Early.spawn(binary, layout.joiner(self.cgroup))  # born in this cgroup
+                self.early = _Early.spawn(binary, layout.popen_in(self.cgroup))  # born in this cgroup
             except BaseException:
                 layout.remove(self.cgroup, timeout_s=0.5)
                 raise
@@ -1034,9 +1035,9 @@ class _Slot:
             return False
         return True
 
-    def run(self, spawn: Callable[[Callable[[], None] | None], subprocess.Popen]) -> subprocess.Popen:
+    def run(self, spawn: Callable[[Callable[..., subprocess.Popen]], subprocess.Popen]) -> subprocess.Popen:
         """Spawns into the slot's cgroup: from the slot's thread (v1), which then ends,
-        or by the child joining it (v2)."""
+        or as the join helper (v2)."""
         if self._thread is None:
             return _spawn_in_cgroup(self.cgroup, spawn)
         done = threading.Event()
@@ -1044,7 +1045,7 @@ class _Slot:
 
         def job() -> None:
             try:
-                result["proc"] = spawn(None)
+                result["proc"] = spawn(subprocess.Popen)
             except BaseException as exc:  # handed to the caller
                 result["error"] = exc
             finally:
