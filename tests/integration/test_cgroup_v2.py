@@ -26,13 +26,14 @@ REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "scripts" / "cgroup2-vm" / "run.sh"
 # The guest emulates its CPU (this host's KVM runs no stock kernel), some 25 times
 # slower: it runs what the cgroups decide, every test of the backend and of the real
-# layout, and the conformance tests of limits and of the process tree's life. (Not the
-# pools': once in three runs there a warm sandbox's supervisor missed its 30 s to call in.)
+# layout, the conformance tests of limits and of the process tree's life, and the
+# pools' tests on nsjail (warm sandboxes born in slots' cgroups, leftovers found there).
 SELECTION = [
     "tests/integration/test_cgroup_layout.py", "tests/integration/test_nsjail_backend.py",
-    "tests/integration/test_execute.py", "tests/integration/test_lifecycle.py",
-    "-k", "cgroup_layout or nsjail_backend or (nsjail and (lifecycle or timeout or background or memory or "
-          "fork_bomb or cpu_quota or cancel or disconnect or success_result or exit_code or output_flood))",
+    "tests/integration/test_execute.py", "tests/integration/test_lifecycle.py", "tests/integration/test_pools.py",
+    "-k", "cgroup_layout or nsjail_backend or (test_pools and nsjail) or (nsjail and (lifecycle or timeout or "
+          "background or memory or fork_bomb or cpu_quota or cancel or disconnect or success_result or exit_code or "
+          "output_flood))",
     # Exports images with dockerd, which the guest has not.
     "--deselect", "tests/integration/test_nsjail_backend.py::"
                   "test_exports_of_images_the_engine_no_longer_has_are_pruned_unless_mounted",
