@@ -9,7 +9,7 @@ the whole call, end to end through gRPC; after each call (untimed) a forensic qu
 waits for the index to catch up, and its time is reported too. "paired" is the median
 of each round's on/off ratio (the two ran back to back).
 
-    .venv/bin/python bench/file_access.py [-n 7] [--files 3000]
+    .venv/bin/python bench/file_access.py [-n 7] [--files 3000] [--only 'nsjail: git status']
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=7)
     ap.add_argument("--files", type=int, default=3000)
+    ap.add_argument("--only", default="", help="measure only the rows whose name contains this")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="sandboxd-bench-fa-", dir="/tmp"))
     base.chmod(0o755)
@@ -79,6 +80,8 @@ def main() -> int:
         mounts = {"read-only": {}, "writable": {"filesystem": {"writeRoots": ["/workspace"]}}}
         for adapter in ("docker", "nsjail"):
             for (name, argv), (mode, fs) in ((w, m) for w in workloads.items() for m in mounts.items()):
+                if args.only not in f"{adapter}: {name}, {mode}":
+                    continue
                 times = {True: [], False: []}
                 catch_up = {True: [], False: []}
                 events = {True: 0, False: 0}
