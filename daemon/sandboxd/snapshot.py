@@ -11,6 +11,7 @@ changed since the last call are read again."""
 
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
 import os
@@ -321,7 +322,25 @@ def file_events(accesses: Iterable[Access], changes: list[dict[str, Any]], befor
             out.append(c)
         elif c.get("replaced"):
             seen["replaced"] = True
-    return out
+    return [_printable(e) for e in out]
+
+
+def _printable(entry: dict[str, Any]) -> dict[str, Any]:
+    """A name that is not UTF-8 (Linux names are bytes; here they are decoded with
+    surrogateescape) would make the record invalid JSON and the result an invalid
+    message: it is recorded printable, its bytes as "\\xe9", and exactly in base64 beside
+    it ("pathBase64", "renamedToBase64")."""
+    for key in ("path", "renamedTo"):
+        name = entry.get(key)
+        if name is None or name.isascii():
+            continue
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            raw = name.encode("utf-8", "surrogateescape")
+            entry[key] = raw.decode("utf-8", "backslashreplace")
+            entry[f"{key}Base64"] = base64.b64encode(raw).decode()
+    return entry
 
 
 def effects(events: list[dict[str, Any]]) -> dict[str, list[str]]:

@@ -212,3 +212,32 @@ def test_without_the_fanotify_reader_recorded_calls_are_refused_and_others_run(s
         plain = c.run(call(ws, ["cat", "a.txt"], {"audit": {"recordFileAccess": False}}))
         assert plain.result.status == "success" and plain.stdout == b"a"
     assert "file-access recording unavailable" in d.log()
+
+
+def test_names_that_are_not_utf8_are_recorded_with_their_exact_bytes(client, daemon):
+    # Linux names are bytes: a repository can hold any. The record stays valid JSON (and
+    # the result a valid message): the name printable, its bytes in base64 beside it.
+    import base64
+    import os
+
+    ws = daemon.new_workspace({"keep.txt": "k\n"})
+    odd = os.path.join(os.fsencode(ws), b"caf\xe9.txt")  # Latin-1, not UTF-8
+    with open(odd, "wb") as f:
+        f.write(b"latin\n")
+    os.chown(odd, 1000, 1000)
+    writable = {"filesystem": {"writeRoots": ["/workspace"]}}
+    out = client.run(call(ws, sh("cat /workspace/caf*.txt"), writable))
+    assert out.result.status == "success", (out.result.error, out.stderr)
+    assert out.stdout == b"latin\n"
+    read = [a for a in accesses(client, out.tool_call_id) if a["operation"] == "read"]
+    assert [a["path"] for a in read] == ["/workspace/caf\\xe9.txt"]
+    assert base64.b64decode(read[0]["pathBase64"]) == b"/workspace/caf\xe9.txt"
+    assert list(out.result.effects_observed.reads) == ["/workspace/caf\\xe9.txt"]
+    # (In a second call: a read is named where the file is when its event is read.)
+    out = client.run(call(ws, sh("mv /workspace/caf*.txt /workspace/$(printf 'x\\377')"), writable))
+    assert out.result.status == "success", (out.result.error, out.stderr)
+    [renamed] = [a for a in accesses(client, out.tool_call_id) if a["operation"] == "rename"]
+    assert renamed["path"] == "/workspace/caf\\xe9.txt" and renamed["renamedTo"] == "/workspace/x\\xff"
+    assert base64.b64decode(renamed["renamedToBase64"]) == b"/workspace/x\xff"
+    assert list(out.result.effects_observed.writes) == ["/workspace/x\\xff"]
+    assert [r.tool_call_id for r in client.query_calls(path="/workspace/x\\xff", workspace=str(ws)).calls] == [out.tool_call_id]

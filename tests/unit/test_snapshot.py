@@ -277,6 +277,24 @@ def test_watched_writes_carry_the_content_they_found_and_left():
     assert effects(events) == {"reads": ["/w/read"], "writes": ["/w/edit", "/w/new", "/w/tmp"], "deletes": []}
 
 
+def test_names_that_are_not_utf8_are_printable_and_exact_in_base64():
+    import base64
+
+    from sandboxd_client.canonical import canonical_json
+
+    odd, other = os.fsdecode(b"/w/caf\xe9"), os.fsdecode(b"/w/x\xff\xfe")
+    events = file_events([Access(odd, 1, 0), Access("/w/caf\u00e9-utf8", 1, 0)],
+                         [{"path": odd, "operation": "rename", "renamedTo": other}], {}, {})
+    assert events == [
+        {"path": "/w/caf\\xe9", "pathBase64": base64.b64encode(b"/w/caf\xe9").decode(), "operation": "read",
+         "opens": 1, "writes": 0},
+        {"path": "/w/caf\u00e9-utf8", "operation": "read", "opens": 1, "writes": 0},  # valid UTF-8: as it is
+        {"path": "/w/caf\\xe9", "pathBase64": base64.b64encode(b"/w/caf\xe9").decode(), "operation": "rename",
+         "renamedTo": "/w/x\\xff\\xfe", "renamedToBase64": base64.b64encode(b"/w/x\xff\xfe").decode()},
+    ]
+    canonical_json(events)  # what the commit does with them: no UnicodeEncodeError
+
+
 def test_effects_count_rename_targets_and_chmods_as_writes():
     events = [{"path": "/w/a", "operation": "rename", "renamedTo": "/w/b"}, {"path": "/w/c", "operation": "delete"},
               {"path": "/w/s", "operation": "chmod"}, {"path": "/w/r", "operation": "read"}]
