@@ -570,7 +570,7 @@ def _file_record(accesses: list[Access], watch: FileWatch, before: snapshot.Snap
                                   "unreadable): see sha256BeforeMissing / sha256AfterMissing")
     events = snapshot.file_events(accesses, changes, before.entries if before else {},
                                   after.entries if after else {})
-    return FileRecord(events, incomplete)
+    return FileRecord(events, [snapshot.printable(gap) for gap in incomplete])  # gaps name paths
 
 
 def _artifact_json(r: ArtifactRecord) -> dict[str, Any]:

@@ -332,15 +332,22 @@ def _printable(entry: dict[str, Any]) -> dict[str, Any]:
     it ("pathBase64", "renamedToBase64")."""
     for key in ("path", "renamedTo"):
         name = entry.get(key)
-        if name is None or name.isascii():
-            continue
-        try:
-            name.encode()
-        except UnicodeEncodeError:
-            raw = name.encode("utf-8", "surrogateescape")
-            entry[key] = raw.decode("utf-8", "backslashreplace")
-            entry[f"{key}Base64"] = base64.b64encode(raw).decode()
+        if name is not None and printable(name) is not name:
+            entry[key] = printable(name)
+            entry[f"{key}Base64"] = base64.b64encode(name.encode("utf-8", "surrogateescape")).decode()
     return entry
+
+
+def printable(text: str) -> str:
+    """`text` itself when it is valid UTF-8; else with its undecodable bytes as "\\xe9"
+    (a name decoded with surrogateescape, or a message that quotes one)."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def effects(events: list[dict[str, Any]]) -> dict[str, list[str]]:

@@ -11,7 +11,7 @@ import pytest
 
 from sandboxd import snapshot
 from sandboxd.filewatch import Access
-from sandboxd.snapshot import Entry, HashBudget, HashCache, diff, effects, file_events, take
+from sandboxd.snapshot import Entry, HashBudget, HashCache, diff, effects, file_events, printable, take
 
 
 def h(data: bytes) -> str:
@@ -293,6 +293,8 @@ def test_names_that_are_not_utf8_are_printable_and_exact_in_base64():
          "renamedTo": "/w/x\\xff\\xfe", "renamedToBase64": base64.b64encode(b"/w/x\xff\xfe").decode()},
     ]
     canonical_json(events)  # what the commit does with them: no UnicodeEncodeError
+    gap = f"{odd}: not examined (Permission denied)"
+    assert printable(gap) == "/w/caf\\xe9: not examined (Permission denied)" and printable("/w/é") == "/w/é"
 
 
 def test_effects_count_rename_targets_and_chmods_as_writes():
