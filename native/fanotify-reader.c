@@ -262,15 +262,21 @@ static ssize_t sandbox_path(struct watch *w, int fd, char *out) {
 }
 
 /* One read of the group's queue, every event in it counted and its descriptor closed.
- * Returns how many events were read (0: none were queued), or -errno. */
+ * Returns how many events were read (0: none were queued), or -errno. The lock is held
+ * from the read to the last count: a drain that finds the queue empty knows that every
+ * event read before it, by any thread, is counted (a caller may drain for itself while
+ * the reader thread drains too). */
 long fw_drain(void *handle) {
     struct watch *w = handle;
+    pthread_mutex_lock(&w->lock);
     ssize_t len = read(w->fan_fd, w->buf, READ_BYTES);
-    if (len < 0)
-        return errno == EAGAIN ? 0 : -errno;
+    if (len < 0) {
+        int err = errno;
+        pthread_mutex_unlock(&w->lock);
+        return err == EAGAIN ? 0 : -err;
+    }
     char path[PATH_MAX];
     long events = 0;
-    pthread_mutex_lock(&w->lock);
     struct fanotify_event_metadata *m = (struct fanotify_event_metadata *)w->buf;
     while (FAN_EVENT_OK(m, len)) {
         events++;

@@ -184,7 +184,6 @@ class FileWatch:
         if len(set(self.mounts)) == 1 and lib.fw_only_mount(self._fw, os.fsencode(self.mounts[0])) != 0:
             raise FileWatchError(f"{self.mounts[0]}: path too long")
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
-        self._syncs: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
         self._settled = False  # every event read, and none can have come since (collect)
         self._thread = threading.Thread(target=self._read, daemon=True, name="filewatch")
         self._thread.start()
@@ -241,12 +240,15 @@ class FileWatch:
         return self._counted()
 
     def _sync(self) -> None:
-        """Returns once the reader has read everything queued before this call."""
-        done = threading.Event()
-        self._syncs.put(done)
-        os.write(self._stop_w, b"s")
-        if not self._thread.is_alive() or not done.wait(10):  # a dead reader answers nothing
-            log.error("the file watch of pid %d did not answer; its records may be incomplete", self.pid)
+        """Returns once everything queued before this call is counted: drained here, on
+        the caller's thread (fw_drain holds the table's lock from its read to its last
+        count, so what the reader thread took meanwhile is counted too). A round trip
+        to the reader thread cost a leased command two thread switches."""
+        try:
+            while self._drain():
+                pass
+        except Exception as exc:  # noqa: BLE001 - the call's record says it is incomplete
+            log.error("the file watch of pid %d could not be read: %s; its records may be incomplete", self.pid, exc)
             self.unanswered = True
 
     def stop(self) -> list[Access]:
@@ -278,12 +280,10 @@ class FileWatch:
         while True:
             ready = {fd for fd, _ in poller.poll(None if not stopping else 0)}
             if self._stop_r in ready:
-                # "s": read everything queued, then answer each waiting _sync; "x": stop.
+                # "x": stop, once everything queued is read.
                 stopping = b"x" in os.read(self._stop_r, 4096) or stopping
                 while self._drain():
                     pass
-                while not self._syncs.empty():
-                    self._syncs.get().set()
             if self._fd in ready or stopping:
                 read = self._drain()
                 if not read and stopping:
