@@ -483,8 +483,8 @@ class CallRun:
         # Accesses go in batches: a test run touches thousands of files, and one event
         # per path would cost the log more than the run.
         listed = files.events
-        drafts = [EventDraft(ev.FILE_ACCESS, {"accesses": listed[i:i + FILE_EVENTS_PER_BATCH]})
-                  for i in range(0, len(listed), FILE_EVENTS_PER_BATCH)]
+        batches = [listed[i:i + FILE_EVENTS_PER_BATCH] for i in range(0, len(listed), FILE_EVENTS_PER_BATCH)]
+        drafts = [EventDraft(ev.FILE_ACCESS, {"accesses": b}, payload_json=snapshot.accesses_json(b)) for b in batches]
         if files.incomplete:
             drafts.append(EventDraft(ev.FILE_ACCESS, {"accesses": [], "incomplete": files.incomplete}))
         drafts += [EventDraft(ev.NETWORK_ACCESS, c.to_event()) for c in connections]

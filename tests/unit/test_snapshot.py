@@ -297,6 +297,33 @@ def test_names_that_are_not_utf8_are_printable_and_exact_in_base64():
     assert printable(gap) == "/w/caf\\xe9: not examined (Permission denied)" and printable("/w/é") == "/w/é"
 
 
+def test_access_batches_are_spelled_exactly_as_canonical_json_spells_them():
+    import random
+
+    from sandboxd.snapshot import accesses_json
+    from sandboxd_client.canonical import canonical_json
+
+    rng = random.Random(7)
+    alphabet = ["a", "/", " ", '"', "\\", "\n", "\t", "\x00", "\x1f", "\x7f", "é", "€", "\u2028", "😀", "\ufeff"]
+    entries = []
+    for i in range(400):
+        path = "/workspace/" + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        entry = {"path": path, "operation": rng.choice(["read", "write"]), "opens": rng.randint(0, 2**40),
+                 "writes": rng.randint(0, 3)}
+        kind = i % 5
+        if kind == 1:
+            entry["sha256Before"], entry["sha256After"] = "", "sha256:" + "0" * 64  # a write with its hashes
+        elif kind == 2:
+            entry = {"path": path, "operation": "rename", "renamedTo": path + "é"}
+        elif kind == 3:
+            entry["opens"] = True  # not an int: never the template (JSON says true, not 1)
+        entries.append(entry)
+    assert accesses_json(entries) == canonical_json({"accesses": entries}).decode()
+    assert accesses_json([]) == canonical_json({"accesses": []}).decode()
+    events = file_events([Access("/w/a\"b", 3, 0), Access("/w/c", 1, 2)], [], {}, {})
+    assert accesses_json(events) == canonical_json({"accesses": events}).decode()
+
+
 def test_effects_count_rename_targets_and_chmods_as_writes():
     events = [{"path": "/w/a", "operation": "rename", "renamedTo": "/w/b"}, {"path": "/w/c", "operation": "delete"},
               {"path": "/w/s", "operation": "chmod"}, {"path": "/w/r", "operation": "read"}]
