@@ -19,7 +19,7 @@ venv: $(STAMP)
 build/sandbox-shim: native/sandbox-shim.c
 	@mkdir -p build
 	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
-	gcc -static -O2 -Wall -Wextra -o $@ $< 2>&1 | { grep -v 'statically linked' || true; }
+	set -o pipefail; gcc -static -O2 -Wall -Wextra -o $@ $< 2>&1 | { grep -v 'statically linked' || true; }
 
 # File-access recording's event reader, loaded by the daemon with ctypes.
 build/libsandboxd-fanotify.so: native/fanotify-reader.c
@@ -37,7 +37,7 @@ build/libsandboxd-relay.so: native/relay.c
 build/sandboxd-cgroup-exec: native/cgroup-exec.c
 	@mkdir -p build
 	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
-	gcc -static -O2 -Wall -Wextra -o $@ $< 2>&1 | { grep -v 'statically linked' || true; }
+	set -o pipefail; gcc -static -O2 -Wall -Wextra -o $@ $< 2>&1 | { grep -v 'statically linked' || true; }
 
 native: build/sandbox-shim build/libsandboxd-fanotify.so build/libsandboxd-relay.so build/sandboxd-cgroup-exec
 

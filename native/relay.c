@@ -76,7 +76,8 @@ static void *run(void *arg) {
 }
 
 /* 0 on success; -1 (errno set) when no thread could be started: the caller still owns
- * the descriptors then. */
+ * the descriptors then; 1 (errno set) when only one could: the connection is ended
+ * (the relay still owns and closes the descriptors). */
 int relay_start(int a, int b) {
     struct link *l = calloc(1, sizeof *l);
     struct direction *ab = calloc(1, sizeof *ab), *ba = calloc(1, sizeof *ba);
@@ -117,6 +118,9 @@ int relay_start(int a, int b) {
             pthread_mutex_destroy(&l->lock);
             free(l);
         }
+        pthread_attr_destroy(&attr);
+        errno = err;
+        return 1;
     }
     pthread_attr_destroy(&attr);
     return 0;

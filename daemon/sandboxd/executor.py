@@ -321,10 +321,12 @@ class CallRun:
         latency_ms = int((time.monotonic() - t0) * 1000)
         with self._cond:
             cancel_reason = self._cancel_reason
+        recorded = False
         try:
             files = _file_record(accesses, watch, before, after) if watch is not None else FileRecord()
             self._finish(status, usage, latency_ms, timed_out, cancel_reason, failure, connections, dropped, overflow,
                          files)
+            recorded = True
         except Exception:
             log.exception("recording the result of %s failed", self.tool_call_id)
             self._executor._forget(self)
@@ -332,9 +334,14 @@ class CallRun:
                 self._result = _error_result(self.tool_call_id, "INTERNAL", "the result could not be recorded")
                 self._cond.notify_all()
         finally:
-            # After the result is out: six file operations (a third of a millisecond)
-            # off the caller's path. A crash before it leaves files the next start removes.
-            self.spool.discard()
+            if recorded:
+                # After the result is out: six file operations (a third of a millisecond)
+                # off the caller's path. Unrecorded, the spool stays for the next start,
+                # which recovers the call from it.
+                try:
+                    self.spool.discard()
+                except OSError:
+                    log.exception("removing the spool of %s failed", self.tool_call_id)
             self._executor.checkpoint()
             self._executor._ended(self)
 

@@ -244,6 +244,9 @@ class FileWatch:
         the caller's thread (fw_drain holds the table's lock from its read to its last
         count, so what the reader thread took meanwhile is counted too). A round trip
         to the reader thread cost a leased command two thread switches."""
+        if not self._thread.is_alive():
+            # A reader that died lost what it had read: the record cannot be complete.
+            self.unanswered = True
         try:
             while self._drain():
                 pass
@@ -255,6 +258,8 @@ class FileWatch:
         """What the call touched, in path order (the queue drained first)."""
         # No new events from here on (what is queued stays queued and is read below).
         _libc.fanotify_mark(self._fd, FAN_MARK_FLUSH | FAN_MARK_MOUNT, 0, AT_FDCWD, None)
+        if not self._thread.is_alive():
+            self.unanswered = True  # the reader died: what it had read is lost
         os.write(self._stop_w, b"x")
         self._thread.join(10)
         if self._thread.is_alive():
@@ -271,6 +276,13 @@ class FileWatch:
         return self._counted()
 
     def _read(self) -> None:
+        try:
+            self._read_until_stopped()
+        except Exception:  # e.g. the kernel could not make an event's descriptor (EMFILE): it is gone
+            log.exception("the file watch of pid %d stopped reading; its records are incomplete", self.pid)
+            self.unanswered = True
+
+    def _read_until_stopped(self) -> None:
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         poller.register(self._stop_r, select.POLLIN)

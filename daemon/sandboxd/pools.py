@@ -589,12 +589,14 @@ def _await_supervisor(listener: socket.socket, backend, handle: SandboxHandle, s
     """The supervisor's connection, once it calls in. A sandbox that ends first is
     reported then, not after the whole wait."""
     deadline = time.monotonic() + READY_TIMEOUT_S
+    poller = select.poll()  # not select: the daemon's descriptors go past 1023
+    poller.register(listener, select.POLLIN)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise InternalError(f"the supervisor of {handle.sandbox_id} did not call in within {READY_TIMEOUT_S:.0f} s: "
                                 f"{spool.summary(STDERR).preview[-300:]!r}")
-        if select.select([listener], [], [], min(left, 0.1))[0]:
+        if poller.poll(min(left, 0.1) * 1000):
             return listener.accept()[0]
         if backend.wait(handle, 0):
             status, _ = backend.collect(handle)

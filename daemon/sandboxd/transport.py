@@ -49,11 +49,15 @@ def relay(a: socket.socket, b: socket.socket) -> None:
     then closes both; the sockets are detached from Python at once."""
     lib = relay_library()
     fa, fb = a.detach(), b.detach()
-    if lib.relay_start(fa, fb) != 0:
+    started = lib.relay_start(fa, fb)
+    if started < 0:
         err = ctypes.get_errno()
         os.close(fa)
         os.close(fb)
         raise OSError(err, f"no relay thread: {os.strerror(err)}")
+    if started == 1:  # the relay ends the connection and closes both itself
+        err = ctypes.get_errno()
+        raise OSError(err, f"only one relay thread: {os.strerror(err)}; the connection was ended")
 
 
 @dataclass(frozen=True)

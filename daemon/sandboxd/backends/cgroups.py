@@ -242,25 +242,32 @@ class Layout:
                 os.close(status_w)
             try:
                 why = _read_to_eof(status_r, JOIN_TIMEOUT_S)
-            finally:
-                os.close(status_r)
-            if why is None or why:
-                if why is None:
+                if why is None or why:
+                    raise OSError(f"cannot start in cgroup {cgroup}: {why or 'the join helper did not finish'}")
+            except BaseException:
+                if proc.poll() is None:
                     proc.kill()
                 proc.wait()
-                raise OSError(f"cannot start in cgroup {cgroup}: {why or 'the join helper did not finish'}")
+                if proc.stdin is not None:
+                    proc.stdin.close()
+                raise
+            finally:
+                os.close(status_r)
             return proc
 
         return popen
 
 
 def _read_to_eof(fd: int, timeout_s: float) -> str | None:
-    """What is written to the pipe until its last writer closes it; None past the timeout."""
+    """What is written to the pipe until its last writer closes it; None past the timeout.
+    (poll, not select: the daemon's descriptors go past 1023.)"""
     deadline = time.monotonic() + timeout_s
     chunks = []
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
     while True:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not poller.poll(left * 1000):
             return None
         chunk = os.read(fd, 4096)
         if not chunk:

@@ -293,6 +293,10 @@ class NsjailBackend:
             cgroups.LAYOUT.check(NSJAIL_CGROUP_ROOT)
         except cgroups.CgroupUnavailable as exc:
             raise BackendUnavailable(str(exc)) from None
+        helper = str(cgroups.JOIN_EXEC)
+        if not cgroups.LAYOUT.moves_threads and not (os.access(helper, os.X_OK) and is_static_elf(helper)):
+            raise BackendUnavailable(f"the cgroup join helper {helper} is missing or not static: on cgroup v2 every "
+                                     "jail starts with it; build it with `make native`")
         self._probe()
 
     def _probe(self) -> None:
