@@ -284,12 +284,15 @@ class CallRun:
                     after = self._executor.walk_write_roots(writable)
                 except Exception:
                     log.exception("walking the write roots of %s failed", p.sandbox_id)
-            if arrival is not None:
-                arrival.close()
-            if gate_fd >= 0:
-                os.close(gate_fd)
-            if p.attachments.gate_host_path:
-                Path(p.attachments.gate_host_path).unlink(missing_ok=True)
+            try:  # nothing here may keep the sandbox from being destroyed below
+                if arrival is not None:
+                    arrival.close()
+                if gate_fd >= 0:
+                    os.close(gate_fd)
+                if p.attachments.gate_host_path:
+                    Path(p.attachments.gate_host_path).unlink(missing_ok=True)
+            except OSError:
+                log.exception("removing the file-watch gate of %s failed", p.sandbox_id)
             dropped: int = 0
             overflow: dict = {}
             if p.lease is not None and handle is not None:
@@ -316,7 +319,10 @@ class CallRun:
                 except Exception:
                     log.exception("closing the egress endpoint of %s failed", p.sandbox_id)
             if p.secrets and p.lease is None:
-                self._executor.broker.release(p.sandbox_id)
+                try:
+                    self._executor.broker.release(p.sandbox_id)
+                except Exception:
+                    log.exception("removing the secrets of %s failed", p.sandbox_id)
             self.spool.close()
         latency_ms = int((time.monotonic() - t0) * 1000)
         with self._cond:
