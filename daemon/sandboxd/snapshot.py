@@ -358,8 +358,9 @@ def _printable(entry: dict[str, Any]) -> dict[str, Any]:
     it ("pathBase64", "renamedToBase64")."""
     for key in ("path", "renamedTo"):
         name = entry.get(key)
-        if name is not None and printable(name) is not name:
-            entry[key] = printable(name)
+        shown = printable(name) if name is not None else None
+        if shown is not name:
+            entry[key] = shown
             entry[f"{key}Base64"] = base64.b64encode(name.encode("utf-8", "surrogateescape")).decode()
     return entry
 

@@ -60,8 +60,7 @@ import tarfile
 import tempfile
 import threading
 import time
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -488,7 +487,7 @@ class NsjailBackend:
             limits = cgroup_limits(spec)
             slot = self._slots.take(spec.labels[f"{LABEL_PREFIX}daemon_id"], spec.cgroup, sandbox_id, limits)
             if slot is not None and slot.cgroup != spec.cgroup:
-                spec = dataclasses.replace(spec, cgroup=slot.cgroup)  # v2: the slot's cgroup is kept
+                spec = replace(spec, cgroup=slot.cgroup)  # v2: the slot's cgroup is kept
             early, slot_early = None, slot.take_early() if slot is not None else None
             if slot_early is not None and _cgroups().evicts(limits, slot.limits):
                 # The limit would OOM-kill the waiting nsjail (v2): it goes first, one starts late.
@@ -557,7 +556,7 @@ class NsjailBackend:
         except BaseException as exc:
             for fd in (out_r, err_r):
                 os.close(fd)
-            if isinstance(exc, (OSError, subprocess.SubprocessError)):  # OSError too: a failed join (v2)
+            if isinstance(exc, OSError):  # a failed join (v2) too
                 raise InternalError(f"cannot start nsjail: {exc}") from None
             raise
         finally:
