@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -50,9 +51,14 @@ def to_json(message) -> dict[str, Any]:
     return json_format.MessageToDict(message, preserving_proto_field_name=False, always_print_fields_with_no_presence=True)
 
 
+def _output_refs(result: pb.ToolResult) -> list[pb.ArtifactRef]:
+    return [ref for ref in result.artifacts if ref.kind in ("stdout", "stderr")]
+
+
 @dataclass
 class CallOutcome:
-    """What a finished Execute stream delivered."""
+    """A finished call: its result and its whole stored output (events: those of the
+    Execute stream it came from, if it came from one)."""
 
     tool_call_id: str
     result: pb.ToolResult
@@ -117,19 +123,20 @@ class SandboxdClient:
         return ExecuteStream(self._exec.Execute(pb.ExecuteRequest(call=build_call(call)), timeout=timeout_s))
 
     def run(self, call: dict[str, Any] | pb.PreparedToolCall, timeout_s: float | None = None) -> CallOutcome:
-        """Runs a call to the end and collects its output and result."""
-        out, err = bytearray(), bytearray()
-        events: list[pb.ExecuteEvent] = []
-        tool_call_id = ""
-        for event in self.execute(call, timeout_s):
-            events.append(event)
-            tool_call_id = event.tool_call_id
-            kind = event.WhichOneof("kind")
-            if kind == "output":
-                (out if event.output.stream == pb.OUTPUT_STREAM_STDOUT else err).extend(event.output.data)
-            elif kind == "finished":
-                return CallOutcome(tool_call_id, event.finished.result, bytes(out), bytes(err), events)
-        raise SandboxdClientError("the stream ended without a result", tool_call_id)
+        """Runs a call to the end and collects its output and result, in one RPC (Run);
+        output larger than the response holds comes from the artifact store."""
+        try:
+            response = self._exec.Run(pb.RunRequest(call=build_call(call)), timeout=timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        if response.output_inline:
+            return CallOutcome(response.tool_call_id, response.result, response.stdout, response.stderr)
+        output = {}
+        for ref in _output_refs(response.result):
+            sink = io.BytesIO()
+            self.download_artifact(ref.artifact_id, sink)
+            output[ref.kind] = sink.getvalue()
+        return CallOutcome(response.tool_call_id, response.result, output.get("stdout", b""), output.get("stderr", b""))
 
     def cancel(self, tool_call_id: str, reason: str = "") -> bool:
         try:
@@ -301,16 +308,31 @@ class AsyncSandboxdClient:
             raise from_rpc_error(err) from None
 
     async def run(self, call: dict[str, Any] | pb.PreparedToolCall, timeout_s: float | None = None) -> CallOutcome:
-        out, err = bytearray(), bytearray()
-        events: list[pb.ExecuteEvent] = []
-        async for event in self.execute(call, timeout_s):
-            events.append(event)
-            kind = event.WhichOneof("kind")
-            if kind == "output":
-                (out if event.output.stream == pb.OUTPUT_STREAM_STDOUT else err).extend(event.output.data)
-            elif kind == "finished":
-                return CallOutcome(event.tool_call_id, event.finished.result, bytes(out), bytes(err), events)
-        raise SandboxdClientError("the stream ended without a result")
+        """Runs a call to the end (Run) and collects its output and result."""
+        try:
+            response = await self._exec.Run(pb.RunRequest(call=build_call(call)), timeout=timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        if response.output_inline:
+            return CallOutcome(response.tool_call_id, response.result, response.stdout, response.stderr)
+        output = {}
+        for ref in _output_refs(response.result):
+            output[ref.kind] = await self._download(ref.artifact_id)
+        return CallOutcome(response.tool_call_id, response.result, output.get("stdout", b""), output.get("stderr", b""))
+
+    async def _download(self, artifact_id: str) -> bytes:
+        data = bytearray()
+        ref = None
+        try:
+            async for chunk in self._artifacts.DownloadArtifact(pb.DownloadArtifactRequest(artifact_id=artifact_id)):
+                if chunk.HasField("artifact"):
+                    ref = chunk.artifact
+                data += chunk.data
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        if ref is None or ref.content_hash != "sha256:" + hashlib.sha256(data).hexdigest():
+            raise SandboxdClientError(f"artifact {artifact_id}: its content does not match its hash")
+        return bytes(data)
 
     async def cancel(self, tool_call_id: str, reason: str = "") -> bool:
         try:

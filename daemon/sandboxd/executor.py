@@ -101,11 +101,17 @@ class CallRun:
         self._cancel_reason = ""
         self._handle: SandboxHandle | None = None
         self._thread = threading.Thread(target=self._run, name=f"call-{tool_call_id}", daemon=True)
+        self._ran = threading.Event()  # set once the run has ended, on whichever thread
         self.accepted_event_id = last_event_id
 
     # -- control ------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    def run_here(self) -> None:
+        """Runs the call on the caller's thread (a caller that only waits for the
+        result: a thread of its own and the hand-offs to it cost more than the command)."""
+        self._run()
 
     def cancel(self, reason: str) -> bool:
         with self._cond:
@@ -121,8 +127,17 @@ class CallRun:
         return True
 
     def join(self, timeout_s: float | None = None) -> bool:
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        return self._ran.wait(timeout_s)
+
+    def finished(self, is_active=lambda: True) -> "tuple[dict[str, Any], str] | None":
+        """(the result, its ToolCallFinished event id) once there is one; None if the
+        caller went away first."""
+        with self._cond:
+            while self._result is None:
+                if not is_active():
+                    return None
+                self._cond.wait(0.25)
+            return self._result, self._result_event_id
 
     @property
     def result(self) -> dict[str, Any] | None:
@@ -350,6 +365,7 @@ class CallRun:
                     log.exception("removing the spool of %s failed", self.tool_call_id)
             self._executor.checkpoint()
             self._executor._ended(self)
+            self._ran.set()
 
     def _prepared_event(self, handle: SandboxHandle) -> EventDraft:
         p = self.prepared
@@ -631,6 +647,9 @@ class AttachedRun:
     def stream(self, is_active=lambda: True) -> Iterator[StreamItem]:
         return self._run.stream(is_active)
 
+    def finished(self, is_active=lambda: True) -> "tuple[dict[str, Any], str] | None":
+        return self._run.finished(is_active)
+
 
 class ReplayRun:
     """A call that already finished, answered again from the event log and the artifact
@@ -668,6 +687,10 @@ class ReplayRun:
         for _, f in self._outputs:
             f.close()
         self._outputs = []
+
+    def finished(self, is_active=lambda: True) -> "tuple[dict[str, Any], str] | None":
+        finished = [e for e in self._events if e.type == ev.FINISHED]
+        return self.result, finished[-1].event_id if finished else ""
 
     def cancel(self, reason: str) -> bool:
         return False
@@ -832,10 +855,11 @@ class CallExecutor:
     def create_pool(self, raw: Mapping[str, Any], caller: Principal) -> dict[str, Any]:
         return self.pools.ensure(self._pool_template(raw, caller), caller)
 
-    def submit(self, raw: Mapping[str, Any], caller: Principal) -> "CallRun | AttachedRun | ReplayRun":
+    def submit(self, raw: Mapping[str, Any], caller: Principal, start: bool = True) -> "CallRun | AttachedRun | ReplayRun":
         """Verifies and starts a call. Refusals raise (after being recorded); an
         accepted call's events up to ToolPolicyChecked are durable on return. A retry
-        of an accepted idempotency key gets the first call instead (running or done)."""
+        of an accepted idempotency key gets the first call instead (running or done).
+        With `start` False, a new call is the caller's to run at once (`run_here`)."""
         requested_id = raw.get("toolCallId") if isinstance(raw.get("toolCallId"), str) else ""
         principal = caller.name
         tool_call_id = ""
@@ -967,8 +991,24 @@ class CallExecutor:
             closing = self._closing
         if closing:  # accepted just before shutdown began: it ends at once, recorded
             run.cancel("the daemon is shutting down")
-        run.start()
+        if start:
+            run.start()
         return run
+
+    def stored_output(self, result: Mapping[str, Any], limit: int) -> tuple[bytes, bytes] | None:
+        """A finished call's stored stdout and stderr, read back from the artifact
+        store; None when together they pass `limit` bytes (or are gone)."""
+        named = [a for a in result.get("artifacts", []) if a.get("kind") in ("stdout", "stderr")]
+        if sum(int(a.get("sizeBytes", 0)) for a in named) > limit:
+            return None
+        out = {"stdout": b"", "stderr": b""}
+        try:
+            for a in named:
+                with open(self.artifacts.blob_path(a["contentHash"]), "rb") as f:
+                    out[a["kind"]] = f.read()
+        except FileNotFoundError:
+            return None
+        return out["stdout"], out["stderr"]
 
     def _answer_retry(self, key: str, digest: str, principal: str) -> "AttachedRun | ReplayRun | None":
         """A call already accepted under `key` answers the retry: the running call's

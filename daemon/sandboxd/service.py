@@ -19,7 +19,7 @@ from .artifacts import FileArtifactStore
 from .compile import network_plan
 from .errors import InvalidArgument, NotFound, PermissionDenied, SandboxdError, Unauthenticated
 from .events import EventLog
-from .executor import CallExecutor
+from .executor import CallExecutor, CallRun, ReplayRun
 from .output import STDOUT
 from .settings import DaemonSettings
 from .transport import Principal, peer_uid, resolve_principal
@@ -27,6 +27,9 @@ from .transport import Principal, peer_uid, resolve_principal
 log = logging.getLogger("sandboxd.service")
 TOOL_CALL_ID_KEY = "sandboxd-tool-call-id"
 DOWNLOAD_CHUNK_BYTES = 256 * 1024
+# Run's output in its response: by default, and at most (the channel takes 64 MiB).
+RUN_INLINE_OUTPUT_BYTES = 8 * 1024 * 1024
+RUN_INLINE_OUTPUT_MAX_BYTES = 32 * 1024 * 1024
 
 
 def message_to_json(message) -> dict[str, Any]:
@@ -143,6 +146,30 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
                 out.finished.result.CopyFrom(result_to_pb(item.data))
             yield out
 
+    def Run(self, request: pb.RunRequest, context) -> pb.RunResponse:
+        run = self._executor.submit(call_to_json(request.call), self._authenticate(context), start=False)
+        try:
+            context.set_trailing_metadata(((TOOL_CALL_ID_KEY, run.tool_call_id),))
+            context.add_callback(lambda: run.cancel("the client went away") if run.result is None else None)
+        finally:
+            if isinstance(run, CallRun):
+                run.run_here()  # accepted: it runs whatever happened to the caller
+        try:
+            finished = run.finished(is_active=context.is_active)
+            if finished is None:
+                context.abort(grpc.StatusCode.CANCELLED, "the client went away")
+            result, event_id = finished
+            limit = min(request.max_inline_output_bytes or RUN_INLINE_OUTPUT_BYTES, RUN_INLINE_OUTPUT_MAX_BYTES)
+            output = self._executor.stored_output(result, limit)
+        finally:
+            if isinstance(run, ReplayRun):
+                run.close()
+        response = pb.RunResponse(tool_call_id=run.tool_call_id, event_id=event_id, output_inline=output is not None)
+        response.result.CopyFrom(result_to_pb(result))
+        if output is not None:
+            response.stdout, response.stderr = output
+        return response
+
     def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         if not request.tool_call_id:
             raise InvalidArgument("required", field="toolCallId")
@@ -235,6 +262,9 @@ def add_execution_service(servicer: "ExecutionServicer", server: grpc.Server) ->
     handlers = {
         "Execute": grpc.unary_stream_rpc_method_handler(
             servicer.Execute, request_deserializer=pb.ExecuteRequest.FromString, response_serializer=_serialize_event),
+        "Run": grpc.unary_unary_rpc_method_handler(
+            servicer.Run, request_deserializer=pb.RunRequest.FromString,
+            response_serializer=pb.RunResponse.SerializeToString),
         "Cancel": grpc.unary_unary_rpc_method_handler(
             servicer.Cancel, request_deserializer=pb.CancelRequest.FromString,
             response_serializer=pb.CancelResponse.SerializeToString),

@@ -178,11 +178,17 @@ class AdapterClient(SandboxdClient):
         super().__init__(socket_path)
         self.adapter = adapter
 
-    def execute(self, call, timeout_s=None):
+    def _on_backend(self, call):
         if isinstance(call, dict):
             call = {**call, "runtime": {**call.get("runtime", {})}}
             call["runtime"].setdefault("adapter", self.adapter)
-        return super().execute(call, timeout_s)
+        return call
+
+    def execute(self, call, timeout_s=None):
+        return super().execute(self._on_backend(call), timeout_s)
+
+    def run(self, call, timeout_s=None):
+        return super().run(self._on_backend(call), timeout_s)
 
 
 @pytest.fixture(params=BACKENDS)

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from sandboxd_client import errors
+from sandboxd_client.client import build_call
 from sandboxd_client.canonical import event_hash
 from sandboxd_client.pb import sandboxd_pb2 as pb
 
@@ -434,6 +435,39 @@ def test_client_disconnect_mid_stream_leaves_no_container(client, workspace, doc
     assert wait_for(lambda: not leftover_sandboxes(docker_engine, daemon), timeout_s=10)
     trace = wait_for(lambda: [e for e in client.get_trace(tool_call_id) if e.type == "ToolResultValidated"])
     assert json.loads(trace[0].payload_json)["result"]["status"] == "cancelled"
+
+
+def test_run_answers_with_the_result_and_the_output_in_one_message(client, workspace):
+    request = pb.RunRequest(call=build_call(call(workspace, sh("printf abc; printf def >&2; exit 3"),
+                                                 runtime={"adapter": client.adapter})))
+    response = client._exec.Run(request)
+    assert (response.result.exit_code, response.result.status) == (3, "error")
+    assert (response.stdout, response.stderr, response.output_inline) == (b"abc", b"def", True)
+    trace = client.get_trace(response.tool_call_id)
+    assert response.event_id == next(e.event_id for e in trace if e.type == "ToolCallFinished")
+    assert [e.type for e in trace][-2:] == ["ArtifactPersisted", "ArtifactPersisted"]
+
+
+def test_run_leaves_output_past_its_inline_limit_in_the_artifacts(client, workspace):
+    script = "head -c 5000 /dev/zero | tr '\\0' x"
+    request = pb.RunRequest(call=build_call(call(workspace, sh(script), runtime={"adapter": client.adapter})),
+                            max_inline_output_bytes=4000)
+    response = client._exec.Run(request)
+    assert response.result.status == "success"
+    assert (response.stdout, response.output_inline) == (b"", False)
+    # The client fetches what was not inline (9 MB: over the 8 MiB that Run sends by default).
+    big = client.run(call(workspace, sh("head -c 9000000 /dev/zero | tr '\\0' y")))
+    assert big.result.status == "success" and big.stdout == b"y" * 9_000_000
+
+
+def test_a_run_whose_caller_goes_away_is_cancelled_and_leaves_no_sandbox(client, workspace, docker_engine, daemon):
+    tool_call_id = f"tc-run-gone-{client.adapter}"
+    with pytest.raises(errors.DeadlineExceeded):
+        client.run(call(workspace, sh("sleep 60"), toolCallId=tool_call_id), timeout_s=1.5)
+    assert wait_for(lambda: not leftover_sandboxes(docker_engine, daemon), timeout_s=10)
+    trace = wait_for(lambda: [e for e in client.get_trace(tool_call_id) if e.type == "ToolResultValidated"])
+    result = json.loads(trace[0].payload_json)["result"]
+    assert result["status"] == "cancelled" and result["error"]["message"] == "the client went away"
 
 
 def test_cancel_rpc_stops_a_running_call(client, workspace, docker_engine, daemon):

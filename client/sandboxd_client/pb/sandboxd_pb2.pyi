@@ -335,6 +335,30 @@ class ExecuteEvent(_message.Message):
     finished: CallFinished
     def __init__(self, tool_call_id: _Optional[str] = ..., event_id: _Optional[str] = ..., accepted: _Optional[_Union[CallAccepted, _Mapping]] = ..., started: _Optional[_Union[CallStarted, _Mapping]] = ..., output: _Optional[_Union[OutputChunk, _Mapping]] = ..., finished: _Optional[_Union[CallFinished, _Mapping]] = ...) -> None: ...
 
+class RunRequest(_message.Message):
+    __slots__ = ("call", "max_inline_output_bytes")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    MAX_INLINE_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    call: PreparedToolCall
+    max_inline_output_bytes: int
+    def __init__(self, call: _Optional[_Union[PreparedToolCall, _Mapping]] = ..., max_inline_output_bytes: _Optional[int] = ...) -> None: ...
+
+class RunResponse(_message.Message):
+    __slots__ = ("tool_call_id", "event_id", "result", "stdout", "stderr", "output_inline")
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_INLINE_FIELD_NUMBER: _ClassVar[int]
+    tool_call_id: str
+    event_id: str
+    result: ToolResult
+    stdout: bytes
+    stderr: bytes
+    output_inline: bool
+    def __init__(self, tool_call_id: _Optional[str] = ..., event_id: _Optional[str] = ..., result: _Optional[_Union[ToolResult, _Mapping]] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., output_inline: _Optional[bool] = ...) -> None: ...
+
 class CancelRequest(_message.Message):
     __slots__ = ("tool_call_id", "reason")
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]

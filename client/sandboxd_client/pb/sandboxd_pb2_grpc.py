@@ -39,6 +39,11 @@ class ExecutionServiceStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecuteEvent.FromString,
                 _registered_method=True)
+        self.Run = channel.unary_unary(
+                '/sandboxd.v1.ExecutionService/Run',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.RunRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.RunResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/sandboxd.v1.ExecutionService/Cancel',
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.CancelRequest.SerializeToString,
@@ -55,6 +60,12 @@ class ExecutionServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Execute(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Run(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,6 +90,11 @@ def add_ExecutionServiceServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecuteRequest.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecuteEvent.SerializeToString,
+            ),
+            'Run': grpc.unary_unary_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.RunRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.RunResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -118,6 +134,33 @@ class ExecutionService:
             '/sandboxd.v1.ExecutionService/Execute',
             sandboxd_dot_v1_dot_sandboxd__pb2.ExecuteRequest.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.ExecuteEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Run(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.ExecutionService/Run',
+            sandboxd_dot_v1_dot_sandboxd__pb2.RunRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.RunResponse.FromString,
             options,
             channel_credentials,
             insecure,
