@@ -590,7 +590,8 @@ def _file_record(accesses: list[Access], watch: FileWatch, before: snapshot.Snap
             for gap in dict.fromkeys(before.gaps + after.gaps):
                 incomplete.append(gap)
             if before.complete and after.complete:
-                changes = snapshot.diff(before.entries, after.entries)
+                changes = snapshot.diff(before.entries, after.entries,
+                                        LiveSnapshots.changed_between(before, after))
             else:
                 incomplete.append("creations, deletions and renames were not compared")
             unhashed = {p for s in (before, after) if s.unhashed for p, e in s.entries.items() if e.note}

@@ -62,6 +62,8 @@ IDLE_S = 900.0
 # A root whose tracker gave up (watch limit, entry cap, a tree that never settles) is
 # walked for this long before it is tracked again.
 UNTRACKED_S = 300.0
+# Generations of a tracker's changes kept: a call's before and after are a few apart.
+HISTORY = 64
 
 
 class _Unusable(Exception):
@@ -85,6 +87,12 @@ class RootTracker:
         # since (None once something has): two snapshots of an unchanged tree are then one
         # dict, neither copied nor compared entry by entry. Nobody may change it.
         self._last: dict[str, Entry] | None = None
+        # Each copy handed out is a generation; _history[g]: the paths whose entries
+        # changed from generation g-1 to g (the last HISTORY of them). A full walk leaves
+        # a gap: snapshots across it are compared entry by entry.
+        self._generation = 0
+        self._history: OrderedDict[int, frozenset[str]] = OrderedDict()
+        self._touched: set[str] = set()  # changed since the last copy
         self._children: dict[str, set[str]] = {}  # directory path -> names in it
         self._wd_dir: dict[int, str] = {}
         self._dir_wd: dict[str, int] = {}
@@ -129,7 +137,27 @@ class RootTracker:
             os.close(root_fd)
         if self._last is None:
             self._last = dict(self._entries)
-        return Snapshot(self._last, unhashed=len(self._unhashed))
+            self._generation += 1
+            self._history[self._generation] = frozenset(self._touched)
+            self._touched = set()
+            while len(self._history) > HISTORY:
+                self._history.popitem(last=False)
+        return Snapshot(self._last, unhashed=len(self._unhashed),
+                        origins={self.sandbox_root: (self, self._generation)})
+
+    def changed_between(self, earlier: int, later: int) -> set[str] | None:
+        """Every path whose entry changed from generation `earlier` to `later` (a
+        superset: one changed and changed back is in it); None if that is not known.
+        Holds self.lock."""
+        if later < earlier:
+            return None
+        out: set[str] = set()
+        for g in range(earlier + 1, later + 1):
+            paths = self._history.get(g)
+            if paths is None:
+                return None
+            out |= paths
+        return out
 
     # -- events -------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -193,6 +221,9 @@ class RootTracker:
             raise _Unusable(f"inotify_init1: {exc.strerror}") from None
         self._entries, self._children, self._wd_dir, self._dir_wd = {}, {}, {}, {}
         self._last = None
+        self._history.clear()
+        self._touched = set()
+        self._generation += 1  # no history leads here: earlier snapshots compare in full
         self._wd_inode, self._inode_of, self._paths_of, self._dirty, self._unhashed = {}, {}, {}, set(), set()
         st = os.fstat(root_fd)
         self._root_id = (st.st_dev, st.st_ino)
@@ -276,6 +307,7 @@ class RootTracker:
     def _set(self, path: str, entry: Entry) -> None:
         if self._entries.get(path) != entry:
             self._last = None
+            self._touched.add(path)
         self._entries[path] = entry
         if entry.note:
             self._unhashed.add(path)
@@ -301,6 +333,7 @@ class RootTracker:
         """Forgets one entry (and its place in the inode map)."""
         if self._entries.pop(path, None) is not None:
             self._last = None
+            self._touched.add(path)
         self._unhashed.discard(path)
         self._unlink_inode(path)
 
@@ -434,6 +467,7 @@ class LiveSnapshots:
                     budget.bytes_left = spent.bytes_left
             if part is None:
                 self.fallbacks += 1
+                out.walked = True
                 if shared:  # the walk adds to it
                     out.entries, shared = dict(out.entries), False
                 gaps = len(out.gaps)
@@ -450,6 +484,7 @@ class LiveSnapshots:
                 out.entries.update(part.entries)
             out.gaps += part.gaps
             out.unhashed += part.unhashed
+            out.origins.update(part.origins)
         return out
 
     def _tracked(self, sandbox_root: str, host_root: str, budget: HashBudget, max_entries: int) -> Snapshot | None:
@@ -497,6 +532,25 @@ class LiveSnapshots:
             with t.lock:
                 t.close()
         return tracker
+
+    @staticmethod
+    def changed_between(before: Snapshot, after: Snapshot) -> set[str] | None:
+        """Every path whose entry may differ between two snapshots of the same write
+        roots, from their trackers' records; None when a root was walked or its tracker
+        cannot tell (then the snapshots are compared entry by entry)."""
+        if before.walked or after.walked or before.origins.keys() != after.origins.keys():
+            return None
+        out: set[str] = set()
+        for root, (tracker, earlier) in before.origins.items():
+            now, later = after.origins[root]
+            if now is not tracker:
+                return None
+            with tracker.lock:
+                paths = tracker.changed_between(earlier, later)
+            if paths is None:
+                return None
+            out |= paths
+        return out
 
     def close(self) -> None:
         with self._lock:

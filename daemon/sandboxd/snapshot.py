@@ -59,6 +59,11 @@ class Snapshot:
     # Why the snapshot may not list everything (empty: it does, and two such compare).
     gaps: list[str] = field(default_factory=list)
     unhashed: int = 0  # regular files listed without a hash (0: none of its entries has a note)
+    # Where each write root's entries came from, when a tracker kept them (live_snapshot):
+    # sandbox root -> (tracker, generation). Two snapshots of tracked roots can then be
+    # compared at the paths that changed between them only. `walked`: some root was not.
+    origins: dict[str, tuple[Any, int]] = field(default_factory=dict)
+    walked: bool = False
 
     @property
     def complete(self) -> bool:
@@ -251,13 +256,18 @@ def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, bud
             os.close(fd)
 
 
-def diff(before: dict[str, Entry], after: dict[str, Entry]) -> list[dict[str, Any]]:
+def diff(before: dict[str, Entry], after: dict[str, Entry], candidates: set[str] | None = None) -> list[dict[str, Any]]:
     """create | delete | rename (path -> renamedTo) | write (content changed or the path
-    replaced) | chmod, in path order, with the content hashes the snapshots hold."""
+    replaced) | chmod, in path order, with the content hashes the snapshots hold.
+    `candidates`: a set of paths that holds every path whose entry differs (what the
+    trackers saw change), when known: only those are compared."""
     if before is after:  # a tracked tree that did not change: one dict
         return []
-    # Only entries that differ can say anything: compared in C, whatever the tree's size.
-    differing = {p for p, _ in before.items() ^ after.items()}
+    if candidates is not None:
+        differing = {p for p in candidates if before.get(p) != after.get(p)}
+    else:
+        # Only entries that differ can say anything: compared in C, whatever the tree's size.
+        differing = {p for p, _ in before.items() ^ after.items()}
     before = {p: before[p] for p in differing if p in before}
     after = {p: after[p] for p in differing if p in after}
     gone = {p: e for p, e in before.items() if p not in after}

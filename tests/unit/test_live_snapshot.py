@@ -130,6 +130,7 @@ def test_random_changes_agree_with_the_walk(live, tree, tmp_path, seed):
     outside = tmp_path / "outside"
     outside.mkdir()
     kept(live, tree)
+    first = previous = live.take([(SB, str(tree))])
     for step in range(300):
         files = [p for p in tree.rglob("*") if p.is_file() and not p.is_symlink()]
         dirs = [tree] + [p for p in tree.rglob("*") if p.is_dir() and not p.is_symlink()]
@@ -166,8 +167,60 @@ def test_random_changes_agree_with_the_walk(live, tree, tmp_path, seed):
             pass
         if step % 7 == 0:
             assert kept(live, tree) == walked(tree), f"after step {step} ({op})"
+            now = live.take([(SB, str(tree))])
+            # The paths the tracker saw change hold every difference: comparing only
+            # them gives the whole comparison's answer.
+            assert_diff_by_changes_is_the_full_diff(previous, now)
+            previous = now
     assert kept(live, tree) == walked(tree)
     assert tracker(live, tree).full_walks == 1
+    # Across many generations too (within the history kept).
+    assert_diff_by_changes_is_the_full_diff(first, live.take([(SB, str(tree))]))
+
+
+def assert_diff_by_changes_is_the_full_diff(before, after) -> None:
+    changed = LiveSnapshots.changed_between(before, after)
+    assert changed is not None
+    assert snapshot.diff(before.entries, after.entries, changed) == snapshot.diff(before.entries, after.entries)
+    assert {p for p, _ in before.entries.items() ^ after.entries.items()} <= changed
+
+
+def test_changes_are_not_claimed_across_a_full_walk_a_walked_root_or_a_lost_history(live, tree, tmp_path, monkeypatch):
+    before = live.take([(SB, str(tree))])
+    limit = int(open("/proc/sys/fs/inotify/max_queued_events").read())
+    for i in range(limit + 10):  # overflow: the tracker walks again
+        os.close(os.open(tree / f"f{i}", os.O_CREAT | os.O_WRONLY, 0o644))
+    after = live.take([(SB, str(tree))])
+    assert tracker(live, tree).full_walks == 2
+    assert LiveSnapshots.changed_between(before, after) is None
+    assert len(snapshot.diff(before.entries, after.entries)) == limit + 10
+    # A root that is walked (a bind of one file) has no tracker to ask.
+    one = tmp_path / "one.txt"
+    one.write_text("1")
+    binds = [(SB, str(tree)), ("/one.txt", str(one))]
+    a = live.take(binds)
+    one.write_text("2")
+    b = live.take(binds)
+    assert a.walked and LiveSnapshots.changed_between(a, b) is None
+    # More generations than are kept.
+    monkeypatch.setattr(ls, "HISTORY", 3)
+    old = live.take([(SB, str(tree))])
+    for i in range(5):
+        (tree / "top.txt").write_text(f"v{i}")
+        live.take([(SB, str(tree))])
+    assert LiveSnapshots.changed_between(old, live.take([(SB, str(tree))])) is None
+
+
+def test_a_call_s_before_and_after_compare_only_what_changed(live, tree, monkeypatch):
+    before = live.take([(SB, str(tree))])
+    (tree / "d1" / "f1.txt").write_text("changed\n")
+    (tree / "d3" / "new.txt").write_text("new\n")
+    after = live.take([(SB, str(tree))])
+    assert LiveSnapshots.changed_between(before, after) == {
+        f"{SB}/d1/f1.txt", f"{SB}/d3/new.txt", f"{SB}/d3"}  # d1 itself: a write leaves it as it was
+    ops = {(c["path"], c["operation"]) for c in snapshot.diff(before.entries, after.entries,
+                                                              LiveSnapshots.changed_between(before, after))}
+    assert ops == {(f"{SB}/d1/f1.txt", "write"), (f"{SB}/d3/new.txt", "create")}
 
 
 def test_only_changed_directories_are_listed_again(live, tree, monkeypatch):
