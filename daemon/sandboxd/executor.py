@@ -10,6 +10,7 @@ import fnmatch
 import hashlib
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -241,6 +242,10 @@ class CallRun:
                     watch = self._watch_lease()  # the sandbox is idle: what follows is this command's
                 t0 = time.monotonic()
                 backend.start(handle, self.spool, p.call.stdin)
+                # The acceptance, durable now, while the command starts: a killed daemon
+                # had it already (committed), and only a power loss in the command's
+                # first moment could lose it. The result's own commit is fsynced.
+                self._executor.db.flush()
                 # Digested while a jail or container comes up (the spec's digest took a
                 # millisecond between create and start, on every call's path).
                 prepared_event = self._prepared_event(handle)
@@ -356,13 +361,10 @@ class CallRun:
                 self._cond.notify_all()
         finally:
             if recorded:
-                # After the result is out: six file operations (a third of a millisecond)
-                # off the caller's path. Unrecorded, the spool stays for the next start,
+                # Six file operations (a third of a millisecond) off the caller's path,
+                # on the janitor's thread. Unrecorded, the spool stays for the next start,
                 # which recovers the call from it.
-                try:
-                    self.spool.discard()
-                except OSError:
-                    log.exception("removing the spool of %s failed", self.tool_call_id)
+                self._executor.discard_later(self.spool, self.tool_call_id)
             self._executor.checkpoint()
             self._executor._ended(self)
             self._ran.set()
@@ -755,6 +757,22 @@ class CallExecutor:
         self._workspace_users: dict[str, tuple[str, bool]] = {}
         self._closing = False
         self._inheritable = {n: os.environ[n] for n in settings.inheritable_env if n in os.environ}
+        # Spools of recorded calls, removed on a thread of their own (a leftover one goes
+        # with the spool directory at the next start).
+        self._discards: queue.SimpleQueue[tuple[OutputSpool, str] | None] = queue.SimpleQueue()
+        self._janitor = threading.Thread(target=self._discard_spools, name="spool-janitor", daemon=True)
+        self._janitor.start()
+
+    def discard_later(self, spool: OutputSpool, tool_call_id: str) -> None:
+        self._discards.put((spool, tool_call_id))
+
+    def _discard_spools(self) -> None:
+        while (item := self._discards.get()) is not None:
+            spool, tool_call_id = item
+            try:
+                spool.discard()
+            except OSError:
+                log.exception("removing the spool of %s failed", tool_call_id)
 
     def walk_write_roots(self, writable: list[tuple[str, str]]) -> snapshot.Snapshot:
         caps = self.settings.file_audit
@@ -858,7 +876,8 @@ class CallExecutor:
 
     def submit(self, raw: Mapping[str, Any], caller: Principal, start: bool = True) -> "CallRun | AttachedRun | ReplayRun":
         """Verifies and starts a call. Refusals raise (after being recorded); an
-        accepted call's events up to ToolPolicyChecked are durable on return. A retry
+        accepted call's events up to ToolPolicyChecked are committed on return (a killed
+        daemon keeps them) and fsynced as its command is handed over. A retry
         of an accepted idempotency key gets the first call instead (running or done).
         With `start` False, a new call is the caller's to run at once (`run_here`)."""
         requested_id = raw.get("toolCallId") if isinstance(raw.get("toolCallId"), str) else ""
@@ -945,7 +964,9 @@ class CallExecutor:
                                 self.settings.limits.preview_bytes,
                                 redactor=Redactor({s.binding_id: s.value for s in prepared.secrets}))
             policy_digest = prepared.policy.digest()
-            with self.db.transaction() as conn:
+            # Not fsynced here: CallRun._run flushes it alongside handing the command over
+            # (an fsync of its own cost every call a third of a millisecond or more).
+            with self.db.transaction(durable=False) as conn:
                 conn.execute("INSERT INTO call_owners (tool_call_id, principal) VALUES (?,?)", (tool_call_id, principal))
                 if grant_id:
                     conn.execute("INSERT INTO used_grants (grant_id, tool_call_id) VALUES (?,?)", (grant_id, tool_call_id))
@@ -1228,6 +1249,8 @@ class CallExecutor:
         for r in runs:
             r.join(max(0.0, deadline - time.monotonic()))
         self.live_snapshots.close()
+        self._discards.put(None)
+        self._janitor.join(max(0.0, deadline - time.monotonic()))
         self.checkpoint(force=True)
 
 
