@@ -13,9 +13,13 @@ from typing import Any
 GENESIS_HASH = "sha256:" + "0" * 64
 
 
+# One encoder for every call: json.dumps with these options makes a new one each time.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def canonical_json(value: Any) -> bytes:
     """JSON with sorted keys, no insignificant whitespace, UTF-8, non-ASCII unescaped."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return _CANONICAL.encode(value).encode()
 
 
 def event_hash(seq: int, event_id: str, tool_call_id: str, type_: str, time: str,

@@ -91,12 +91,19 @@ class EventLog:
         forensic index (audit.py) is kept that way, never behind a committed event."""
         self._db = db
         self._on_append = on_append
+        # (db.commits once the appending transaction commits, seq, hash): the head, while
+        # no other transaction (nor a rolled-back one) came between. One query a commit.
+        self._head: tuple[int, int, str] | None = None
 
     def append(self, conn, tool_call_id: str, parent_event_id: str, drafts: Sequence[EventDraft]) -> list[Event]:
         """Appends drafts as a causal chain (each the parent of the next) inside the
         caller's transaction `conn` (Database.transaction())."""
-        row = conn.execute("SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1").fetchone()
-        seq, prev = (row[0], row[1]) if row else (0, GENESIS_HASH)
+        known = self._head
+        if known is not None and known[0] == self._db.commits:
+            seq, prev = known[1], known[2]
+        else:
+            row = conn.execute("SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1").fetchone()
+            seq, prev = (row[0], row[1]) if row else (0, GENESIS_HASH)
         out: list[Event] = []
         parent = parent_event_id
         for d in drafts:
@@ -115,6 +122,8 @@ class EventLog:
             prev, parent = h, event_id
         if self._on_append is not None and out:
             self._on_append(conn, out)
+        # Valid from the commit of this transaction on, if it is the next one.
+        self._head = (self._db.commits + 1, seq, prev) if out else None
         return out
 
     def record(self, tool_call_id: str, parent_event_id: str, drafts: Sequence[EventDraft],

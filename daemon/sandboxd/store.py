@@ -74,11 +74,16 @@ class Database:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.RLock()
-        self._synchronous = "FULL" if durable else "NORMAL"
+        self._durable = durable
         self._wal_path = str(path) + "-wal"
+        # Transactions committed through this object (EventLog keeps the log's head while
+        # nothing else committed).
+        self.commits = 0
         with self._lock:
             self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute(f"PRAGMA synchronous={self._synchronous}")
+            # A commit writes the WAL; a durable one then fsyncs it (flush), as
+            # synchronous=FULL would, so a relaxed one needs no pragma switched back and forth.
+            self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.executescript(schema)
 
     @contextmanager
@@ -87,20 +92,16 @@ class Database:
         `durable` is False: then it is atomic and ordered but reaches the disk with the
         next durable commit (WAL keeps the log whole either way)."""
         with self._lock:
-            relaxed = not durable and self._synchronous == "FULL"
-            if relaxed:
-                self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute("BEGIN IMMEDIATE")
             try:
-                self._conn.execute("BEGIN IMMEDIATE")
-                try:
-                    yield self._conn
-                except BaseException:
-                    self._conn.execute("ROLLBACK")
-                    raise
-                self._conn.execute("COMMIT")
-            finally:
-                if relaxed:
-                    self._conn.execute("PRAGMA synchronous=FULL")
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+            self.commits += 1
+            if durable and self._durable:
+                self.flush()
 
     def flush(self) -> None:
         """Makes every commit so far durable, as a durable commit would: fsyncs the WAL

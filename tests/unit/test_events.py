@@ -269,3 +269,26 @@ def test_verify_spans_batches(db, log):
     tamper(db, "UPDATE events SET payload_json = '{}' WHERE seq = 10001")
     r = log.verify()
     assert not r.ok and r.first_bad_seq == 10_001 and r.events_checked == 10_001
+
+
+def test_the_chain_holds_across_rolled_back_appends_other_commits_and_appends_in_one_transaction(db, log):
+    log.record("tc-a", "", drafts("A"))
+    with pytest.raises(RuntimeError):
+        with db.transaction() as conn:
+            log.append(conn, "tc-b", "", drafts("B", "C"))
+            raise RuntimeError("rolled back")
+    log.record("tc-c", "", drafts("D"))  # after a rollback: the head is read again
+    with db.transaction() as conn:  # a commit that is not an append
+        conn.execute("INSERT INTO call_owners (tool_call_id, principal) VALUES ('tc-x', 'p')")
+    with db.transaction() as conn:  # two appends in one transaction
+        log.append(conn, "tc-d", "", drafts("E"))
+        log.append(conn, "tc-e", "", drafts("F"))
+    log.record("tc-f", "", drafts("G"))  # the cached head of the transaction just committed
+    events = log.range()
+    assert [e.type for e in events] == ["A", "D", "E", "F", "G"]
+    assert [e.seq for e in events] == [1, 2, 3, 4, 5]
+    assert verify_chain(events).ok
+
+
+def test_canonical_json_is_sorted_compact_utf8():
+    assert canonical_json({"b": [1, {"z": None, "a": "é"}], "a": True}) == '{"a":true,"b":[1,{"a":"é","z":null}]}'.encode()
