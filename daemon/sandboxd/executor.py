@@ -53,6 +53,8 @@ GATE_TIMEOUT_S = 10.0
 MAX_EFFECT_PATHS = 1000
 # File accesses per FileAccessObserved event.
 FILE_EVENTS_PER_BATCH = 500
+# A write root's snapshot is brought up to date this long after a change reaches it.
+REFRESH_WRITE_ROOTS_AFTER_S = 0.02
 
 
 @dataclass
@@ -338,6 +340,10 @@ class CallRun:
                     dropped, overflow = endpoint.dropped_records, dict(endpoint.overflow)
                 except Exception:
                     log.exception("closing the egress endpoint of %s failed", p.sandbox_id)
+            if writable and after is None and handle is not None:
+                # It may have changed its write roots unseen: their kept snapshots catch
+                # up now, not in the next recording call's first snapshot.
+                self._executor.live_snapshots.refresh_soon(writable)
             if p.secrets and p.lease is None:
                 try:
                     self._executor.broker.release(p.sandbox_id)
@@ -742,7 +748,9 @@ class CallExecutor:
         # Content hashes of workspace files, reused while a file is unchanged.
         self.hashes = snapshot.HashCache()
         # Write roots' snapshots kept current between calls (a walk costs the whole tree).
-        self.live_snapshots = LiveSnapshots(self.hashes)
+        # Brought up to date 20 ms after a change, between calls: a call's snapshot then
+        # finds nothing to rescan but what its own command did.
+        self.live_snapshots = LiveSnapshots(self.hashes, refresh_after_s=REFRESH_WRITE_ROOTS_AFTER_S)
         self._lock = threading.Lock()
         self._runs: dict[str, CallRun] = {}
         # Calls whose result is out while their thread still tidies up (the spool, the

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import stat
 import threading
 import time
@@ -103,6 +104,7 @@ class RootTracker:
         self._unhashed: set[str] = set()  # regular files listed without a hash
         self._root_id: tuple[int, int] = (0, 0)
         self.full_walks = 0  # for tests and metrics
+        self.caps = (0, 0, 0)  # the last call's hashing budget, largest file and entry cap
 
     def close(self) -> None:
         if self._ifd >= 0:
@@ -111,9 +113,15 @@ class RootTracker:
         self._valid = False
         self.closed = True
 
-    def snapshot(self, budget: HashBudget, max_entries: int) -> Snapshot:
-        """The root's entries now; raises _Unusable when only a walk can tell."""
-        self.last_used = time.monotonic()
+    def fileno(self) -> int:
+        return self._ifd
+
+    def snapshot(self, budget: HashBudget, max_entries: int, *, use: bool = True) -> Snapshot:
+        """The root's entries now; raises _Unusable when only a walk can tell. `use`
+        False: a refresh ahead of the next call (it does not keep the tracker alive)."""
+        if use:
+            self.last_used = time.monotonic()
+            self.caps = (budget.bytes_left, budget.max_file, max_entries)
         root_fd = self._open_root()
         try:
             for _ in range(2):
@@ -442,7 +450,11 @@ class RootTracker:
 class LiveSnapshots:
     """`take` with the result of snapshot.take, from trackers kept per write root."""
 
-    def __init__(self, hashes: HashCache | None, max_trackers: int = MAX_TRACKERS, idle_s: float = IDLE_S):
+    def __init__(self, hashes: HashCache | None, max_trackers: int = MAX_TRACKERS, idle_s: float = IDLE_S,
+                 refresh_after_s: float | None = None):
+        """`refresh_after_s`: a thread brings a tracker up to date that long after a
+        change reaches it (what changed between calls, by the host or by a call that
+        records nothing, is then not rescanned by the next call's snapshot)."""
         self._hashes = hashes
         self._max = max_trackers
         self._idle_s = idle_s
@@ -450,6 +462,15 @@ class LiveSnapshots:
         self._trackers: OrderedDict[tuple[str, str], RootTracker] = OrderedDict()
         self._untracked: dict[tuple[str, str], float] = {}  # root -> when to try tracking again
         self.fallbacks = 0  # walks done because a root could not be tracked
+        self.refreshes = 0  # trackers brought up to date ahead of a call (for tests)
+        self._closed = False
+        self._refresh_after_s = refresh_after_s
+        self._soon: set[tuple[str, str]] = set()  # roots to refresh now (refresh_soon)
+        self._refresher: threading.Thread | None = None
+        if refresh_after_s is not None:
+            self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            self._refresher = threading.Thread(target=self._refresh_loop, name="write-roots", daemon=True)
+            self._refresher.start()
 
     def take(self, binds: list[tuple[str, str]], budget: HashBudget | None = None,
              max_entries: int = 200_000) -> Snapshot:
@@ -503,15 +524,73 @@ class LiveSnapshots:
                     return None  # retired meanwhile
                 return tracker.snapshot(budget, max_entries)
             except (_Unusable, OSError) as exc:
-                # Its watches go (they count against the host's limits), and the root is
-                # walked for a while rather than tracked and walked on every call.
-                log.info("write root %s is walked in full for %.0f s: %s", host_root, UNTRACKED_S, exc)
-                tracker.close()
-                with self._lock:
-                    if self._trackers.get(key) is tracker:
-                        del self._trackers[key]
-                    self._untracked[key] = time.monotonic() + UNTRACKED_S
+                self._give_up(key, tracker, exc)
                 return None
+
+    def _give_up(self, key: tuple[str, str], tracker: RootTracker, exc: Exception) -> None:
+        """Holds tracker.lock. Its watches go (they count against the host's limits), and
+        the root is walked for a while rather than tracked and walked on every call."""
+        log.info("write root %s is walked in full for %.0f s: %s", key[1], UNTRACKED_S, exc)
+        tracker.close()
+        with self._lock:
+            if self._trackers.get(key) is tracker:
+                del self._trackers[key]
+            self._untracked[key] = time.monotonic() + UNTRACKED_S
+
+    def _refresh_loop(self) -> None:
+        """Polls the trackers' inotify descriptors; a tracker with news is refreshed
+        `refresh_after_s` later (a burst of changes is taken in one go)."""
+        assert self._refresh_after_s is not None
+        due: dict[tuple[str, str], float] = {}
+        while not self._closed:
+            with self._lock:
+                trackers = dict(self._trackers)
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            watched = {}
+            for key, tracker in trackers.items():
+                fd = tracker.fileno()
+                if fd >= 0 and key not in due:
+                    poller.register(fd, select.POLLIN)
+                    watched[fd] = key
+            now = time.monotonic()
+            # At least once a second the descriptors are looked at again: a tracker that
+            # walked its root in full has a new one.
+            timeout = 1000 if not due else max(0, min(1000, int((min(due.values()) - now) * 1000) + 1))
+            for fd, events in poller.poll(timeout):
+                if fd == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                elif fd in watched and events & select.POLLIN:
+                    due.setdefault(watched[fd], time.monotonic() + self._refresh_after_s)
+            now = time.monotonic()
+            with self._lock:
+                soon, self._soon = self._soon, set()
+            for key in soon & trackers.keys():
+                due[key] = now
+            for key in [k for k, t in due.items() if t <= now]:
+                del due[key]
+                tracker = trackers.get(key)
+                if tracker is not None:
+                    self._refresh_ahead(key, tracker)
+            for key in [k for k in due if k not in trackers]:
+                del due[key]
+
+    def _refresh_ahead(self, key: tuple[str, str], tracker: RootTracker) -> None:
+        with tracker.lock:
+            if tracker.closed or tracker.fileno() < 0:
+                return
+            budget_bytes, max_file, max_entries = tracker.caps
+            try:
+                tracker.snapshot(HashBudget(budget_bytes, max_file), max_entries, use=False)
+                self.refreshes += 1
+            except (_Unusable, OSError) as exc:
+                self._give_up(key, tracker, exc)
+            except Exception as exc:
+                log.exception("refreshing the write root %s failed", key[1])
+                self._give_up(key, tracker, exc)
 
     def _tracker(self, key: tuple[str, str]) -> RootTracker | None:
         now = time.monotonic()
@@ -527,6 +606,7 @@ class LiveSnapshots:
                 while len(self._trackers) >= self._max:
                     retired.append(self._trackers.pop(next(iter(self._trackers))))
                 tracker = self._trackers[key] = RootTracker(key[0], key[1], self._hashes)
+                self._wake_refresher()
             self._trackers.move_to_end(key)
         for t in retired:  # outside the registry's lock: a snapshot in progress finishes first
             with t.lock:
@@ -552,7 +632,31 @@ class LiveSnapshots:
             out |= paths
         return out
 
+    def refresh_soon(self, binds: list[tuple[str, str]]) -> None:
+        """These roots were just changed by a call that took no snapshot of them: their
+        trackers are brought up to date now, off the caller's thread."""
+        if self._refresher is None:
+            return
+        with self._lock:
+            self._soon.update(k for k in binds if k in self._trackers)
+        self._wake_refresher()
+
+    def _wake_refresher(self) -> None:
+        if self._refresher is not None:
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # it has wakes pending
+
     def close(self) -> None:
+        self._closed = True
+        self._wake_refresher()
+        if self._refresher is not None:
+            self._refresher.join(5)
+            if not self._refresher.is_alive():
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+            self._refresher = None
         with self._lock:
             trackers, self._trackers = list(self._trackers.values()), OrderedDict()
         for t in trackers:

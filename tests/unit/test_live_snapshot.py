@@ -473,3 +473,78 @@ def test_several_roots_never_change_a_tracker_s_snapshot(live, tree, tmp_path):
     both = live.take([(SB, str(tree)), ("/workspace/other", str(other))])
     assert "/workspace/other/x.txt" in both.entries and len(alone) == size
     assert kept(live, tree) is alone
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    import time
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_a_change_between_calls_is_taken_in_ahead_of_the_next_snapshot(tree, monkeypatch):
+    live = LiveSnapshots(HashCache(), refresh_after_s=0.02)
+    try:
+        first = live.take([(SB, str(tree))])
+        (tree / "d1" / "f1.txt").write_text("changed between calls\n")
+        (tree / "d2" / "new.txt").write_text("new\n")
+        assert wait_until(lambda: live.refreshes >= 1)
+        rescanned = []
+        original = ls.RootTracker._rescan
+        monkeypatch.setattr(ls.RootTracker, "_rescan", lambda self, fd, path, *a: (rescanned.append(path),
+                                                                                  original(self, fd, path, *a)))
+        now = live.take([(SB, str(tree))])
+        assert rescanned == [] and now.entries == walked(tree)
+        # The refresh was a generation of its own: what changed since the first is known.
+        assert LiveSnapshots.changed_between(first, now) >= {f"{SB}/d1/f1.txt", f"{SB}/d2/new.txt"}
+        assert tracker(live, tree).full_walks == 1
+    finally:
+        live.close()
+    assert live._refresher is None
+
+
+def test_a_root_that_cannot_be_refreshed_is_walked_by_the_next_call(tree, monkeypatch):
+    live = LiveSnapshots(HashCache(), refresh_after_s=0.02)
+    try:
+        live.take([(SB, str(tree))])
+        original = ls.RootTracker.snapshot
+
+        def failing(self, budget, max_entries, *, use=True):
+            if not use:
+                raise ls._Unusable("the tree changed faster than it could be followed")
+            return original(self, budget, max_entries, use=use)
+
+        monkeypatch.setattr(ls.RootTracker, "snapshot", failing)
+        (tree / "top.txt").write_text("changed\n")
+        assert wait_until(lambda: (SB, str(tree)) not in live._trackers)
+        assert live.take([(SB, str(tree))]).entries == walked(tree)
+        assert live.fallbacks == 1
+    finally:
+        live.close()
+
+
+def test_refreshing_ahead_does_not_keep_an_unused_tracker_alive(tree):
+    live = LiveSnapshots(HashCache(), refresh_after_s=0.02)
+    try:
+        live.take([(SB, str(tree))])
+        used = tracker(live, tree).last_used
+        (tree / "top.txt").write_text("changed\n")
+        assert wait_until(lambda: live.refreshes >= 1)
+        assert tracker(live, tree).last_used == used
+    finally:
+        live.close()
+
+
+def test_a_root_a_call_changed_unseen_is_refreshed_at_once_when_asked(tree):
+    live = LiveSnapshots(HashCache(), refresh_after_s=60)  # never by the timer, in this test
+    try:
+        live.take([(SB, str(tree))])
+        (tree / "top.txt").write_text("changed by a call that recorded nothing\n")
+        live.refresh_soon([(SB, str(tree)), ("/other", "/nowhere")])
+        assert wait_until(lambda: live.refreshes == 1, timeout_s=2)
+        assert live.take([(SB, str(tree))]).entries == walked(tree)
+    finally:
+        live.close()
