@@ -2,7 +2,8 @@
 then run + collect the result), versus a cold call (a fresh sandbox per call) on the same
 backend, the Docker SDK's exec_run in a running container, and a bare subprocess, all
 and llm-sandbox's session exec (the peer baseline), measured in one run. Prints medians,
-p99 and the cold/warm ratio; then N concurrent
+p99, each path's ratio to exec_run (the machine runs in spells up to twice as slow:
+the ratio holds across them) and the cold/warm ratio; then N concurrent
 agents each running M short commands in their own leases (errors, p99, daemon memory).
 
     .venv/bin/python bench/warm_exec.py [-n 50] [--agents 20] [--commands 50]
@@ -85,10 +86,12 @@ def main() -> int:
                                                                           args.n, warmup=3)))
 
         print(f"\nwarm exec, n={args.n}; times in ms\n")
-        print(f"| {'path':<44} | {'median':>8} | {'p99':>8} |")
-        print(f"|{'-' * 46}|{'-' * 10}|{'-' * 10}|")
+        exec_run = statistics.median(dict(rows)["docker SDK exec_run in a running container"])
+        print(f"| {'path':<44} | {'median':>8} | {'p99':>8} | {'/ exec_run':>10} |")
+        print(f"|{'-' * 46}|{'-' * 10}|{'-' * 10}|{'-' * 12}|")
         for name, samples in rows:
-            print(f"| {name:<44} | {statistics.median(samples):8.2f} | {p99(samples):8.2f} |")
+            print(f"| {name:<44} | {statistics.median(samples):8.2f} | {p99(samples):8.2f} | "
+                  f"{statistics.median(samples) / exec_run:9.3f}x |")
         for adapter in ("docker", "nsjail"):
             warm = statistics.median(dict(rows)[f"{adapter}: leased warm sandbox"])
             cold = statistics.median(dict(rows)[f"{adapter}: cold call (fresh sandbox)"])
