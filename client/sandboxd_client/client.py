@@ -28,6 +28,10 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.http2.lookahead_bytes", 64 * 1024 * 1024)]
 
 
+# Output this client takes inline in a Run response (its channel receives 64 MiB).
+RUN_INLINE_BYTES = 32 * 1024 * 1024
+
+
 def default_socket() -> str:
     return os.environ.get("SANDBOXD_SOCKET", DEFAULT_SOCKET)
 
@@ -126,7 +130,8 @@ class SandboxdClient:
         """Runs a call to the end and collects its output and result, in one RPC (Run);
         output larger than the response holds comes from the artifact store."""
         try:
-            response = self._exec.Run(pb.RunRequest(call=build_call(call)), timeout=timeout_s)
+            response = self._exec.Run(pb.RunRequest(call=build_call(call), max_inline_output_bytes=RUN_INLINE_BYTES),
+                                      timeout=timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         if response.output_inline:
@@ -310,7 +315,8 @@ class AsyncSandboxdClient:
     async def run(self, call: dict[str, Any] | pb.PreparedToolCall, timeout_s: float | None = None) -> CallOutcome:
         """Runs a call to the end (Run) and collects its output and result."""
         try:
-            response = await self._exec.Run(pb.RunRequest(call=build_call(call)), timeout=timeout_s)
+            response = await self._exec.Run(pb.RunRequest(call=build_call(call),
+                                                          max_inline_output_bytes=RUN_INLINE_BYTES), timeout=timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         if response.output_inline:

@@ -91,15 +91,16 @@ class EventLog:
         forensic index (audit.py) is kept that way, never behind a committed event."""
         self._db = db
         self._on_append = on_append
-        # (db.commits once the appending transaction commits, seq, hash): the head, while
-        # no other transaction (nor a rolled-back one) came between. One query a commit.
+        # (the appending transaction's serial, seq, hash): the head, while that
+        # transaction is the last one to have committed (not rolled back, no other
+        # commit since). One query a commit fewer.
         self._head: tuple[int, int, str] | None = None
 
     def append(self, conn, tool_call_id: str, parent_event_id: str, drafts: Sequence[EventDraft]) -> list[Event]:
         """Appends drafts as a causal chain (each the parent of the next) inside the
         caller's transaction `conn` (Database.transaction())."""
         known = self._head
-        if known is not None and known[0] == self._db.commits:
+        if known is not None and known[0] == self._db.last_committed and known[0] != self._db.serial:
             seq, prev = known[1], known[2]
         else:
             row = conn.execute("SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1").fetchone()
@@ -122,8 +123,8 @@ class EventLog:
             prev, parent = h, event_id
         if self._on_append is not None and out:
             self._on_append(conn, out)
-        # Valid from the commit of this transaction on, if it is the next one.
-        self._head = (self._db.commits + 1, seq, prev) if out else None
+        # Valid once this transaction has committed, until another one does.
+        self._head = (self._db.serial, seq, prev) if out else None
         return out
 
     def record(self, tool_call_id: str, parent_event_id: str, drafts: Sequence[EventDraft],
@@ -134,6 +135,9 @@ class EventLog:
     def for_call(self, tool_call_id: str) -> list[Event]:
         rows = self._db.query("SELECT * FROM events WHERE tool_call_id = ? ORDER BY seq", (tool_call_id,))
         return [Event(**r) for r in rows]
+
+    def flush(self) -> None:
+        self._db.flush()
 
     def has_call(self, tool_call_id: str) -> bool:
         return bool(self._db.query("SELECT 1 FROM events WHERE tool_call_id = ? LIMIT 1", (tool_call_id,)))
@@ -215,6 +219,9 @@ class CheckpointFile:
             seq, h = self._log.head()
             if seq <= self._last_seq:
                 return None
+            # The head may be a relaxed commit's (an accepted call's, before its command
+            # starts): on disk before a checkpoint names it.
+            self._log.flush()
             self._last_time = now
             c = Checkpoint(seq, h, utc_now())
             fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

@@ -242,12 +242,17 @@ class CallRun:
             if not cancelled_early and handle is not None:
                 if record_files and p.lease is not None:
                     watch = self._watch_lease()  # the sandbox is idle: what follows is this command's
+                if p.lease is None:
+                    # The acceptance was committed, not fsynced (a killed daemon keeps it):
+                    # durable before the command can run.
+                    self._executor.db.flush()
                 t0 = time.monotonic()
                 backend.start(handle, self.spool, p.call.stdin)
-                # The acceptance, durable now, while the command starts: a killed daemon
-                # had it already (committed), and only a power loss in the command's
-                # first moment could lose it. The result's own commit is fsynced.
-                self._executor.db.flush()
+                if p.lease is not None:
+                    # A leased command's, while it starts (a fsync before it cost each
+                    # command a third of a millisecond): only a power loss in its first
+                    # fraction of a millisecond could lose the record that it was accepted.
+                    self._executor.db.flush()
                 # Digested while a jail or container comes up (the spec's digest took a
                 # millisecond between create and start, on every call's path).
                 prepared_event = self._prepared_event(handle)
@@ -343,7 +348,10 @@ class CallRun:
             if writable and after is None and handle is not None:
                 # It may have changed its write roots unseen: their kept snapshots catch
                 # up now, not in the next recording call's first snapshot.
-                self._executor.live_snapshots.refresh_soon(writable)
+                try:
+                    self._executor.live_snapshots.refresh_soon(writable)
+                except Exception:
+                    log.exception("asking for the write roots of %s to be refreshed failed", p.sandbox_id)
             if p.secrets and p.lease is None:
                 try:
                     self._executor.broker.release(p.sandbox_id)
@@ -366,14 +374,16 @@ class CallRun:
                 self._result = _error_result(self.tool_call_id, "INTERNAL", "the result could not be recorded")
                 self._cond.notify_all()
         finally:
-            if recorded:
-                # Six file operations (a third of a millisecond) off the caller's path,
-                # on the janitor's thread. Unrecorded, the spool stays for the next start,
-                # which recovers the call from it.
-                self._executor.discard_later(self.spool, self.tool_call_id)
-            self._executor.checkpoint()
-            self._executor._ended(self)
-            self._ran.set()
+            try:
+                if recorded:
+                    # Six file operations (a third of a millisecond) off the caller's path,
+                    # on the janitor's thread. Unrecorded, the spool stays for the next
+                    # start, which recovers the call from it.
+                    self._executor.discard_later(self.spool, self.tool_call_id)
+                self._executor.checkpoint()
+                self._executor._ended(self)
+            finally:
+                self._ran.set()
 
     def _prepared_event(self, handle: SandboxHandle) -> EventDraft:
         p = self.prepared
@@ -885,7 +895,8 @@ class CallExecutor:
     def submit(self, raw: Mapping[str, Any], caller: Principal, start: bool = True) -> "CallRun | AttachedRun | ReplayRun":
         """Verifies and starts a call. Refusals raise (after being recorded); an
         accepted call's events up to ToolPolicyChecked are committed on return (a killed
-        daemon keeps them) and fsynced as its command is handed over. A retry
+        daemon keeps them) and fsynced before its command starts (a leased command's:
+        as it starts). A retry
         of an accepted idempotency key gets the first call instead (running or done).
         With `start` False, a new call is the caller's to run at once (`run_here`)."""
         requested_id = raw.get("toolCallId") if isinstance(raw.get("toolCallId"), str) else ""
@@ -972,8 +983,8 @@ class CallExecutor:
                                 self.settings.limits.preview_bytes,
                                 redactor=Redactor({s.binding_id: s.value for s in prepared.secrets}))
             policy_digest = prepared.policy.digest()
-            # Not fsynced here: CallRun._run flushes it alongside handing the command over
-            # (an fsync of its own cost every call a third of a millisecond or more).
+            # Not fsynced here: CallRun._run flushes it before the command starts (on the
+            # call's own thread, after the sandbox's creation), a leased one's as it starts.
             with self.db.transaction(durable=False) as conn:
                 conn.execute("INSERT INTO call_owners (tool_call_id, principal) VALUES (?,?)", (tool_call_id, principal))
                 if grant_id:

@@ -63,6 +63,13 @@ IDLE_S = 900.0
 # A root whose tracker gave up (watch limit, entry cap, a tree that never settles) is
 # walked for this long before it is tracked again.
 UNTRACKED_S = 300.0
+# Refreshing ahead of calls: what one refresh may hash (a bigger change is hashed by the
+# call's own snapshot), the longest wait between refreshes of a root that keeps changing
+# with no call (the wait doubles from refresh_after_s), and how long after its last call
+# a root is still refreshed at all.
+AHEAD_HASH_BYTES = 16 * 1024 * 1024
+AHEAD_MAX_DELAY_S = 2.0
+AHEAD_IDLE_S = 120.0
 # Generations of a tracker's changes kept: a call's before and after are a few apart.
 HISTORY = 64
 
@@ -105,6 +112,7 @@ class RootTracker:
         self._root_id: tuple[int, int] = (0, 0)
         self.full_walks = 0  # for tests and metrics
         self.caps = (0, 0, 0)  # the last call's hashing budget, largest file and entry cap
+        self.ahead = 0  # refreshes ahead since a call last used it
 
     def close(self) -> None:
         if self._ifd >= 0:
@@ -122,6 +130,7 @@ class RootTracker:
         if use:
             self.last_used = time.monotonic()
             self.caps = (budget.bytes_left, budget.max_file, max_entries)
+            self.ahead = 0
         root_fd = self._open_root()
         try:
             for _ in range(2):
@@ -564,7 +573,9 @@ class LiveSnapshots:
                     except BlockingIOError:
                         pass
                 elif fd in watched and events & select.POLLIN:
-                    due.setdefault(watched[fd], time.monotonic() + self._refresh_after_s)
+                    tracker = trackers[watched[fd]]
+                    delay = min(AHEAD_MAX_DELAY_S, self._refresh_after_s * 2 ** min(tracker.ahead, 16))
+                    due.setdefault(watched[fd], time.monotonic() + delay)
             now = time.monotonic()
             with self._lock:
                 soon, self._soon = self._soon, set()
@@ -580,11 +591,13 @@ class LiveSnapshots:
 
     def _refresh_ahead(self, key: tuple[str, str], tracker: RootTracker) -> None:
         with tracker.lock:
-            if tracker.closed or tracker.fileno() < 0:
-                return
+            if tracker.closed or tracker.fileno() < 0 or time.monotonic() - tracker.last_used > AHEAD_IDLE_S:
+                return  # idle: its queue waits for the next call (or overflows: a walk then)
             budget_bytes, max_file, max_entries = tracker.caps
             try:
-                tracker.snapshot(HashBudget(budget_bytes, max_file), max_entries, use=False)
+                tracker.snapshot(HashBudget(min(budget_bytes, AHEAD_HASH_BYTES), min(max_file, AHEAD_HASH_BYTES)),
+                                 max_entries, use=False)
+                tracker.ahead += 1
                 self.refreshes += 1
             except (_Unusable, OSError) as exc:
                 self._give_up(key, tracker, exc)
@@ -635,28 +648,33 @@ class LiveSnapshots:
     def refresh_soon(self, binds: list[tuple[str, str]]) -> None:
         """These roots were just changed by a call that took no snapshot of them: their
         trackers are brought up to date now, off the caller's thread."""
-        if self._refresher is None:
-            return
         with self._lock:
+            if self._refresher is None or self._closed:
+                return
             self._soon.update(k for k in binds if k in self._trackers)
-        self._wake_refresher()
+            self._wake_refresher()
 
     def _wake_refresher(self) -> None:
-        if self._refresher is not None:
+        """Holds self._lock (close() shuts the pipe under it)."""
+        if self._refresher is not None and not self._closed:
             try:
                 os.write(self._wake_w, b"x")
             except BlockingIOError:
                 pass  # it has wakes pending
 
     def close(self) -> None:
-        self._closed = True
-        self._wake_refresher()
-        if self._refresher is not None:
-            self._refresher.join(5)
-            if not self._refresher.is_alive():
-                os.close(self._wake_r)
-                os.close(self._wake_w)
-            self._refresher = None
+        with self._lock:
+            refresher = self._refresher
+            if refresher is not None and not self._closed:
+                os.write(self._wake_w, b"x")
+            self._closed = True
+        if refresher is not None:
+            refresher.join(5)
+            with self._lock:
+                if not refresher.is_alive() and self._refresher is not None:
+                    os.close(self._wake_r)
+                    os.close(self._wake_w)
+                    self._refresher = None
         with self._lock:
             trackers, self._trackers = list(self._trackers.values()), OrderedDict()
         for t in trackers:

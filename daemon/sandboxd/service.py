@@ -27,8 +27,9 @@ from .transport import Principal, peer_uid, resolve_principal
 log = logging.getLogger("sandboxd.service")
 TOOL_CALL_ID_KEY = "sandboxd-tool-call-id"
 DOWNLOAD_CHUNK_BYTES = 256 * 1024
-# Run's output in its response: by default, and at most (the channel takes 64 MiB).
-RUN_INLINE_OUTPUT_BYTES = 8 * 1024 * 1024
+# Run's output in its response: by default (under gRPC's usual 4 MiB receive limit), and
+# at most (this daemon's channel takes 64 MiB).
+RUN_INLINE_OUTPUT_BYTES = 3 * 1024 * 1024
 RUN_INLINE_OUTPUT_MAX_BYTES = 32 * 1024 * 1024
 
 
@@ -130,7 +131,8 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
 
     def Execute(self, request: pb.ExecuteRequest, context) -> Iterator[pb.ExecuteEvent]:
         run = self._executor.submit(call_to_json(request.call), self._authenticate(context))
-        context.add_callback(lambda: run.cancel("the client went away") if run.result is None else None)
+        if not context.add_callback(lambda: run.cancel("the client went away") if run.result is None else None):
+            run.cancel("the client went away")  # gone already: no callback will come
         context.set_trailing_metadata(((TOOL_CALL_ID_KEY, run.tool_call_id),))
         for item in run.stream(is_active=context.is_active):
             out = pb.ExecuteEvent(tool_call_id=run.tool_call_id, event_id=item.event_id)
@@ -150,7 +152,8 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
         run = self._executor.submit(call_to_json(request.call), self._authenticate(context), start=False)
         try:
             context.set_trailing_metadata(((TOOL_CALL_ID_KEY, run.tool_call_id),))
-            context.add_callback(lambda: run.cancel("the client went away") if run.result is None else None)
+            if not context.add_callback(lambda: run.cancel("the client went away") if run.result is None else None):
+                run.cancel("the client went away")  # gone already: no callback will come
         finally:
             if isinstance(run, CallRun):
                 run.run_here()  # accepted: it runs whatever happened to the caller

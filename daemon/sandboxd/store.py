@@ -76,9 +76,12 @@ class Database:
         self._lock = threading.RLock()
         self._durable = durable
         self._wal_path = str(path) + "-wal"
-        # Transactions committed through this object (EventLog keeps the log's head while
-        # nothing else committed).
-        self.commits = 0
+        # Each transaction's serial (from its BEGIN), and the last one that committed:
+        # EventLog keeps the log's head while the transaction that appended it is the
+        # last to have committed.
+        self.serial = 0
+        self.last_committed = 0
+        self._dir_synced = False
         with self._lock:
             self._conn.execute("PRAGMA journal_mode=WAL")
             # A commit writes the WAL; a durable one then fsyncs it (flush), as
@@ -93,13 +96,14 @@ class Database:
         next durable commit (WAL keeps the log whole either way)."""
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
+            self.serial += 1
             try:
                 yield self._conn
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
-            self.commits += 1
+            self.last_committed = self.serial
             if durable and self._durable:
                 self.flush()
 
@@ -114,6 +118,13 @@ class Database:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if not self._dir_synced:  # the WAL's own name, once (as synchronous=FULL does)
+            dir_fd = os.open(os.path.dirname(self._wal_path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            self._dir_synced = True
 
     def ensure_schema(self, sql: str) -> None:
         """Runs CREATE ... IF NOT EXISTS statements (a module's own tables)."""

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from sandboxd_client import errors
+from sandboxd_client import client as client_module
 from sandboxd_client.client import build_call
 from sandboxd_client.canonical import event_hash
 from sandboxd_client.pb import sandboxd_pb2 as pb
@@ -448,16 +449,21 @@ def test_run_answers_with_the_result_and_the_output_in_one_message(client, works
     assert [e.type for e in trace][-2:] == ["ArtifactPersisted", "ArtifactPersisted"]
 
 
-def test_run_leaves_output_past_its_inline_limit_in_the_artifacts(client, workspace):
+def test_run_leaves_output_past_its_inline_limit_in_the_artifacts(client, workspace, monkeypatch):
     script = "head -c 5000 /dev/zero | tr '\\0' x"
     request = pb.RunRequest(call=build_call(call(workspace, sh(script), runtime={"adapter": client.adapter})),
                             max_inline_output_bytes=4000)
     response = client._exec.Run(request)
     assert response.result.status == "success"
     assert (response.stdout, response.output_inline) == (b"", False)
-    # The client fetches what was not inline (9 MB: over the 8 MiB that Run sends by default).
-    big = client.run(call(workspace, sh("head -c 9000000 /dev/zero | tr '\\0' y")))
-    assert big.result.status == "success" and big.stdout == b"y" * 9_000_000
+    # Unasked, at most 3 MiB comes inline: under gRPC's usual 4 MiB receive limit.
+    request = pb.RunRequest(call=build_call(call(workspace, sh("head -c 3200000 /dev/zero"),
+                                                 runtime={"adapter": client.adapter})))
+    assert not client._exec.Run(request).output_inline
+    # The client fetches what was not inline.
+    monkeypatch.setattr(client_module, "RUN_INLINE_BYTES", 1000)
+    big = client.run(call(workspace, sh("head -c 5000 /dev/zero | tr '\\0' y; echo done >&2")))
+    assert big.result.status == "success" and (big.stdout, big.stderr) == (b"y" * 5000, b"done\n")
 
 
 def test_a_run_whose_caller_goes_away_is_cancelled_and_leaves_no_sandbox(client, workspace, docker_engine, daemon):

@@ -292,3 +292,17 @@ def test_the_chain_holds_across_rolled_back_appends_other_commits_and_appends_in
 
 def test_canonical_json_is_sorted_compact_utf8():
     assert canonical_json({"b": [1, {"z": None, "a": "é"}], "a": True}) == '{"a":true,"b":[1,{"a":"é","z":null}]}'.encode()
+
+
+def test_a_rolled_back_append_then_a_commit_without_events_leaves_the_chain_whole(db, log):
+    log.record("tc-a", "", drafts("A"))
+    with pytest.raises(RuntimeError):
+        with db.transaction() as conn:
+            log.append(conn, "tc-b", "", drafts("B", "C"))
+            raise RuntimeError("rolled back")
+    with db.transaction() as conn:  # commits, appends nothing (a retention sweep with no rows)
+        conn.execute("INSERT INTO call_owners (tool_call_id, principal) VALUES ('tc-y', 'p')")
+    log.record("tc-c", "", drafts("D"))
+    events = log.range()
+    assert [(e.seq, e.type) for e in events] == [(1, "A"), (2, "D")]
+    assert log.verify().ok

@@ -548,3 +548,30 @@ def test_a_root_a_call_changed_unseen_is_refreshed_at_once_when_asked(tree):
         assert live.take([(SB, str(tree))]).entries == walked(tree)
     finally:
         live.close()
+
+
+def test_refreshing_ahead_hashes_little_backs_off_and_stops_for_an_idle_root(tree, monkeypatch):
+    monkeypatch.setattr(ls, "AHEAD_HASH_BYTES", 10)
+    live = LiveSnapshots(HashCache(), refresh_after_s=0.02)
+    try:
+        live.take([(SB, str(tree))])
+        (tree / "big.txt").write_text("x" * 100)  # over what a refresh ahead may hash
+        assert wait_until(lambda: live.refreshes >= 1)
+        assert f"{SB}/big.txt" in tracker(live, tree)._unhashed
+        snap = live.take([(SB, str(tree))])  # the call's own snapshot hashes it
+        assert snap.entries[f"{SB}/big.txt"].sha256 and snap.entries == walked(tree)
+        assert tracker(live, tree).ahead == 0
+        # A root that keeps changing with no call between: each refresh waits twice as long.
+        for i in range(3):
+            before = live.refreshes
+            (tree / "top.txt").write_text(f"v{i}")
+            assert wait_until(lambda: live.refreshes > before)
+        assert tracker(live, tree).ahead == 3
+        # Idle past AHEAD_IDLE_S: left for the next call.
+        monkeypatch.setattr(ls, "AHEAD_IDLE_S", 0.0)
+        before = live.refreshes
+        (tree / "top.txt").write_text("idle")
+        assert not wait_until(lambda: live.refreshes > before, timeout_s=0.5)
+        assert live.take([(SB, str(tree))]).entries == walked(tree)
+    finally:
+        live.close()
