@@ -59,6 +59,14 @@ def _output_refs(result: pb.ToolResult) -> list[pb.ArtifactRef]:
     return [ref for ref in result.artifacts if ref.kind in ("stdout", "stderr")]
 
 
+def _outcome(response: pb.RunResponse, downloaded: dict[str, bytes]) -> "CallOutcome":
+    """A Run's answer: its output inline, or as downloaded from the artifacts."""
+    if response.output_inline:
+        return CallOutcome(response.tool_call_id, response.result, response.stdout, response.stderr)
+    return CallOutcome(response.tool_call_id, response.result, downloaded.get("stdout", b""),
+                       downloaded.get("stderr", b""))
+
+
 @dataclass
 class CallOutcome:
     """A finished call: its result and its whole stored output (events: those of the
@@ -134,14 +142,12 @@ class SandboxdClient:
                                       timeout=timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
-        if response.output_inline:
-            return CallOutcome(response.tool_call_id, response.result, response.stdout, response.stderr)
-        output = {}
-        for ref in _output_refs(response.result):
+        downloaded = {}
+        for ref in [] if response.output_inline else _output_refs(response.result):
             sink = io.BytesIO()
             self.download_artifact(ref.artifact_id, sink)
-            output[ref.kind] = sink.getvalue()
-        return CallOutcome(response.tool_call_id, response.result, output.get("stdout", b""), output.get("stderr", b""))
+            downloaded[ref.kind] = sink.getvalue()
+        return _outcome(response, downloaded)
 
     def cancel(self, tool_call_id: str, reason: str = "") -> bool:
         try:
@@ -319,12 +325,10 @@ class AsyncSandboxdClient:
                                                           max_inline_output_bytes=RUN_INLINE_BYTES), timeout=timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
-        if response.output_inline:
-            return CallOutcome(response.tool_call_id, response.result, response.stdout, response.stderr)
-        output = {}
-        for ref in _output_refs(response.result):
-            output[ref.kind] = await self._download(ref.artifact_id)
-        return CallOutcome(response.tool_call_id, response.result, output.get("stdout", b""), output.get("stderr", b""))
+        downloaded = {}
+        for ref in [] if response.output_inline else _output_refs(response.result):
+            downloaded[ref.kind] = await self._download(ref.artifact_id)
+        return _outcome(response, downloaded)
 
     async def _download(self, artifact_id: str) -> bytes:
         data = bytearray()

@@ -151,6 +151,17 @@ def prepared_call(workspace: Path, argv: list[str], policy: dict | None = None, 
     return c
 
 
+def wait_for(predicate, timeout_s: float = 5.0, interval_s: float = 0.01):
+    """predicate()'s first true value within `timeout_s`, else its last (false) one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return predicate()
+
+
 def timed_ms(fn, n: int, warmup: int = 2) -> list[float]:
     """Wall times of n calls of fn, in ms, after `warmup` untimed ones (for bench/)."""
     return timed_interleaved_ms({"": fn}, n, warmup)[""]

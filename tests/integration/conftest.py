@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sandboxd import testing
 from sandboxd.backends.cgroups import LAYOUT
 from sandboxd.testing import TEST_BACKENDS, WORKSPACE_UID, DaemonProcess, make_daemon, prepared_call
 from sandboxd_client import SandboxdClient
@@ -212,10 +213,4 @@ def sh(script: str) -> list[str]:
 
 
 def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    return predicate()
+    return testing.wait_for(predicate, timeout_s, interval_s)

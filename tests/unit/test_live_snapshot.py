@@ -14,6 +14,7 @@ from sandboxd import live_snapshot as ls
 from sandboxd import snapshot
 from sandboxd.live_snapshot import LiveSnapshots
 from sandboxd.snapshot import HashCache
+from sandboxd.testing import wait_for
 
 SB = "/workspace"
 
@@ -475,14 +476,6 @@ def test_several_roots_never_change_a_tracker_s_snapshot(live, tree, tmp_path):
     assert kept(live, tree) is alone
 
 
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    import time
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_a_change_between_calls_is_taken_in_ahead_of_the_next_snapshot(tree, monkeypatch):
@@ -491,7 +484,7 @@ def test_a_change_between_calls_is_taken_in_ahead_of_the_next_snapshot(tree, mon
         first = live.take([(SB, str(tree))])
         (tree / "d1" / "f1.txt").write_text("changed between calls\n")
         (tree / "d2" / "new.txt").write_text("new\n")
-        assert wait_until(lambda: live.refreshes >= 1)
+        assert wait_for(lambda: live.refreshes >= 1)
         rescanned = []
         original = ls.RootTracker._rescan
         monkeypatch.setattr(ls.RootTracker, "_rescan", lambda self, fd, path, *a: (rescanned.append(path),
@@ -519,7 +512,7 @@ def test_a_root_that_cannot_be_refreshed_is_walked_by_the_next_call(tree, monkey
 
         monkeypatch.setattr(ls.RootTracker, "snapshot", failing)
         (tree / "top.txt").write_text("changed\n")
-        assert wait_until(lambda: (SB, str(tree)) not in live._trackers)
+        assert wait_for(lambda: (SB, str(tree)) not in live._trackers)
         assert live.take([(SB, str(tree))]).entries == walked(tree)
         assert live.fallbacks == 1
     finally:
@@ -532,7 +525,7 @@ def test_refreshing_ahead_does_not_keep_an_unused_tracker_alive(tree):
         live.take([(SB, str(tree))])
         used = tracker(live, tree).last_used
         (tree / "top.txt").write_text("changed\n")
-        assert wait_until(lambda: live.refreshes >= 1)
+        assert wait_for(lambda: live.refreshes >= 1)
         assert tracker(live, tree).last_used == used
     finally:
         live.close()
@@ -544,7 +537,7 @@ def test_a_root_a_call_changed_unseen_is_refreshed_at_once_when_asked(tree):
         live.take([(SB, str(tree))])
         (tree / "top.txt").write_text("changed by a call that recorded nothing\n")
         live.refresh_soon([(SB, str(tree)), ("/other", "/nowhere")])
-        assert wait_until(lambda: live.refreshes == 1, timeout_s=2)
+        assert wait_for(lambda: live.refreshes == 1, timeout_s=2)
         assert live.take([(SB, str(tree))]).entries == walked(tree)
     finally:
         live.close()
@@ -556,7 +549,7 @@ def test_refreshing_ahead_hashes_little_backs_off_and_stops_for_an_idle_root(tre
     try:
         live.take([(SB, str(tree))])
         (tree / "big.txt").write_text("x" * 100)  # over what a refresh ahead may hash
-        assert wait_until(lambda: live.refreshes >= 1)
+        assert wait_for(lambda: live.refreshes >= 1)
         assert f"{SB}/big.txt" in tracker(live, tree)._unhashed
         snap = live.take([(SB, str(tree))])  # the call's own snapshot hashes it
         assert snap.entries[f"{SB}/big.txt"].sha256 and snap.entries == walked(tree)
@@ -565,13 +558,13 @@ def test_refreshing_ahead_hashes_little_backs_off_and_stops_for_an_idle_root(tre
         for i in range(3):
             before = live.refreshes
             (tree / "top.txt").write_text(f"v{i}")
-            assert wait_until(lambda: live.refreshes > before)
+            assert wait_for(lambda: live.refreshes > before)
         assert tracker(live, tree).ahead == 3
         # Idle past AHEAD_IDLE_S: left for the next call.
         monkeypatch.setattr(ls, "AHEAD_IDLE_S", 0.0)
         before = live.refreshes
         (tree / "top.txt").write_text("idle")
-        assert not wait_until(lambda: live.refreshes > before, timeout_s=0.5)
+        assert not wait_for(lambda: live.refreshes > before, timeout_s=0.5)
         assert live.take([(SB, str(tree))]).entries == walked(tree)
     finally:
         live.close()

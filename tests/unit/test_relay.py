@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from sandboxd.testing import wait_for
 from sandboxd.transport import relay
 
 
@@ -26,13 +27,6 @@ def open_sockets() -> set[str]:
     return out
 
 
-def wait_for(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 @pytest.fixture
