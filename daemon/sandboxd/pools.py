@@ -122,6 +122,7 @@ class Pool:
     leased: dict[str, Lease] = field(default_factory=dict)
     owner: str = ""  # the principal that made it (CreatePool or its first AcquireSandbox)
     creating: int = 0
+    destroying: int = 0  # retired, still being removed: they count until they are gone
     created: int = 0
     destroyed: int = 0
     draining: bool = False
@@ -129,7 +130,7 @@ class Pool:
 
     @property
     def size(self) -> int:
-        return len(self.idle) + len(self.leased) + self.creating
+        return len(self.idle) + len(self.leased) + self.creating + self.destroying
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,8 @@ class PoolManager:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ResourceExhausted(f"the pool for this workspace and policy has its maximum of "
-                                            f"{s.max_size} sandboxes leased; retry, or ask to wait (waitMs)")
+                                            f"{s.max_size} sandboxes (leased, being made or being removed); "
+                                            "retry, or ask to wait (waitMs)")
                 self._cond.wait(left)
         try:
             ws = self._create(pool)
@@ -438,9 +440,20 @@ class PoolManager:
         """Under the lock: removal happens off the caller's thread."""
         if pool is not None:
             pool.destroyed += 1
-        t = threading.Thread(target=self._destroy, args=(ws,), daemon=True, name=f"destroy-{ws.sandbox_id}")
+            pool.destroying += 1
+        t = threading.Thread(target=self._destroy_counted, args=(ws, pool), daemon=True,
+                             name=f"destroy-{ws.sandbox_id}")
         self._destroyers = [d for d in self._destroyers if d.is_alive()] + [t]
         t.start()
+
+    def _destroy_counted(self, ws: WarmSandbox, pool: Pool | None) -> None:
+        try:
+            self._destroy(ws)
+        finally:
+            if pool is not None:
+                with self._cond:
+                    pool.destroying -= 1
+                    self._cond.notify_all()  # a waiter at the maximum may make one now
 
     def _destroy(self, ws: WarmSandbox) -> None:
         backend = ws.prepared.backend

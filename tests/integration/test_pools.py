@@ -70,7 +70,8 @@ def test_a_new_lease_gets_a_fresh_sandbox(pooled):
         one = c.acquire_sandbox(str(ws))
         c.run(leased(ws, one, sh("echo secret-state > /tmp/left-behind")))
         c.release_sandbox(one.lease_id)
-        two = c.acquire_sandbox(str(ws))
+        # (The released sandbox counts against the pool's maximum until it is removed.)
+        two = c.acquire_sandbox(str(ws), wait_ms=20_000)
         assert two.sandbox_id != one.sandbox_id
         out = c.run(leased(ws, two, sh("cat /tmp/left-behind 2>/dev/null || echo clean")))
         assert out.stdout == b"clean\n"
@@ -122,6 +123,20 @@ def test_the_pool_never_exceeds_its_maximum_and_waiters_get_released_sandboxes(p
         assert waited.lease_id not in {h.lease_id for h in held}
         [status] = c.list_pools()
         assert status.leased == 2 and status.idle + status.leased <= 2
+        for lease in (held[1], waited):
+            c.release_sandbox(lease.lease_id)
+
+
+def test_a_released_sandbox_counts_against_the_maximum_until_it_is_gone(pooled, docker_engine):
+    d = pooled  # at most 2 sandboxes
+    ws = d.new_workspace()
+    with d.client() as c:
+        held = [c.acquire_sandbox(str(ws)) for _ in range(2)]
+        c.release_sandbox(held[0].lease_id)  # removed on a thread, from now
+        waited = c.acquire_sandbox(str(ws), wait_ms=20_000)
+        # Made only once the released one was gone: never three containers at once.
+        assert len(leftover_sandboxes(docker_engine, d)) <= 2
+        assert not docker_engine.api.containers(all=True, filters={"label": f"sandboxd.sandbox_id={held[0].sandbox_id}"})
         for lease in (held[1], waited):
             c.release_sandbox(lease.lease_id)
 
