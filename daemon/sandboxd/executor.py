@@ -896,8 +896,8 @@ class CallExecutor:
         """Verifies and starts a call. Refusals raise (after being recorded); an
         accepted call's events up to ToolPolicyChecked are committed on return (a killed
         daemon keeps them) and fsynced before its command starts (a leased command's:
-        as it starts). A retry
-        of an accepted idempotency key gets the first call instead (running or done).
+        as it starts). A retry of an accepted idempotency key gets the first call
+        instead (running or done).
         With `start` False, a new call is the caller's to run at once (`run_here`)."""
         requested_id = raw.get("toolCallId") if isinstance(raw.get("toolCallId"), str) else ""
         principal = caller.name

@@ -665,8 +665,7 @@ class LiveSnapshots:
     def close(self) -> None:
         with self._lock:
             refresher = self._refresher
-            if refresher is not None and not self._closed:
-                os.write(self._wake_w, b"x")
+            self._wake_refresher()
             self._closed = True
         if refresher is not None:
             refresher.join(5)

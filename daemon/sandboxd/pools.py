@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import hashlib
 import logging
+import math
 import os
 import select
 import signal
@@ -748,12 +749,15 @@ class LeaseBackend:
         io = self._io
         assert io is not None
         deadline = time.monotonic() + timeout_s
+        last_look = False
         try:
             while io.streams or not self._done.is_set():
-                left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0:
-                    return False
-                for fd, _ in io.poller.poll(left_ms):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if last_look:
+                        return False
+                    last_look = True  # one pass without waiting: what has ended by now counts
+                for fd, _ in io.poller.poll(max(0, math.ceil(left * 1000))):
                     if fd == io.conn_fd:
                         self._answer(io.poller, io.conn_fd)
                     elif fd == io.in_w:

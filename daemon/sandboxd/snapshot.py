@@ -270,8 +270,9 @@ def diff(before: dict[str, Entry], after: dict[str, Entry], candidates: set[str]
         differing = {p for p, _ in before.items() ^ after.items()}
     # In path order, whichever way `differing` came: several links of one inode gone,
     # the rename is told from the same one.
-    before = {p: before[p] for p in sorted(differing) if p in before}
-    after = {p: after[p] for p in sorted(differing) if p in after}
+    ordered = sorted(differing)
+    before = {p: before[p] for p in ordered if p in before}
+    after = {p: after[p] for p in ordered if p in after}
     gone = {p: e for p, e in before.items() if p not in after}
     by_inode = {(e.dev, e.inode): p for p, e in gone.items()}
     out: list[dict[str, Any]] = []

@@ -57,6 +57,11 @@ def test_commands_in_a_lease_are_calls_of_their_own_and_leave_nothing_running(po
         # Its own timeout, and the lease still works afterwards.
         slow = c.run(leased(ws, lease, ["sleep", "30"], {"process": {"timeoutMs": 300}}, adapter=adapter))
         assert slow.result.timed_out and slow.result.status == "error"
+        # A command that never stops writing still ends at its timeout (the wait that
+        # serves its pipes is never kept busy past it).
+        flood = c.run(leased(ws, lease, ["yes"], {"process": {"timeoutMs": 300, "maxStdoutBytes": 65536}},
+                             adapter=adapter))
+        assert flood.result.timed_out and flood.result.stdout_truncated
         assert c.run(leased(ws, lease, ["echo", "still here"], adapter=adapter)).stdout == b"still here\n"
         c.release_sandbox(lease.lease_id)
         with pytest.raises(errors.NotFound):
