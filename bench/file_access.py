@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
 
+from sandboxd.events import file_accesses  # noqa: E402
 from sandboxd.testing import WORKSPACE_UID, make_daemon, prepared_call  # noqa: E402
 
 TEST_MODULE = """import unittest
@@ -102,7 +103,7 @@ def main() -> int:
                         if i:  # the first round warms caches
                             times[record].append(ms)
                             catch_up[record].append((time.perf_counter() - t) * 1000)
-                        events[record] = sum(len(json.loads(e.payload_json)["accesses"])
+                        events[record] = sum(len(file_accesses(json.loads(e.payload_json)))
                                              for e in client.get_trace(out.tool_call_id)
                                              if e.type == "FileAccessObserved")
                 on, off = statistics.median(times[True]), statistics.median(times[False])

@@ -132,13 +132,11 @@ def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
             for table in ("audit_paths", "audit_network"):
                 conn.execute(f"DELETE FROM {table} WHERE call_seq = ?", (call_seq,))
             conn.execute("DELETE FROM audit_calls WHERE seq = ?", (call_seq,))
-    elif e.type == ev.FILE_ACCESS and ("path" in p or "accesses" in p):
+    elif e.type == ev.FILE_ACCESS and ("path" in p or "accesses" in p or "reads" in p):
         call_seq = _call_seq(conn, e.tool_call_id)
         if call_seq is not None:
-            # One access, or a batch of them.
-            listed = [p] if "path" in p else [a for a in p["accesses"] if isinstance(a, dict) and "path" in a]
             rows = []
-            for a in listed:
+            for a in ev.file_accesses(p):
                 rows.append((str(a["path"]), str(a.get("operation", ""))))
                 if a.get("renamedTo"):
                     rows.append((str(a["renamedTo"]), "rename"))

@@ -41,13 +41,27 @@ CREDENTIAL_INJECTED = "CredentialInjected"
 # drained, or the daemon stopping). Their "call" id is the lease id.
 SANDBOX_LEASED = "SandboxLeased"
 SANDBOX_LEASE_ENDED = "SandboxLeaseEnded"
-# One access to a file under the sandbox's mounted roots.
+# Accesses to files under the sandbox's mounted roots: {"accesses": [entry, ...]} or,
+# for paths opened and never written, {"reads": [[path, opens], ...]} (file_accesses).
 FILE_ACCESS = "FileAccessObserved"
 # A retry with an already accepted idempotency key, answered from the first call.
 REPLAYED = "ToolCallReplayed"
 # The tombstone of a call past the retention period: its artifacts and index rows are
 # gone (listed here by id and content hash), its events stay.
 EXPIRED = "ToolCallExpired"
+
+
+def file_accesses(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A FileAccessObserved payload's accesses as entries ({"path", "operation", ...}),
+    whichever form it holds: a compact read is {"path", "operation": "read", "opens"}.
+    Malformed items are skipped (this reads logs, which may be old or edited)."""
+    out = [a for a in payload.get("accesses") or [] if isinstance(a, dict) and "path" in a]
+    if "path" in payload:  # one access per event (no daemon writes these any more)
+        out.append(payload)
+    for read in payload.get("reads") or []:
+        if isinstance(read, list) and len(read) == 2:
+            out.append({"path": read[0], "operation": "read", "opens": read[1]})
+    return out
 
 
 def new_id(prefix: str) -> str:
@@ -80,9 +94,6 @@ class EventDraft:
     type: str
     payload: dict[str, Any]
     event_id: str = ""
-    # canonical_json(payload), when the caller has it cheaper (a thousand file accesses:
-    # snapshot.accesses_json). It must be exactly that: it is what the hash covers.
-    payload_json: str = ""
 
 
 class EventLog:
@@ -111,7 +122,7 @@ class EventLog:
             seq += 1
             event_id = d.event_id or new_id("ev")
             time = utc_now()
-            payload_json = d.payload_json or canonical_json(d.payload).decode()
+            payload_json = canonical_json(d.payload).decode()
             h = event_hash(seq, event_id, tool_call_id, d.type, time, parent, payload_json, prev)
             conn.execute(
                 "INSERT INTO events (seq, event_id, tool_call_id, type, time, parent_event_id, payload_json, prev_hash, hash)"

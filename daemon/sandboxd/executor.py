@@ -27,7 +27,7 @@ from .compile import Attachments, EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
                      PermissionDenied, ResourceExhausted, SandboxdError)
 from .events import CheckpointFile, EventDraft, EventLog
-from .filewatch import (MAX_PATHS as MAX_WATCHED_PATHS, Access, FileWatch, FileWatchError, GateArrival,
+from .filewatch import (MAX_PATHS as MAX_WATCHED_PATHS, FileWatch, FileWatchError, GateArrival,
                         reader_library)
 from .live_snapshot import LiveSnapshots
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
@@ -51,8 +51,9 @@ STARTED_COMMIT_AFTER_S = 0.05
 GATE_TIMEOUT_S = 10.0
 # Paths listed in ToolResult.effectsObserved per kind (the events hold all of them).
 MAX_EFFECT_PATHS = 1000
-# File accesses per FileAccessObserved event.
-FILE_EVENTS_PER_BATCH = 500
+# Per FileAccessObserved event: entries (writes, creations, ...), or plain reads.
+FILE_ENTRIES_PER_EVENT = 500
+FILE_READS_PER_EVENT = 2000
 # A write root's snapshot is brought up to date this long after a change reaches it.
 REFRESH_WRITE_ROOTS_AFTER_S = 0.02
 
@@ -199,7 +200,7 @@ class CallRun:
         watch: FileWatch | None = None
         gate_fd = -1
         arrival: GateArrival | None = None
-        accesses: list[Access] = []
+        accesses: list[tuple[str, int, int]] = []
         # What mount marks cannot see (creations, deletions, renames, chmods, the content
         # a write found) comes from a before/after walk of the writable mounts.
         writable = [(b.sandbox_path, b.host_path) for b in p.plan.binds if not b.read_only]
@@ -529,9 +530,8 @@ class CallRun:
             result["error"] = error
         # Accesses go in batches: a test run touches thousands of files, and one event
         # per path would cost the log more than the run.
-        listed = files.events
-        batches = [listed[i:i + FILE_EVENTS_PER_BATCH] for i in range(0, len(listed), FILE_EVENTS_PER_BATCH)]
-        drafts = [EventDraft(ev.FILE_ACCESS, {"accesses": b}, payload_json=snapshot.accesses_json(b)) for b in batches]
+        drafts = [EventDraft(ev.FILE_ACCESS, payload) for payload in
+                  snapshot.file_access_payloads(files.events, FILE_ENTRIES_PER_EVENT, FILE_READS_PER_EVENT)]
         if files.incomplete:
             drafts.append(EventDraft(ev.FILE_ACCESS, {"accesses": [], "incomplete": files.incomplete}))
         drafts += [EventDraft(ev.NETWORK_ACCESS, c.to_event()) for c in connections]
@@ -587,11 +587,11 @@ def _make_gate(path: Path, uid: int, gid: int) -> None:
 @dataclass
 class FileRecord:
     """What a call did to files: FileAccessObserved entries, and why they may not be all."""
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: snapshot.FileEvents = field(default_factory=lambda: snapshot.FileEvents([], []))
     incomplete: list[str] = field(default_factory=list)
 
 
-def _file_record(accesses: list[Access], watch: FileWatch, before: snapshot.Snapshot | None,
+def _file_record(accesses: list[tuple[str, int, int]], watch: FileWatch, before: snapshot.Snapshot | None,
                  after: snapshot.Snapshot | None) -> FileRecord:
     incomplete: list[str] = []
     if watch.overflowed:

@@ -20,12 +20,8 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring as _json_string
 from typing import Any, Iterable, NamedTuple
 
-from sandboxd_client.canonical import canonical_json
-
-from .filewatch import Access
 
 MAX_ENTRIES = 200_000
 # Deeper directories are not walked (each level holds a descriptor while it is walked).
@@ -308,15 +304,30 @@ def diff(before: dict[str, Entry], after: dict[str, Entry], candidates: set[str]
     return sorted(out, key=lambda a: (a["path"], a["operation"]))
 
 
-def file_events(accesses: Iterable[Access], changes: list[dict[str, Any]], before: dict[str, Entry],
-                after: dict[str, Entry]) -> list[dict[str, Any]]:
-    """The FileAccessObserved entries of a call: what the watch saw opened (a write with
-    the content it found and left), then what only the snapshots show."""
+class FileEvents(NamedTuple):
+    """What a call did to files, as its FileAccessObserved events hold it: `reads`, the
+    paths opened and never written with their open counts ((path, opens), in path
+    order: a test run reads thousands, and a pair costs the record a third of an
+    entry), and `entries` for everything else (writes with their hashes, creations,
+    deletions, renames, mode changes, and reads of names that are not UTF-8)."""
+
+    entries: list[dict[str, Any]]
+    reads: list[tuple[str, int]]
+
+
+def file_events(accesses: Iterable[tuple[str, int, int]], changes: list[dict[str, Any]], before: dict[str, Entry],
+                after: dict[str, Entry]) -> FileEvents:
+    """A call's file record: what the watch saw opened (a write with the content it
+    found and left), then what only the snapshots show."""
     out: list[dict[str, Any]] = []
+    reads: list[tuple[str, int]] = []
     watched_writes: dict[str, dict[str, Any]] = {}
     for path, opens, writes in accesses:
-        if not writes:  # most of them by far (a test run reads thousands): nothing more to say
-            out.append({"path": path, "operation": "read", "opens": opens, "writes": 0})
+        if not writes:  # most of them by far: nothing more to say
+            if path.isascii() or printable(path) is path:
+                reads.append((path, opens))
+            else:
+                out.append({"path": path, "operation": "read", "opens": opens, "writes": 0})
             continue
         entry: dict[str, Any] = {"path": path, "operation": "write", "opens": opens, "writes": writes}
         watched_writes[path] = entry
@@ -342,26 +353,15 @@ def file_events(accesses: Iterable[Access], changes: list[dict[str, Any]], befor
     for e in out:
         if not e["path"].isascii() or not e.get("renamedTo", "").isascii():
             _printable(e)
-    return out
+    return FileEvents(out, reads)
 
 
-_PLAIN = frozenset(("path", "operation", "opens", "writes"))
-
-
-def accesses_json(entries: list[dict[str, Any]]) -> str:
-    """canonical_json({"accesses": entries}), with the entries of a plain read or write
-    (path, operation, opens, writes: almost all of them) spelled by a template: the
-    encoder's sorting of each small dict took half of a recorded test run's 7 ms of JSON.
-    Any other entry goes through canonical_json itself."""
-    parts = []
-    for e in entries:
-        opens, writes = e.get("opens"), e.get("writes")
-        if e.keys() == _PLAIN and type(opens) is int and type(writes) is int:
-            parts.append('{"opens":%d,"operation":%s,"path":%s,"writes":%d}'
-                         % (opens, _json_string(e["operation"]), _json_string(e["path"]), writes))
-        else:
-            parts.append(canonical_json(e).decode())
-    return '{"accesses":[' + ",".join(parts) + "]}"
+def file_access_payloads(files: FileEvents, entries_per_event: int, reads_per_event: int) -> list[dict[str, Any]]:
+    """The payloads of a call's FileAccessObserved events: each holds either
+    {"accesses": [entry, ...]} or {"reads": [[path, opens], ...]}."""
+    entries, reads = files
+    return ([{"accesses": entries[i:i + entries_per_event]} for i in range(0, len(entries), entries_per_event)]
+            + [{"reads": reads[i:i + reads_per_event]} for i in range(0, len(reads), reads_per_event)])
 
 
 def _printable(entry: dict[str, Any]) -> dict[str, Any]:
@@ -390,23 +390,23 @@ def printable(text: str) -> str:
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def effects(events: list[dict[str, Any]]) -> dict[str, list[str]]:
+def effects(files: FileEvents) -> dict[str, list[str]]:
     """reads (opened, never written), writes (incl. creations, mode changes and rename
     targets) and deletes for ToolResult.effectsObserved, each path once, in path order."""
-    # (In the order they come: the watch's are sorted already, which sorted() then sees.)
-    reads = dict.fromkeys(e["path"] for e in events if e.get("operation") == "read")
+    # (The watch's reads come sorted already, which sorted() then sees.)
+    reads = [path for path, _ in files.reads]
     writes, deletes = set(), set()
-    for e in events:
+    for e in files.entries:
         op = e.get("operation")
-        if op == "read":
-            continue
-        if op in ("write", "create", "chmod"):
+        if op == "read":  # a name that is not UTF-8
+            reads.append(e["path"])
+        elif op in ("write", "create", "chmod"):
             writes.add(e["path"])
         elif op == "delete":
             deletes.add(e["path"])
         elif op == "rename":
             writes.add(e["renamedTo"])
-    return {"reads": sorted(reads), "writes": sorted(writes), "deletes": sorted(deletes)}
+    return {"reads": sorted(dict.fromkeys(reads)), "writes": sorted(writes), "deletes": sorted(deletes)}
 
 
 def _content_changed(was: Entry, now: Entry) -> bool:

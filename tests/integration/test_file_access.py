@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from sandboxd.events import file_accesses
 from sandboxd_client import errors
 
 from .conftest import call, sh
@@ -17,7 +18,7 @@ from .conftest import call, sh
 
 def accesses(client, tool_call_id: str) -> list[dict]:
     return [a for e in client.get_trace(tool_call_id) if e.type == "FileAccessObserved"
-            for a in json.loads(e.payload_json)["accesses"]]
+            for a in file_accesses(json.loads(e.payload_json))]
 
 
 def test_reads_and_writes_are_recorded_with_the_hash_left_behind(client, daemon):
@@ -34,6 +35,12 @@ def test_reads_and_writes_are_recorded_with_the_hash_left_behind(client, daemon)
             "sha256After": "sha256:" + hashlib.sha256(b"built\n").hexdigest()} in recorded
     assert seen["/workspace/secrets.yaml"]["operation"] == "read"
     assert seen["/workspace/src/app.py"]["operation"] == "read"
+    # Plain reads are recorded as [path, opens] pairs, in an event of their own.
+    payloads = [json.loads(e.payload_json) for e in client.get_trace(out.tool_call_id)
+                if e.type == "FileAccessObserved"]
+    [reads] = [p["reads"] for p in payloads if "reads" in p]
+    assert [path for path, opens in reads if opens >= 1] == ["/workspace/secrets.yaml", "/workspace/src/app.py"]
+    assert all(a["operation"] != "read" for p in payloads for a in p.get("accesses", []))
     written = seen["/workspace/result.txt"]
     assert written["operation"] == "write" and written["sha256Before"] == ""  # it did not exist
     assert written["sha256After"] == "sha256:" + hashlib.sha256(b"built\n").hexdigest()

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from sandboxd.events import file_accesses
 from sandboxd.pools import READY_TIMEOUT_S
 from sandboxd_client import errors
 
@@ -494,7 +495,7 @@ def test_each_leased_command_records_its_own_file_accesses(pooled, adapter):
 
         def recorded(out):
             return [a for e in c.get_trace(out.tool_call_id) if e.type == "FileAccessObserved"
-                    for a in json.loads(e.payload_json)["accesses"]]
+                    for a in file_accesses(json.loads(e.payload_json))]
 
         assert first.result.status == second.result.status == "success", (first.stderr, second.stderr)
         assert list(first.result.effects_observed.reads) == ["/workspace/a.txt"]

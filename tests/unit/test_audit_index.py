@@ -115,10 +115,13 @@ def network_dropped(n: int = 7) -> EventDraft:
 
 
 def file_access(path: str, operation: str, renamed_to: str = "") -> EventDraft:
-    payload: dict[str, Any] = {"path": path, "operation": operation}
+    """One access, as the daemon records it: a plain read as a pair, anything else as an entry."""
+    if operation == "read":
+        return EventDraft(ev.FILE_ACCESS, {"reads": [[path, 1]]})
+    entry: dict[str, Any] = {"path": path, "operation": operation}
     if renamed_to:
-        payload["renamedTo"] = renamed_to
-    return EventDraft(ev.FILE_ACCESS, payload)
+        entry["renamedTo"] = renamed_to
+    return EventDraft(ev.FILE_ACCESS, {"accesses": [entry]})
 
 
 def result(tool_call_id: str, status: str = "success", exit_code: int = 0, code: str = "") -> EventDraft:
@@ -714,6 +717,24 @@ def test_a_call_with_many_matching_accesses_is_listed_once(db, log):
     assert ids(db, path="src", path_operation="write", domain="pypi.org") == ["tc-many"]
     assert ids(db, path="src/f3.py", domain="pypi.org") == ["tc-many"]
     assert ids(db, domain="*.pypi.org") == ["tc-many"]
+
+
+def test_every_form_of_a_file_access_event_is_indexed(db, log):
+    run_call(log, "batched", observed=(EventDraft(ev.FILE_ACCESS, {
+        "accesses": [{"path": "/workspace/w", "operation": "write", "opens": 1, "writes": 1},
+                     {"path": "/workspace/old", "operation": "rename", "renamedTo": "/workspace/new"}]}),
+        EventDraft(ev.FILE_ACCESS, {"reads": [["/workspace/r1", 2], ["/workspace/r2", 1]]})))
+    # Logs written before reads were pairs: an entry per read, or one access per event.
+    run_call(log, "older", observed=(
+        EventDraft(ev.FILE_ACCESS, {"accesses": [{"path": "/workspace/r1", "operation": "read", "opens": 1,
+                                                  "writes": 0}]}),
+        EventDraft(ev.FILE_ACCESS, {"path": "/workspace/w", "operation": "write"})))
+    assert path_rows(db) == sorted([
+        ("batched", "/workspace/w", "write"), ("batched", "/workspace/old", "rename"),
+        ("batched", "/workspace/new", "rename"), ("batched", "/workspace/r1", "read"),
+        ("batched", "/workspace/r2", "read"), ("older", "/workspace/r1", "read"), ("older", "/workspace/w", "write")])
+    assert ids(db, path="/workspace/r1", path_operation="read") == ["older", "batched"]
+    assert ids(db, path="/workspace/r2") == ["batched"]
 
 
 def test_path_and_domain_must_both_hold_for_the_call(db, log):

@@ -65,15 +65,6 @@ def test_seq_is_contiguous_across_calls(log):
     assert [e.seq for e in log.range()] == list(range(1, 8))
 
 
-def test_a_drafts_precomputed_canonical_payload_is_stored_and_chained_as_given(log):
-    payload = {"accesses": [{"path": "/w/a", "operation": "read", "opens": 1, "writes": 0}]}
-    spelled = canonical_json(payload).decode()
-    # (The dict is not encoded again: the given spelling is what is stored and hashed.)
-    [e] = log.record("tc_p", "", [EventDraft("FileAccessObserved", {"not": "encoded"}, payload_json=spelled)])
-    assert e.payload_json == spelled and e.payload == payload
-    assert verify_chain(log.range()).ok
-
-
 def test_draft_event_id_is_kept(log):
     [e] = log.record("tc-1", "", [EventDraft("A", {}, event_id="ev_fixed")])
     assert e.event_id == "ev_fixed"

@@ -71,20 +71,20 @@ def test_a_kept_watch_records_each_command_between_begin_and_collect(tmp_path):
         (mnt / "b").read_text()
         (mnt / "c").write_text("c2")
         first = w.collect()
-        assert [(x.path, x.operation) for x in first] == [(f"{mnt}/b", "read"), (f"{mnt}/c", "write")]
+        assert [(path, bool(writes)) for path, _, writes in first] == [(f"{mnt}/b", False), (f"{mnt}/c", True)]
         w.begin()
         assert w.collect() == []
         w.begin()
         for _ in range(200):
             (mnt / "a").read_text()
-        [again] = w.collect()
-        assert again.path == f"{mnt}/a" and 1 <= again.opens <= 200
+        [(path, opens, writes)] = w.collect()
+        assert path == f"{mnt}/a" and 1 <= opens <= 200 and writes == 0
         w.unrecorded()  # a command that is not recorded runs, then a recorded one
         (mnt / "b").read_text()
         w.begin()
         (mnt / "c").read_text()
-        assert [x.path for x in w.collect()] == [f"{mnt}/c"]
-        assert [x.path for x in w.stop()] == [f"{mnt}/c"]
+        assert [x[0] for x in w.collect()] == [f"{mnt}/c"]
+        assert [x[0] for x in w.stop()] == [f"{mnt}/c"]
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
 
@@ -153,7 +153,7 @@ def test_paths_are_the_sandbox_s_even_when_read_after_its_mount_namespace_is_gon
         child.communicate("go\n", timeout=10)
         assert child.returncode == 0
         gone.set()  # the namespace went with its last process: now the reader reads
-        assert [(a.path, a.operation) for a in w.stop()] == [(f"{p}/sub/f{i}", "read") for i, p in enumerate(points)]
+        assert [(path, writes) for path, _, writes in w.stop()] == [(f"{p}/sub/f{i}", 0) for i, p in enumerate(points)]
         assert not w.overflowed and w.dropped == 0
     finally:
         if child.poll() is None:

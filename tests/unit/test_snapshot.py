@@ -5,13 +5,16 @@ FileAccessObserved entries."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import pytest
 
 from sandboxd import snapshot
 from sandboxd.filewatch import Access
-from sandboxd.snapshot import Entry, HashBudget, HashCache, diff, effects, file_events, printable, take
+from sandboxd_client.canonical import canonical_json
+from sandboxd.snapshot import (Entry, FileEvents, HashBudget, HashCache, diff, effects, file_access_payloads, file_events,
+                               printable, take)
 
 
 def h(data: bytes) -> str:
@@ -265,75 +268,68 @@ def test_watched_writes_carry_the_content_they_found_and_left():
     after = {"/w/edit": e(1, size=2, mtime=2, sha="NEW"), "/w/read": e(2, sha="R"), "/w/new": e(3, sha="N")}
     accesses = [Access("/w/edit", 1, 1), Access("/w/new", 1, 1), Access("/w/read", 2, 0), Access("/w/tmp", 1, 1)]
     events = file_events(accesses, diff(before, after), before, after)
-    assert events == [
+    assert events.entries == [
         {"path": "/w/edit", "operation": "write", "opens": 1, "writes": 1, "sha256Before": "OLD", "sha256After": "NEW"},
         {"path": "/w/new", "operation": "write", "opens": 1, "writes": 1, "sha256Before": "", "sha256After": "N"},
-        {"path": "/w/read", "operation": "read", "opens": 2, "writes": 0},
         # Written and gone again by the end of the call (a temporary file).
         {"path": "/w/tmp", "operation": "write", "opens": 1, "writes": 1, "sha256Before": "", "sha256After": ""},
         # The in-place write of /w/edit is not listed twice; the creation is its own fact.
         {"path": "/w/new", "operation": "create", "sha256After": "N"},
     ]
+    assert events.reads == [("/w/read", 2)]  # opened twice, never written: a pair
     assert effects(events) == {"reads": ["/w/read"], "writes": ["/w/edit", "/w/new", "/w/tmp"], "deletes": []}
 
 
 def test_names_that_are_not_utf8_are_printable_and_exact_in_base64():
     import base64
 
-    from sandboxd_client.canonical import canonical_json
-
     odd, other = os.fsdecode(b"/w/caf\xe9"), os.fsdecode(b"/w/x\xff\xfe")
     events = file_events([Access(odd, 1, 0), Access("/w/caf\u00e9-utf8", 1, 0)],
                          [{"path": odd, "operation": "rename", "renamedTo": other}], {}, {})
-    assert events == [
+    assert events.entries == [
         {"path": "/w/caf\\xe9", "pathBase64": base64.b64encode(b"/w/caf\xe9").decode(), "operation": "read",
          "opens": 1, "writes": 0},
-        {"path": "/w/caf\u00e9-utf8", "operation": "read", "opens": 1, "writes": 0},  # valid UTF-8: as it is
         {"path": "/w/caf\\xe9", "pathBase64": base64.b64encode(b"/w/caf\xe9").decode(), "operation": "rename",
          "renamedTo": "/w/x\\xff\\xfe", "renamedToBase64": base64.b64encode(b"/w/x\xff\xfe").decode()},
     ]
-    canonical_json(events)  # what the commit does with them: no UnicodeEncodeError
+    assert events.reads == [("/w/caf\u00e9-utf8", 1)]  # valid UTF-8: as it is, a pair
+    assert effects(events)["reads"] == ["/w/caf\\xe9", "/w/caf\u00e9-utf8"]
+    for payload in file_access_payloads(events, 500, 2000):
+        canonical_json(payload)  # what the commit does with them: no UnicodeEncodeError
     gap = f"{odd}: not examined (Permission denied)"
     assert printable(gap) == "/w/caf\\xe9: not examined (Permission denied)" and printable("/w/é") == "/w/é"
 
 
-def test_access_batches_are_spelled_exactly_as_canonical_json_spells_them():
-    import random
+def test_access_payloads_batch_entries_and_reads_and_read_back_as_entries():
+    from sandboxd.events import file_accesses
 
-    from sandboxd.snapshot import accesses_json
-    from sandboxd_client.canonical import canonical_json
-
-    rng = random.Random(7)
-    alphabet = ["a", "/", " ", '"', "\\", "\n", "\t", "\x00", "\x1f", "\x7f", "é", "€", "\u2028", "😀", "\ufeff"]
-    entries = []
-    for i in range(400):
-        path = "/workspace/" + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
-        entry = {"path": path, "operation": rng.choice(["read", "write"]), "opens": rng.randint(0, 2**40),
-                 "writes": rng.randint(0, 3)}
-        kind = i % 5
-        if kind == 1:
-            entry["sha256Before"], entry["sha256After"] = "", "sha256:" + "0" * 64  # a write with its hashes
-        elif kind == 2:
-            entry = {"path": path, "operation": "rename", "renamedTo": path + "é"}
-        elif kind == 3:
-            entry["opens"] = True  # not an int: never the template (JSON says true, not 1)
-        entries.append(entry)
-    assert accesses_json(entries) == canonical_json({"accesses": entries}).decode()
-    assert accesses_json([]) == canonical_json({"accesses": []}).decode()
-    events = file_events([Access("/w/a\"b", 3, 0), Access("/w/c", 1, 2)], [], {}, {})
-    assert accesses_json(events) == canonical_json({"accesses": events}).decode()
+    reads = [(f"/w/r{i:04}", i % 3 + 1) for i in range(4500)]
+    entries = [{"path": f"/w/c{i}", "operation": "create", "sha256After": "x"} for i in range(501)]
+    payloads = file_access_payloads(FileEvents(entries, reads), 500, 2000)
+    assert [len(p.get("accesses", p.get("reads"))) for p in payloads] == [500, 1, 2000, 2000, 500]
+    assert all(len(p) == 1 for p in payloads)  # either form, never both
+    back = [a for p in payloads for a in file_accesses(json.loads(canonical_json(p)))]
+    assert back[:501] == entries
+    assert back[501:] == [{"path": p, "operation": "read", "opens": n} for p, n in reads]
+    assert file_access_payloads(FileEvents([], []), 500, 2000) == []
+    # An old log's forms, and what an edited one may hold, read without raising.
+    assert file_accesses({"path": "/w/a", "operation": "read"}) == [{"path": "/w/a", "operation": "read"}]
+    assert file_accesses({"accesses": [{"path": "/w/b", "operation": "write"}, 7, {"no": "path"}],
+                          "reads": [["/w/c", 1], "bad", ["/w/d"]]}) == [
+        {"path": "/w/b", "operation": "write"}, {"path": "/w/c", "operation": "read", "opens": 1}]
 
 
 def test_effects_count_rename_targets_and_chmods_as_writes():
     events = [{"path": "/w/a", "operation": "rename", "renamedTo": "/w/b"}, {"path": "/w/c", "operation": "delete"},
-              {"path": "/w/s", "operation": "chmod"}, {"path": "/w/r", "operation": "read"}]
-    assert effects(events) == {"reads": ["/w/r"], "writes": ["/w/b", "/w/s"], "deletes": ["/w/c"]}
+              {"path": "/w/s", "operation": "chmod"}]
+    assert effects(FileEvents(events, [("/w/r", 1)])) == {
+        "reads": ["/w/r"], "writes": ["/w/b", "/w/s"], "deletes": ["/w/c"]}
 
 
 def test_a_missing_hash_says_why_in_the_entry():
     before = {"/w/big": Entry(1, 0o100644, 9, 1, 1, "", "larger than the hashing cap of 8 bytes")}
     after = {"/w/big": Entry(1, 0o100644, 10, 2, 2, "", "larger than the hashing cap of 8 bytes")}
-    [entry] = file_events([Access("/w/big", 1, 1)], [], before, after)
+    [entry] = file_events([Access("/w/big", 1, 1)], [], before, after).entries
     assert entry["sha256Before"] == "" and entry["sha256BeforeMissing"].startswith("larger than")
 
 
@@ -349,7 +345,7 @@ def test_a_replacement_the_watch_saw_under_the_final_name_is_listed_once_as_repl
     before = {"/w/cfg": e(1, size=4, mtime=1, sha="OLD")}
     after = {"/w/cfg": e(2, size=4, mtime=2, sha="NEW")}
     events = file_events([Access("/w/cfg", 1, 1)], diff(before, after), before, after)
-    assert events == [{"path": "/w/cfg", "operation": "write", "opens": 1, "writes": 1, "sha256Before": "OLD",
+    assert events.entries == [{"path": "/w/cfg", "operation": "write", "opens": 1, "writes": 1, "sha256Before": "OLD",
                        "sha256After": "NEW", "replaced": True}]
 
 
