@@ -1,6 +1,7 @@
 """The canonical encodings that both sides of the contract must compute identically:
 canonical JSON (what is hashed) and the event-chain hash. Defined once, here, so that
-the daemon and every client agree byte for byte."""
+the daemon and every client agree byte for byte. Also how a trace's file accesses
+read, in every form a daemon has written them."""
 
 from __future__ import annotations
 
@@ -76,3 +77,16 @@ def check_checkpoints(hashes: dict[int, str], last_seq: int, events_checked: int
             return ChainReport(False, events_checked, c.seq,
                                f"event {c.seq} differs from the checkpoint taken at {c.time}: the log was rewritten")
     return None
+
+
+def file_accesses(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A FileAccessObserved payload's accesses as entries ({"path", "operation", ...}),
+    whichever form it holds: a compact read is {"path", "operation": "read", "opens"}.
+    Malformed items are skipped (this reads logs, which may be old or edited)."""
+    out = [a for a in payload.get("accesses") or [] if isinstance(a, dict) and "path" in a]
+    if "path" in payload:  # one access per event (no daemon writes these any more)
+        out.append(payload)
+    for read in payload.get("reads") or []:
+        if isinstance(read, list) and len(read) == 2:
+            out.append({"path": read[0], "operation": "read", "opens": read[1]})
+    return out

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .canonical import GENESIS_HASH, check_checkpoints, event_hash, verify_chain
+from .canonical import GENESIS_HASH, check_checkpoints, event_hash, file_accesses, verify_chain
 from .client import SandboxdClient, TlsFiles, default_socket, to_json
 from .errors import SandboxdClientError
 from .pb import sandboxd_pb2 as pb
@@ -171,6 +171,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
             print(f"{e.seq:>8}  {e.time}  {e.type:<22} {e.event_id}  {'ok' if ok else 'HASH MISMATCH'}")
             if e.type == "NetworkAccessObserved" and not args.verbose:
                 print("          " + network_line(payload))
+            if e.type == "FileAccessObserved" and not args.verbose:
+                print("          " + file_access_line(payload))
             if e.type == "ToolCallExpired" and not args.verbose:
                 removed = payload.get("artifactsRemoved", [])
                 print(f"          past the retention period ({payload.get('periodDays')} days): "
@@ -249,6 +251,22 @@ def cmd_pool(args: argparse.Namespace) -> int:
         except SandboxdClientError as exc:
             return _fail(f"{exc.code.name}: {exc.message}", 1)
     return 0
+
+
+def file_access_line(p: dict, shown: int = 3) -> str:
+    """One FileAccessObserved payload, for people: how many of each operation, the first
+    paths, and why the record may be incomplete."""
+    accesses = file_accesses(p)
+    counts: dict[str, int] = {}
+    for a in accesses:
+        counts[str(a.get("operation", "?"))] = counts.get(str(a.get("operation", "?")), 0) + 1
+    parts = []
+    if accesses:
+        listed = ", ".join(f"{a.get('operation', '?')} {a['path']}" for a in accesses[:shown])
+        more = f", and {len(accesses) - shown} more" if len(accesses) > shown else ""
+        parts.append(", ".join(f"{n} {op}" for op, n in sorted(counts.items())) + f": {listed}{more}")
+    parts += [f"incomplete: {reason}" for reason in p.get("incomplete") or []]
+    return "; ".join(parts) or "no accesses"
 
 
 def network_line(p: dict) -> str:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from sandboxd_client.canonical import file_accesses
+
 from . import events as ev
 
 log = logging.getLogger("sandboxd.audit")
@@ -136,7 +138,7 @@ def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
         call_seq = _call_seq(conn, e.tool_call_id)
         if call_seq is not None:
             rows = []
-            for a in ev.file_accesses(p):
+            for a in file_accesses(p):
                 rows.append((str(a["path"]), str(a.get("operation", ""))))
                 if a.get("renamedTo"):
                     rows.append((str(a["renamedTo"]), "rename"))

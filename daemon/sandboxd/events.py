@@ -42,26 +42,14 @@ CREDENTIAL_INJECTED = "CredentialInjected"
 SANDBOX_LEASED = "SandboxLeased"
 SANDBOX_LEASE_ENDED = "SandboxLeaseEnded"
 # Accesses to files under the sandbox's mounted roots: {"accesses": [entry, ...]} or,
-# for paths opened and never written, {"reads": [[path, opens], ...]} (file_accesses).
+# for paths opened and never written, {"reads": [[path, opens], ...]}
+# (sandboxd_client.canonical.file_accesses reads every form as entries).
 FILE_ACCESS = "FileAccessObserved"
 # A retry with an already accepted idempotency key, answered from the first call.
 REPLAYED = "ToolCallReplayed"
 # The tombstone of a call past the retention period: its artifacts and index rows are
 # gone (listed here by id and content hash), its events stay.
 EXPIRED = "ToolCallExpired"
-
-
-def file_accesses(payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """A FileAccessObserved payload's accesses as entries ({"path", "operation", ...}),
-    whichever form it holds: a compact read is {"path", "operation": "read", "opens"}.
-    Malformed items are skipped (this reads logs, which may be old or edited)."""
-    out = [a for a in payload.get("accesses") or [] if isinstance(a, dict) and "path" in a]
-    if "path" in payload:  # one access per event (no daemon writes these any more)
-        out.append(payload)
-    for read in payload.get("reads") or []:
-        if isinstance(read, list) and len(read) == 2:
-            out.append({"path": read[0], "operation": "read", "opens": read[1]})
-    return out
 
 
 def new_id(prefix: str) -> str:

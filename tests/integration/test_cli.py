@@ -63,7 +63,8 @@ def test_exec_stdin(daemon, workspace):
 
 
 def test_artifact_get_trace_and_explain(daemon, workspace, tmp_path):
-    p = ctl(daemon, "exec", "--json", "--workspace", str(workspace), "--", "sh", "-c", "seq 1 1000")
+    p = ctl(daemon, "exec", "--json", "--workspace", str(workspace), "--", "sh", "-c",
+            "seq 1 1000; cat /workspace/README.md /workspace/src/app.py > /dev/null")
     result = json.loads(p.stdout.splitlines()[-1])
     artifact = result["artifacts"][0]
     target = tmp_path / "stdout.txt"
@@ -82,6 +83,8 @@ def test_artifact_get_trace_and_explain(daemon, workspace, tmp_path):
     assert all(e["hashVerified"] for e in events)
     human = ctl(daemon, "trace", result["toolCallId"])
     assert b"ToolCallFinished" in human.stdout and human.returncode == 0
+    # The reads, summed up for people under their FileAccessObserved event.
+    assert b"2 read: read /workspace/README.md, read /workspace/src/app.py\n" in human.stdout, human.stdout
 
     missing = ctl(daemon, "trace", "tc-does-not-exist")
     assert missing.returncode == 1 and b"NOT_FOUND" in missing.stderr

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from sandboxd.events import file_accesses
+from sandboxd_client.canonical import file_accesses
 from sandboxd_client import errors
 
 from .conftest import call, sh

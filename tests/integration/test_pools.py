@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sandboxd.events import file_accesses
+from sandboxd_client.canonical import file_accesses
 from sandboxd.pools import READY_TIMEOUT_S
 from sandboxd_client import errors
 

@@ -257,3 +257,16 @@ def test_cli_exec_with_null_policy_section_does_not_crash(tmp_path, capsys, text
     code = cli.main(["exec", "--socket", str(tmp_path / "no-daemon.sock"), "--policy", str(p), *flag, "--", "true"])
     assert code == cli.EXIT_REFUSED
     assert "sandboxctl:" in capsys.readouterr().err
+
+
+def test_a_file_access_event_reads_as_one_line_in_every_form():
+    reads = {"reads": [[f"/workspace/f{i}", 1] for i in range(5)]}
+    assert cli.file_access_line(reads) == (
+        "5 read: read /workspace/f0, read /workspace/f1, read /workspace/f2, and 2 more")
+    entries = {"accesses": [{"path": "/workspace/new", "operation": "create"},
+                            {"path": "/workspace/a", "operation": "rename", "renamedTo": "/workspace/b"}]}
+    assert cli.file_access_line(entries) == "1 create, 1 rename: create /workspace/new, rename /workspace/a"
+    assert cli.file_access_line({"path": "/workspace/x", "operation": "write"}) == "1 write: write /workspace/x"
+    incomplete = {"accesses": [], "incomplete": ["the kernel's event queue overflowed"]}
+    assert cli.file_access_line(incomplete) == "incomplete: the kernel's event queue overflowed"
+    assert cli.file_access_line({}) == "no accesses"

@@ -301,7 +301,7 @@ def test_names_that_are_not_utf8_are_printable_and_exact_in_base64():
 
 
 def test_access_payloads_batch_entries_and_reads_and_read_back_as_entries():
-    from sandboxd.events import file_accesses
+    from sandboxd_client.canonical import file_accesses
 
     reads = [(f"/w/r{i:04}", i % 3 + 1) for i in range(4500)]
     entries = [{"path": f"/w/c{i}", "operation": "create", "sha256After": "x"} for i in range(501)]
