@@ -1,10 +1,18 @@
-"""Pure parts of pools.py: how a pool is keyed, and how a sandbox's leftover processes
-are found on either cgroup layout."""
+"""Pure parts of pools.py: how a pool is keyed, how a sandbox's leftover processes
+are found on either cgroup layout, and how long a new sandbox's supervisor is waited for."""
 
 from __future__ import annotations
 
+import socket
+import time
 from types import SimpleNamespace
 
+import pytest
+
+from sandboxd import pools
+from sandboxd.backends import ExitStatus, SandboxHandle
+from sandboxd.errors import InternalError
+from sandboxd.output import STDERR, STDOUT, OutputSpool
 from sandboxd.pools import PER_COMMAND, policy_class, pool_key, sandbox_processes, sandbox_task_count
 from sandboxd.policy import parse_call, resolve_policy
 
@@ -67,3 +75,52 @@ def test_what_fixes_the_sandbox_changes_the_pool():
     assert key != pool_key("/srv/other", "img", "docker", 1000, 1000, base)
     assert key != pool_key("/srv/ws", "img", "docker", 1000, 1000, _policy(filesystem={"writeRoots": ["/workspace"]}))
     assert key != pool_key("/srv/ws", "img", "docker", 1000, 1000, _policy(process={"maxMemoryMb": 64}))
+
+
+class _Sandbox:
+    """What _await_supervisor asks of a backend: whether the sandbox has ended, and how."""
+
+    def __init__(self, ends_after_s: float | None):
+        self.ends_at = None if ends_after_s is None else time.monotonic() + ends_after_s
+
+    def wait(self, handle, timeout_s):
+        return self.ends_at is not None and time.monotonic() >= self.ends_at
+
+    def collect(self, handle):
+        return ExitStatus(exit_code=3, signal="", oom_killed=False), None
+
+
+def _waiting(tmp_path):
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "control.sock"))
+    listener.listen(1)
+    spool = OutputSpool(tmp_path / "spool", {STDOUT: 1024, STDERR: 1024}, 256)
+    spool.write(STDERR, b"supervisor: still starting\n")
+    return listener, SandboxHandle("sbx-ready", "engine-1", None), spool
+
+
+def test_a_supervisor_that_never_calls_in_is_given_up_at_the_ready_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr(pools, "READY_TIMEOUT_S", 0.3)
+    listener, handle, spool = _waiting(tmp_path)
+    begun = time.monotonic()
+    with pytest.raises(InternalError, match=r"sbx-ready did not call in within 0 s: .*still starting"):
+        pools._await_supervisor(listener, _Sandbox(None), handle, spool)
+    assert 0.3 <= time.monotonic() - begun < 2
+
+
+def test_a_sandbox_that_ends_first_is_reported_at_once_not_at_the_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr(pools, "READY_TIMEOUT_S", 30.0)
+    listener, handle, spool = _waiting(tmp_path)
+    begun = time.monotonic()
+    with pytest.raises(InternalError, match=r"sbx-ready ended before its supervisor called in \(exit code 3\)"):
+        pools._await_supervisor(listener, _Sandbox(0.2), handle, spool)
+    assert time.monotonic() - begun < 2
+
+
+def test_a_supervisor_that_calls_in_is_taken(tmp_path):
+    listener, handle, spool = _waiting(tmp_path)
+    caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    caller.connect(str(tmp_path / "control.sock"))
+    conn = pools._await_supervisor(listener, _Sandbox(None), handle, spool)
+    caller.sendall(b"R")
+    assert conn.recv(16) == b"R"
