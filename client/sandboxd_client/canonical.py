@@ -15,8 +15,8 @@ GENESIS_HASH = "sha256:" + "0" * 64
 
 
 # One encoder for every call: json.dumps with these options makes a new one each time.
-# No check for circular references (what is encoded is parsed JSON or built from it,
-# never circular): it halved the time of a test run's 3,000 reads.
+# No check for circular references (a third less time for a test run's 3,000 reads): a
+# circular value raises RecursionError instead of ValueError; the bytes are the same.
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, check_circular=False)
 
 
@@ -87,6 +87,7 @@ def file_accesses(payload: dict[str, Any]) -> list[dict[str, Any]]:
     if "path" in payload:  # one access per event (no daemon writes these any more)
         out.append(payload)
     for read in payload.get("reads") or []:
-        if isinstance(read, list) and len(read) == 2:
+        # [path, opens]; a field a later daemon adds after them does not hide the read.
+        if isinstance(read, (list, tuple)) and len(read) >= 2 and isinstance(read[0], str):
             out.append({"path": read[0], "operation": "read", "opens": read[1]})
     return out

@@ -253,19 +253,26 @@ def cmd_pool(args: argparse.Namespace) -> int:
     return 0
 
 
-def file_access_line(p: dict, shown: int = 3) -> str:
+def shown(text: Any) -> str:
+    """A name from a sandbox, safe on a terminal: a file may be called "x\n... ok" or
+    hold escape sequences, and must not forge or erase a line of the trace."""
+    return json.dumps(str(text), ensure_ascii=False)[1:-1]
+
+
+def file_access_line(p: dict, listed: int = 3) -> str:
     """One FileAccessObserved payload, for people: how many of each operation, the first
     paths, and why the record may be incomplete."""
     accesses = file_accesses(p)
     counts: dict[str, int] = {}
     for a in accesses:
-        counts[str(a.get("operation", "?"))] = counts.get(str(a.get("operation", "?")), 0) + 1
+        counts[shown(a.get("operation", "?"))] = counts.get(shown(a.get("operation", "?")), 0) + 1
     parts = []
     if accesses:
-        listed = ", ".join(f"{a.get('operation', '?')} {a['path']}" for a in accesses[:shown])
-        more = f", and {len(accesses) - shown} more" if len(accesses) > shown else ""
-        parts.append(", ".join(f"{n} {op}" for op, n in sorted(counts.items())) + f": {listed}{more}")
-    parts += [f"incomplete: {reason}" for reason in p.get("incomplete") or []]
+        first = ", ".join(f"{shown(a.get('operation', '?'))} {shown(a['path'])}"
+                          + (f" -> {shown(a['renamedTo'])}" if a.get("renamedTo") else "") for a in accesses[:listed])
+        more = f", and {len(accesses) - listed} more" if len(accesses) > listed else ""
+        parts.append(", ".join(f"{n} {op}" for op, n in sorted(counts.items())) + f": {first}{more}")
+    parts += [f"incomplete: {shown(reason)}" for reason in p.get("incomplete") or []]
     return "; ".join(parts) or "no accesses"
 
 
@@ -273,14 +280,14 @@ def network_line(p: dict) -> str:
     """One NetworkAccessObserved payload, for people."""
     if "dropped" in p:
         return f"{p['dropped']} more connection(s), counted but not recorded"
-    where = f"{p.get('host', '')}:{p.get('port', '')}"
+    where = f"{shown(p.get('host', ''))}:{shown(p.get('port', ''))}"
     if p.get("address") and p.get("address") != p.get("host"):
-        where += f" ({p['address']})"
-    line = f"{p.get('decision', '?')} {p.get('protocol', '')} {where}  rule {p.get('rule', '')}"
+        where += f" ({shown(p['address'])})"
+    line = f"{shown(p.get('decision', '?'))} {shown(p.get('protocol', ''))} {where}  rule {shown(p.get('rule', ''))}"
     if p.get("decision") == "allowed":
         line += f"  up {p.get('bytesUp', 0)} B, down {p.get('bytesDown', 0)} B"
     if p.get("reason") or p.get("error"):
-        line += f"  - {p.get('reason') or p.get('error')}"
+        line += f"  - {shown(p.get('reason') or p.get('error'))}"
     return line
 
 

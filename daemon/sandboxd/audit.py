@@ -168,7 +168,7 @@ def index_events(conn: sqlite3.Connection, events: Iterable[ev.Event]) -> None:
 
 
 # Bumped when the index's tables change: the old ones are dropped and rebuilt from the log.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5  # 5: reads recorded as [path, opens] pairs (an older daemon's rebuild skips them)
 _TABLES = ("audit_calls", "audit_network", "audit_paths", "audit_meta")
 
 

@@ -41,9 +41,9 @@ CREDENTIAL_INJECTED = "CredentialInjected"
 # drained, or the daemon stopping). Their "call" id is the lease id.
 SANDBOX_LEASED = "SandboxLeased"
 SANDBOX_LEASE_ENDED = "SandboxLeaseEnded"
-# Accesses to files under the sandbox's mounted roots: {"accesses": [entry, ...]} or,
-# for paths opened and never written, {"reads": [[path, opens], ...]}
-# (sandboxd_client.canonical.file_accesses reads every form as entries).
+# Accesses to files under the sandbox's mounted roots: {"reads": [[path, opens], ...]}
+# for paths opened and never written, {"accesses": [entry, ...]} for the rest, or why the
+# record is incomplete (docs/CANONICAL.md; sandboxd_client.canonical.file_accesses).
 FILE_ACCESS = "FileAccessObserved"
 # A retry with an already accepted idempotency key, answered from the first call.
 REPLAYED = "ToolCallReplayed"

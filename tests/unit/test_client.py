@@ -265,8 +265,19 @@ def test_a_file_access_event_reads_as_one_line_in_every_form():
         "5 read: read /workspace/f0, read /workspace/f1, read /workspace/f2, and 2 more")
     entries = {"accesses": [{"path": "/workspace/new", "operation": "create"},
                             {"path": "/workspace/a", "operation": "rename", "renamedTo": "/workspace/b"}]}
-    assert cli.file_access_line(entries) == "1 create, 1 rename: create /workspace/new, rename /workspace/a"
+    assert cli.file_access_line(entries) == (
+        "1 create, 1 rename: create /workspace/new, rename /workspace/a -> /workspace/b")
     assert cli.file_access_line({"path": "/workspace/x", "operation": "write"}) == "1 write: write /workspace/x"
     incomplete = {"accesses": [], "incomplete": ["the kernel's event queue overflowed"]}
     assert cli.file_access_line(incomplete) == "incomplete: the kernel's event queue overflowed"
     assert cli.file_access_line({}) == "no accesses"
+
+
+def test_names_from_a_sandbox_cannot_forge_or_erase_a_trace_line():
+    forged = "/workspace/x\n       9  2026-12-03T00:00:00Z  ToolCallFinished  ev_fake  ok\x1b[2K\r"
+    line = cli.file_access_line({"reads": [[forged, 1]], "incomplete": ["a \x1b[1A reason"]})
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line
+    assert "/workspace/x\\n       9" in line and "\\u001b[2K" in line  # escaped, still readable
+    attempt = {"protocol": "connect", "host": "evil.test\n   ok", "port": 443, "decision": "denied\x1b[2K",
+               "rule": "not-allowed", "reason": "x\ry"}
+    assert not {"\n", "\r", "\x1b"} & set(cli.network_line(attempt))

@@ -312,6 +312,9 @@ def test_access_payloads_batch_entries_and_reads_and_read_back_as_entries():
     assert back[:501] == entries
     assert back[501:] == [{"path": p, "operation": "read", "opens": n} for p, n in reads]
     assert file_access_payloads(FileEvents([], []), 500, 2000) == []
+    # The daemon's own drafts hold tuples; a later daemon may add fields after the two.
+    assert file_accesses({"reads": [("/w/t", 2), ["/w/u", 1, "later"], [3, 1]]}) == [
+        {"path": "/w/t", "operation": "read", "opens": 2}, {"path": "/w/u", "operation": "read", "opens": 1}]
     # An old log's forms, and what an edited one may hold, read without raising.
     assert file_accesses({"path": "/w/a", "operation": "read"}) == [{"path": "/w/a", "operation": "read"}]
     assert file_accesses({"accesses": [{"path": "/w/b", "operation": "write"}, 7, {"no": "path"}],
