@@ -202,10 +202,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
         return 0
     rows = [("REQUESTED", "CALL", "PRINCIPAL", "STATUS", "EXIT", "DOMAINS", "COMMAND")]
     for c in page.calls:
-        rows.append((c.requested_at[:19].replace("T", " "), c.tool_call_id, c.principal,
-                     c.status + (f" ({c.error_code})" if c.error_code else ""),
-                     str(c.exit_code) if c.HasField("exit_code") else "-", ",".join(c.domains) or "-",
-                     _shorten(c.command or "(not recorded)", 60)))
+        # Every cell escaped: a command's argv is the agent's, a domain the sandbox's.
+        rows.append((shown(c.requested_at[:19].replace("T", " ")), shown(c.tool_call_id), shown(c.principal),
+                     shown(c.status + (f" ({c.error_code})" if c.error_code else "")),
+                     str(c.exit_code) if c.HasField("exit_code") else "-", shown(",".join(c.domains)) or "-",
+                     _shorten(shown(c.command) or "(not recorded)", 60)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[-1])

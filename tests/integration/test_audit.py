@@ -85,12 +85,15 @@ def test_sandboxctl_audit_table_and_json(audited):
     ws = d.new_workspace()
     with d.client() as c:
         done = c.run(call(ws, sh("echo audit-me")))
+        # An argv that would print a line of its own and erase one: escaped in the table.
+        forged = c.run(call(ws, ["echo", "audit-me\n2026-01-01 00:00:00  tc_fake  root  success\x1b[2K"]))
     table = ctl(d, "audit", "--command", "audit-me").stdout.decode()
-    header, line = table.splitlines()[:2]
+    header, newest, line = table.splitlines()
     assert header.split() == ["REQUESTED", "CALL", "PRINCIPAL", "STATUS", "EXIT", "DOMAINS", "COMMAND"]
     assert done.tool_call_id in line and "success" in line and "audit-me" in line
+    assert forged.tool_call_id in newest and "\x1b" not in table and "audit-me\\n2026" in newest
     rows = [json.loads(x) for x in ctl(d, "audit", "--json", "--status", "success").stdout.splitlines()]
-    assert rows[0]["toolCallId"] == done.tool_call_id and rows[0]["exitCode"] == 0
+    assert [r["toolCallId"] for r in rows] == [forged.tool_call_id, done.tool_call_id] and rows[1]["exitCode"] == 0
     bad = ctl(d, "audit", "--path", "src", "--op", "teleport")
     assert bad.returncode == 1 and b"pathOperation" in bad.stderr
 
