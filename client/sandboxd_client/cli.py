@@ -230,7 +230,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
                     return 0
                 rows = [("POOL", "BACKEND", "IDLE", "LEASED", "MIN", "MAX", "CREATED", "DESTROYED", "WORKSPACE")]
                 rows += [(p.pool_key, p.backend, str(p.idle), str(p.leased), str(p.min_idle), str(p.max_size),
-                          str(p.created), str(p.destroyed), p.workspace) for p in pools]
+                          str(p.created), str(p.destroyed), shown(p.workspace)) for p in pools]
                 widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
                 for r in rows:
                     print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
