@@ -128,10 +128,16 @@ class Pool:
     destroyed: int = 0
     draining: bool = False
     last_used: float = field(default_factory=time.monotonic)  # made, or last leased
+    # The drained pool this one replaced under the same key, while any of its sandboxes
+    # are still there (being made or removed): they count against this one's maximum.
+    predecessor: "Pool | None" = None
 
     @property
     def size(self) -> int:
-        return len(self.idle) + len(self.leased) + self.creating + self.destroying
+        old = self.predecessor
+        if old is not None and not old.size:
+            self.predecessor = old = None
+        return len(self.idle) + len(self.leased) + self.creating + self.destroying + (old.size if old else 0)
 
 
 @dataclass(frozen=True)
@@ -225,7 +231,8 @@ class PoolManager:
         if own >= self._ex.settings.quotas.pools:
             raise ResourceExhausted(f"{caller.name} has {own} pools, its quota; a pool unused for "
                                     f"{self._settings.idle_ttl_s:.0f} s retires (or an admin drains one)")
-        pool = self._pools[key] = Pool(key, template, owner=caller.name)
+        old = self._pools.get(key)
+        pool = self._pools[key] = Pool(key, template, owner=caller.name, predecessor=old)
         return pool
 
     def _take(self, pool: Pool, caller: "Principal", lease_s: float, deadline: float) -> Lease:
@@ -517,7 +524,7 @@ class PoolManager:
                             and pool.size < self._settings.max_size:
                         pool.creating += 1
                         refill.append(pool)
-                    if pool.draining and not pool.idle and not pool.leased and not pool.creating:
+                    if pool.draining and not pool.size:  # its removals too: a pool made again counts them
                         del self._pools[pool.key]
             for pool in refill:
                 try:

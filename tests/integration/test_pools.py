@@ -133,6 +133,34 @@ def test_the_pool_never_exceeds_its_maximum_and_waiters_get_released_sandboxes(p
             c.release_sandbox(lease.lease_id)
 
 
+def test_a_pool_made_again_after_a_drain_counts_the_drained_ones_until_they_are_gone(pooled, docker_engine):
+    d = pooled  # at most 2 sandboxes
+    ws = d.new_workspace()
+    with d.client() as c:
+        held = [c.acquire_sandbox(str(ws)) for _ in range(2)]
+        counts, done = [], threading.Event()
+
+        def count():  # the containers there at each moment, while the pool is made again
+            while not done.is_set():  # (the low-level list: no inspect per container)
+                counts.append(len(docker_engine.api.containers(
+                    all=True, filters={"label": f"sandboxd.daemon_id={d.daemon_id}"})))
+
+        counter = threading.Thread(target=count)
+        counter.start()
+        try:
+            assert c.drain_pools(held[0].pool_key) == 2  # both leases end; removal on threads, from now
+            again = [c.acquire_sandbox(str(ws), wait_ms=20_000) for _ in range(2)]
+        finally:
+            done.set()
+            counter.join()
+        # The new pool under the same key made them only once the drained ones were gone.
+        assert len(counts) > 5 and max(counts) <= 2, counts
+        for old in held:
+            assert not docker_engine.api.containers(all=True, filters={"label": f"sandboxd.sandbox_id={old.sandbox_id}"})
+        for lease in again:
+            c.release_sandbox(lease.lease_id)
+
+
 def test_a_released_sandbox_counts_against_the_maximum_until_it_is_gone(pooled, docker_engine):
     d = pooled  # at most 2 sandboxes
     ws = d.new_workspace()
