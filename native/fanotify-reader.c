@@ -24,6 +24,8 @@
 
 #define READ_BYTES (256 * 1024)
 #define MAX_MOUNTS 64
+#define DIR_SLOTS 64 /* directories resolved per read of the queue (FID mode) */
+#define MAX_HANDLE 128 /* MAX_HANDLE_SZ */
 
 struct entry {
     char *path; /* NULL: a free slot */
@@ -38,8 +40,22 @@ struct mount {
     char path[PATH_MAX];
 };
 
+/* FID mode: a directory's handle, resolved to its path once per read of the queue
+ * (never longer: a directory renamed later must not keep its old name). */
+struct dir_slot {
+    uint32_t klen; /* 0: free */
+    uint64_t hash;
+    unsigned char key[4 + MAX_HANDLE]; /* handle_type, then the handle's bytes */
+    char *path;
+    uint32_t plen;
+};
+
 struct watch {
     int fan_fd;
+    int fid;      /* events name a directory handle and a name, no descriptor */
+    int mount_fd; /* FID mode: the marked mount, to open directory handles through */
+    uint64_t unresolved; /* FID mode: events whose directory was gone before it was read */
+    struct dir_slot dirs[DIR_SLOTS];
     pthread_mutex_t lock;
     struct entry *table;
     size_t capacity, count, max_paths;
@@ -65,6 +81,7 @@ void *fw_new(size_t max_paths) {
     if (!w)
         return NULL;
     w->fan_fd = -1;
+    w->mount_fd = -1;
     w->max_paths = max_paths;
     w->capacity = 1024;
     w->table = calloc(w->capacity, sizeof *w->table);
@@ -79,6 +96,19 @@ void *fw_new(size_t max_paths) {
 }
 
 void fw_set_fd(void *handle, int fan_fd) { ((struct watch *)handle)->fan_fd = fan_fd; }
+
+/* FID mode (a group made with FAN_REPORT_DFID_NAME, one marked mount): `mount_fd` is a
+ * descriptor of that mount's root (not O_PATH: open_by_handle_at refuses those), kept
+ * open by the caller while the watch reads. */
+void fw_set_fid(void *handle, int mount_fd) {
+    struct watch *w = handle;
+    pthread_mutex_lock(&w->lock);
+    w->fid = 1;
+    w->mount_fd = mount_fd;
+    pthread_mutex_unlock(&w->lock);
+}
+
+uint64_t fw_unresolved(void *handle) { return ((struct watch *)handle)->unresolved; }
 
 /* A marked mount: its id (statx STATX_MNT_ID) and its path inside the sandbox. */
 int fw_add_mount(void *handle, uint64_t mount_id, const char *sandbox_path) {
@@ -119,11 +149,20 @@ static void clear(struct watch *w) {
     w->count = 0;
 }
 
+static void forget_dirs(struct watch *w) {
+    for (size_t i = 0; i < DIR_SLOTS; i++) {
+        free(w->dirs[i].path);
+        w->dirs[i].path = NULL;
+        w->dirs[i].klen = 0;
+    }
+}
+
 void fw_free(void *handle) {
     struct watch *w = handle;
     if (!w)
         return;
     clear(w);
+    forget_dirs(w);
     free(w->table);
     free(w->buf);
     pthread_mutex_destroy(&w->lock);
@@ -261,6 +300,81 @@ static ssize_t sandbox_path(struct watch *w, int fd, char *out) {
     return (ssize_t)(mlen + tail);
 }
 
+/* FID mode: the path of the directory whose handle is `fh`, as the sandbox sees it
+ * (resolved through the marked mount once per read of the queue); NULL when it cannot
+ * be (removed before its events were read: ESTALE). Lock held. */
+static struct dir_slot *directory(struct watch *w, struct file_handle *fh) {
+    size_t klen = 4 + fh->handle_bytes;
+    const unsigned char *key = (const unsigned char *)&fh->handle_type; /* type, then bytes */
+    uint64_t h = fnv1a((const char *)key, klen);
+    size_t i = h & (DIR_SLOTS - 1), probes = 0;
+    for (; w->dirs[i].klen; i = (i + 1) & (DIR_SLOTS - 1)) {
+        struct dir_slot *d = &w->dirs[i];
+        if (d->hash == h && d->klen == klen && memcmp(d->key, key, klen) == 0)
+            return d;
+        if (++probes == DIR_SLOTS) { /* full: start over */
+            forget_dirs(w);
+            i = h & (DIR_SLOTS - 1);
+            break;
+        }
+    }
+    int fd = open_by_handle_at(w->mount_fd, fh, O_PATH | O_CLOEXEC);
+    if (fd < 0)
+        return NULL;
+    char path[PATH_MAX];
+    ssize_t n = sandbox_path(w, fd, path);
+    close(fd);
+    if (n < 0)
+        return NULL;
+    struct dir_slot *d = &w->dirs[i];
+    d->path = malloc((size_t)n + 1);
+    if (!d->path)
+        return NULL;
+    memcpy(d->path, path, (size_t)n + 1);
+    d->plen = (uint32_t)n;
+    memcpy(d->key, key, klen);
+    d->klen = (uint32_t)klen;
+    d->hash = h;
+    return d;
+}
+
+/* FID mode: one event's directory handle and name, counted as dir + "/" + name. */
+static void note_fid(struct watch *w, const struct fanotify_event_metadata *m, char *path) {
+    const char *p = (const char *)(m + 1), *end = (const char *)m + m->event_len;
+    while (p + sizeof(struct fanotify_event_info_header) <= end) {
+        const struct fanotify_event_info_header *hdr = (const void *)p;
+        if (hdr->len < sizeof *hdr || p + hdr->len > end)
+            return;
+        const size_t fixed = sizeof(struct fanotify_event_info_fid) + sizeof(struct file_handle);
+        if (hdr->info_type == FAN_EVENT_INFO_TYPE_DFID_NAME && hdr->len > fixed) {
+            const struct fanotify_event_info_fid *fid = (const void *)p;
+            struct file_handle *fh = (struct file_handle *)fid->handle;
+            if (fh->handle_bytes > MAX_HANDLE || fixed + fh->handle_bytes >= hdr->len)
+                return;
+            const char *name = (const char *)fh->f_handle + fh->handle_bytes;
+            size_t nlen = strnlen(name, (size_t)(p + hdr->len - name));
+            if (name + nlen >= p + hdr->len) /* not NUL-terminated within the record */
+                return;
+            struct dir_slot *d = directory(w, fh);
+            if (!d) {
+                w->unresolved++;
+                return;
+            }
+            int root = d->plen == 1 && d->path[0] == '/';
+            size_t len = d->plen + (root ? 0 : 1) + nlen;
+            if (len >= PATH_MAX)
+                return;
+            memcpy(path, d->path, d->plen);
+            if (!root)
+                path[d->plen] = '/';
+            memcpy(path + d->plen + (root ? 0 : 1), name, nlen + 1);
+            note(w, path, len, m->mask);
+            return;
+        }
+        p += hdr->len;
+    }
+}
+
 /* One read of the group's queue, every event in it counted and its descriptor closed.
  * Returns how many events were read (0: none were queued), or -errno. The lock is held
  * from the read to the last count: a drain that finds the queue empty knows that every
@@ -282,7 +396,9 @@ long fw_drain(void *handle) {
         events++;
         if (m->mask & FAN_Q_OVERFLOW)
             w->overflowed = 1;
-        if (m->fd >= 0) {
+        if (w->fid && m->fd == FAN_NOFD && m->event_len > m->metadata_len) {
+            note_fid(w, m, path);
+        } else if (m->fd >= 0) {
             ssize_t n = sandbox_path(w, m->fd, path);
             if (n >= 0)
                 note(w, path, (size_t)n, m->mask);
@@ -290,6 +406,8 @@ long fw_drain(void *handle) {
         }
         m = FAN_EVENT_NEXT(m, len);
     }
+    if (w->fid)
+        forget_dirs(w);
     pthread_mutex_unlock(&w->lock);
     return events;
 }
@@ -347,5 +465,6 @@ void fw_reset(void *handle) {
     clear(w);
     w->dropped = 0;
     w->overflowed = 0;
+    w->unresolved = 0;
     pthread_mutex_unlock(&w->lock);
 }

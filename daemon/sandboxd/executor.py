@@ -27,7 +27,7 @@ from .compile import Attachments, EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
                      PermissionDenied, ResourceExhausted, SandboxdError)
 from .events import CheckpointFile, EventDraft, EventLog
-from .filewatch import (MAX_PATHS as MAX_WATCHED_PATHS, FileWatch, FileWatchError, GateArrival,
+from .filewatch import (MAX_PATHS as MAX_WATCHED_PATHS, FileWatch, FileWatchError, GateArrival, fid_supported,
                         reader_library)
 from .live_snapshot import LiveSnapshots
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
@@ -417,7 +417,7 @@ class CallRun:
         """Attaches a fanotify watch to the call's own mounts, then lets the command go. A
         watch that cannot be attached fails the call: it never runs unrecorded."""
         p = self.prepared
-        watch = FileWatch(0, tuple(b.sandbox_path for b in p.plan.binds))
+        watch = FileWatch(0, tuple(b.sandbox_path for b in p.plan.binds), fid=self._executor.fid_watch(p.plan))
         try:
             watch.prepare()  # while the sandbox comes up: only its marks wait for it
         except FileWatchError as exc:
@@ -462,7 +462,8 @@ class CallRun:
             ws.watch.stop()
             ws.watch = None
         if ws.watch is None:
-            watch = FileWatch(pid, tuple(b.sandbox_path for b in ws.prepared.plan.binds))
+            watch = FileWatch(pid, tuple(b.sandbox_path for b in ws.prepared.plan.binds),
+                              fid=self._executor.fid_watch(ws.prepared.plan))
             try:
                 watch.start()
             except FileWatchError as exc:
@@ -599,6 +600,9 @@ def _file_record(accesses: list[tuple[str, int, int]], watch: FileWatch, before:
     if watch.dropped:
         incomplete.append(f"more than {MAX_WATCHED_PATHS} paths were opened: {watch.dropped} opens of "
                           "further paths are not listed")
+    if watch.unresolved:
+        incomplete.append(f"{watch.unresolved} opens were in directories removed before their events were read: "
+                          "their paths are unknown")
     changes: list[dict[str, Any]] = []
     if before is not None:
         if after is None:
@@ -791,6 +795,11 @@ class CallExecutor:
                 spool.discard()
             except OSError:
                 log.exception("removing the spool of %s failed", tool_call_id)
+
+    def fid_watch(self, plan: HostPlan) -> bool:
+        """Whether a call's file watch reads its events in FID mode (FileWatch.fid)."""
+        mounts = {b.sandbox_path for b in plan.binds}
+        return self.settings.file_watch_fid and len(mounts) == 1 and fid_supported(plan.binds[0].host_path)
 
     def walk_write_roots(self, writable: list[tuple[str, str]]) -> snapshot.Snapshot:
         caps = self.settings.file_audit

@@ -469,6 +469,12 @@ class PoolManager:
             backend.kill(ws.handle)
         except Exception:  # noqa: BLE001 - destroy below is what matters
             pass
+        if ws.watch is not None:  # before the removal: it holds a descriptor of the sandbox's mount
+            try:
+                ws.watch.stop()
+            except Exception:
+                log.exception("stopping the file watch of %s failed", ws.sandbox_id)
+            ws.watch = None
         try:
             backend.destroy(ws.handle)
         except Exception:
@@ -480,8 +486,6 @@ class PoolManager:
                 log.exception("closing the egress endpoint of %s failed", ws.sandbox_id)
         ws.spool.discard()
         ws.control.close()
-        if ws.watch is not None:
-            ws.watch.stop()
         if ws.pidfd >= 0:
             os.close(ws.pidfd)
             ws.pidfd = -1

@@ -263,6 +263,9 @@ class DaemonSettings(BaseModel):
     pools: PoolSettings = Field(default_factory=PoolSettings)
     # Record file accesses (fanotify) of calls whose audit.recordFileAccess is true.
     file_watch: bool = True
+    # Events that name a directory handle and a file name, where the filesystem can
+    # (filewatch.fid_supported) and one mount is watched; off: a descriptor per event.
+    file_watch_fid: bool = True
     file_audit: FileAuditSettings = Field(default_factory=FileAuditSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     # host:port of the Prometheus endpoint (GET /metrics); unset: none.

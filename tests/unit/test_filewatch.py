@@ -50,7 +50,8 @@ def test_the_mount_id_of_a_descriptor_is_the_kernel_s(tmp_path):
             os.close(fd)
 
 
-def test_a_kept_watch_records_each_command_between_begin_and_collect(tmp_path):
+@pytest.mark.parametrize("fid", [False, True])
+def test_a_kept_watch_records_each_command_between_begin_and_collect(tmp_path, fid):
     """A warm sandbox's watch stays on between its commands: begin() drops what came
     before, collect() waits for everything queued so far (a real mount, marked as a
     sandbox's mounts are)."""
@@ -63,7 +64,7 @@ def test_a_kept_watch_records_each_command_between_begin_and_collect(tmp_path):
     for name in ("a", "b", "c"):
         (src / name).write_text(name)
     subprocess.run(["mount", "--bind", str(src), str(mnt)], check=True)
-    w = FileWatch(os.getpid(), (str(mnt),))
+    w = FileWatch(os.getpid(), (str(mnt),), fid=fid)
     try:
         w.start()
         (mnt / "a").read_text()  # an earlier command's (recording off): dropped by begin()
@@ -122,8 +123,10 @@ def test_a_watch_whose_reader_died_answers_at_once_and_says_so(tmp_path, monkeyp
         subprocess.run(["umount", str(mnt)], check=True)
 
 
+@pytest.mark.parametrize("fid", [False, True])
 @pytest.mark.parametrize("marked", [1, 2])
-def test_paths_are_the_sandbox_s_even_when_read_after_its_mount_namespace_is_gone(tmp_path, monkeypatch, marked):
+def test_paths_are_the_sandbox_s_even_when_read_after_its_mount_namespace_is_gone(tmp_path, monkeypatch, marked,
+                                                                                    fid):
     """A jail's mount namespace ends with its command, usually before the reader has
     read the last events: the kernel then names a file relative to its mount's root,
     and the reader puts it back under the mount's sandbox path (by mount id when more
@@ -145,7 +148,7 @@ def test_paths_are_the_sandbox_s_even_when_read_after_its_mount_namespace_is_gon
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "up\n"
-        w = FileWatch(child.pid, tuple(str(p) for p in points))
+        w = FileWatch(child.pid, tuple(str(p) for p in points), fid=fid)
         gone = threading.Event()
         read = w._drain
         monkeypatch.setattr(w, "_drain", lambda: (gone.wait(10), read())[1])  # nothing read before
@@ -154,7 +157,8 @@ def test_paths_are_the_sandbox_s_even_when_read_after_its_mount_namespace_is_gon
         assert child.returncode == 0
         gone.set()  # the namespace went with its last process: now the reader reads
         assert [(path, writes) for path, _, writes in w.stop()] == [(f"{p}/sub/f{i}", 0) for i, p in enumerate(points)]
-        assert not w.overflowed and w.dropped == 0
+        assert not w.overflowed and w.dropped == 0 and w.unresolved == 0
+        assert w.fid == (fid and marked == 1)  # FID mode watches one mount
     finally:
         if child.poll() is None:
             child.kill()
@@ -200,3 +204,63 @@ def test_a_missing_reader_library_is_a_clear_error(monkeypatch, tmp_path):
         filewatch.reader_library()
     with pytest.raises(filewatch.FileWatchError):
         FileWatch(1, ("/workspace",))
+
+
+def test_in_fid_mode_names_are_the_current_ones_and_a_removed_directory_is_counted(tmp_path, monkeypatch):
+    """FID mode: an event names its directory (a handle) and the file; the directory is
+    looked up when the event is read. A file deleted by then is named cleanly; a
+    directory renamed by then by its new name; one removed by then cannot be named, and
+    is counted so that the record says so."""
+    import os
+    import subprocess
+    import threading
+
+    from sandboxd.filewatch import fid_supported
+
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    for d in ("kept", "old", "gone"):
+        (src / d).mkdir(parents=True)
+    mnt.mkdir()
+    subprocess.run(["mount", "--bind", str(src), str(mnt)], check=True)
+    try:
+        assert fid_supported(str(src))
+        w = FileWatch(os.getpid(), (str(mnt),), fid=True)
+        hold, read = threading.Event(), None
+        w.start()
+        read = w._drain
+        monkeypatch.setattr(w, "_drain", lambda: (hold.wait(10), read())[1])  # nothing read yet
+        for d in ("kept", "old", "gone"):
+            (mnt / d / "f").write_text(d)
+        (mnt / "kept" / "f").unlink()
+        (mnt / "old").rename(mnt / "new")
+        (mnt / "gone" / "f").unlink()
+        (mnt / "gone").rmdir()
+        hold.set()
+        assert [(path, writes > 0) for path, _, writes in w.stop()] == [
+            (f"{mnt}/kept/f", True), (f"{mnt}/new/f", True)]
+        assert w.unresolved >= 1  # the open and the close-write in "gone" (merged or not)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_fid_mode_is_probed_once_per_filesystem(tmp_path):
+    import subprocess
+
+    from sandboxd import filewatch
+
+    filewatch._fid_by_device.clear()
+    assert filewatch.fid_supported(str(tmp_path)) is True
+    assert list(filewatch._fid_by_device.values()) == [True]
+    assert filewatch.fid_supported(str(tmp_path / "missing")) is False  # cannot be looked at: fd mode
+    # An overlay without nfs_export cannot report directory handles: fd mode there.
+    layers = {name: tmp_path / name for name in ("lower", "upper", "work", "merged")}
+    for d in layers.values():
+        d.mkdir()
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                    f"lowerdir={layers['lower']},upperdir={layers['upper']},workdir={layers['work']}",
+                    str(layers["merged"])], check=True)
+    try:
+        assert filewatch.fid_supported(str(layers["merged"])) is False
+        assert sorted(filewatch._fid_by_device.values()) == [False, True]
+    finally:
+        subprocess.run(["umount", str(layers["merged"])], check=True)
