@@ -10,7 +10,7 @@ waits for the index to catch up, and its time is reported too. "paired" is the m
 of each round's on/off ratio (the two ran back to back), with a 95 % bootstrap interval:
 on this machine a 30 ms call moves by more than the 10 % target between rounds.
 
-    .venv/bin/python bench/file_access.py [-n 7] [--files 3000] [--only 'nsjail: git status']
+    .venv/bin/python bench/file_access.py [-n 7] [--files 3000] [--only 'nsjail: git status'] [--fid]
 """
 
 from __future__ import annotations
@@ -65,10 +65,11 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=7)
     ap.add_argument("--files", type=int, default=3000)
     ap.add_argument("--only", default="", help="measure only the rows whose name contains this")
+    ap.add_argument("--fid", action="store_true", help="the daemon's file watch in FID mode (settings.file_watch_fid)")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="sandboxd-bench-fa-", dir="/tmp"))
     base.chmod(0o755)
-    d = make_daemon(base).start()
+    d = make_daemon(base, file_watch_fid=args.fid).start()
     try:
         files = {f"pkg/m{i // 100}/test_mod{i}.py": TEST_MODULE.format(i=i, twice=2 * i) for i in range(args.files)}
         files.update({f"pkg/m{i}/__init__.py": "" for i in range((args.files + 99) // 100)})
@@ -124,7 +125,8 @@ def main() -> int:
                 paired = statistics.median(ratios)
                 rows.append((f"{adapter}: {name}, {mode}", off, on, on / off, paired, interval(ratios), events[True],
                              statistics.median(catch_up[True]), statistics.median(catch_up[False])))
-        print(f"\nfile-access recording overhead, {args.files} files, n={args.n}; call times in ms\n")
+        print(f"\nfile-access recording overhead, {args.files} files, n={args.n}"
+              f"{', FID mode' if args.fid else ''}; call times in ms\n")
         print("(index on/off: the query after each call, which waits for the forensic index to catch up;")
         print(f" 95 % of paired: a bootstrap interval of the median of the {args.n} rounds' ratios, approximate)\n")
         print(f"| {'workload':<58} | {'off':>8} | {'on':>8} | {'on/off':>7} | {'paired':>7} | {'95 % of paired':>14} "

@@ -116,10 +116,12 @@ class Access(NamedTuple):
 class FileWatch:
     pid: int  # any process inside the sandbox
     mounts: tuple[str, ...]  # sandbox paths of the call's bind mounts
-    # FID mode (one mount, on a filesystem that reports handles: fid_supported): events
-    # carry their directory's handle and the file's name instead of a descriptor, which
-    # the kernel need not open nor the reader resolve and close: a quarter of the
-    # reader's CPU per event, taken from the command's second core.
+    # FID mode (one mount, on a filesystem that reports handles: fid_supported; opt-in,
+    # settings.file_watch_fid): events carry their directory's handle and the file's
+    # name instead of a descriptor, which the kernel need not open nor the reader
+    # resolve and close: a quarter of the reader's CPU per event, taken from the
+    # command's second core. A directory removed before its events are read cannot be
+    # named: those events are counted (unresolved), not listed.
     fid: bool = False
     # Set when the reader could not answer: the record may be incomplete.
     unanswered: bool = field(default=False, init=False)
@@ -443,6 +445,9 @@ def fid_supported(host_path: str) -> bool:
         known = fd >= 0 and _libc.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN | FAN_CLOSE_WRITE,
                                                 AT_FDCWD, os.fsencode(host_path)) == 0
         if fd >= 0:
+            # The mark goes at once (every open on that mount queues an event while it is
+            # there); the group, whose close waits for the kernel, later.
+            _libc.fanotify_mark(fd, FAN_MARK_FLUSH | FAN_MARK_MOUNT, 0, AT_FDCWD, None)
             _close_later(fd)
         _fid_by_device[dev] = known
     return known

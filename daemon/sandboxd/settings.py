@@ -263,9 +263,13 @@ class DaemonSettings(BaseModel):
     pools: PoolSettings = Field(default_factory=PoolSettings)
     # Record file accesses (fanotify) of calls whose audit.recordFileAccess is true.
     file_watch: bool = True
-    # Events that name a directory handle and a file name, where the filesystem can
-    # (filewatch.fid_supported) and one mount is watched; off: a descriptor per event.
-    file_watch_fid: bool = True
+    # FID mode (filewatch.FileWatch.fid): events name a directory handle and a file name
+    # instead of carrying a descriptor, where the filesystem can and one mount is
+    # watched. A quarter less daemon CPU per event (git status over 3,000 files on
+    # Docker: +15.8 ms recorded instead of +24.7); but a directory removed before its
+    # events are read cannot be named, and its files' accesses are only counted (the
+    # record says so). Off: every access is named, a removed file as "... (deleted)".
+    file_watch_fid: bool = False
     file_audit: FileAuditSettings = Field(default_factory=FileAuditSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     # host:port of the Prometheus endpoint (GET /metrics); unset: none.

@@ -13,7 +13,7 @@ import pytest
 from sandboxd_client.canonical import file_accesses
 from sandboxd_client import errors
 
-from .conftest import call, sh
+from .conftest import BACKENDS, call, sh
 
 
 def accesses(client, tool_call_id: str) -> list[dict]:
@@ -248,3 +248,32 @@ def test_names_that_are_not_utf8_are_recorded_with_their_exact_bytes(client, dae
     assert base64.b64decode(renamed["renamedToBase64"]) == b"/workspace/x\xff"
     assert list(out.result.effects_observed.writes) == ["/workspace/x\\xff"]
     assert [r.tool_call_id for r in client.query_calls(path="/workspace/x\\xff", workspace=str(ws)).calls] == [out.tool_call_id]
+
+
+@pytest.mark.parametrize("adapter", BACKENDS)
+def test_a_daemon_in_fid_mode_records_the_same_accesses(spare_daemon, adapter):
+    """settings.file_watch_fid: events name a directory handle and a file, resolved
+    through the sandbox's mount; the record is the one the descriptor mode makes, for a
+    cold call and for leased commands."""
+    d = spare_daemon(file_watch_fid=True, pools={"min_idle": 0, "max_size": 1}).start()
+    ws = d.new_workspace({"secrets.yaml": "token: x\n", "src/app.py": "print('app')\n", "old/f.txt": "f\n"})
+    writable = {"filesystem": {"writeRoots": ["/workspace"]}}
+    script = ("cat /workspace/secrets.yaml /workspace/src/app.py >/dev/null; echo built > /workspace/src/out.txt; "
+              "mv /workspace/old /workspace/new; cat /workspace/new/f.txt >/dev/null")
+    with d.client() as c:
+        runtime = {"adapter": adapter, "image": "sandboxd/default:latest"}
+        cold = c.run(call(ws, sh(script), writable, runtime=runtime))
+        lease = c.acquire_sandbox(str(ws), writable, adapter=adapter)
+        warm = c.run(call(ws, sh("cat /workspace/src/out.txt >/dev/null; echo again >> /workspace/src/out.txt"),
+                          writable, runtime={**runtime, "leaseId": lease.lease_id}))
+        c.release_sandbox(lease.lease_id)
+        assert cold.result.status == warm.result.status == "success", (cold.stderr, warm.stderr)
+        recorded = accesses(c, cold.tool_call_id)
+        assert {(a["path"], a["operation"]) for a in recorded if a["operation"] in ("read", "write")} == {
+            ("/workspace/secrets.yaml", "read"), ("/workspace/src/app.py", "read"), ("/workspace/src/out.txt", "write"),
+            ("/workspace/new/f.txt", "read")}  # the directory's name when the event was read
+        [written] = [a for a in recorded if a["operation"] == "write"]
+        assert written["sha256Before"] == "" and written["sha256After"] == sha(b"built\n")
+        assert not cold.result.effects_observed.incomplete
+        again = [(a["path"], a["operation"]) for a in accesses(c, warm.tool_call_id) if a["operation"] in ("read", "write")]
+        assert again == [("/workspace/src/out.txt", "write")]  # read, then written: one entry, a write
