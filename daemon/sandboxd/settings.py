@@ -265,10 +265,10 @@ class DaemonSettings(BaseModel):
     file_watch: bool = True
     # FID mode (filewatch.FileWatch.fid): events name a directory handle and a file name
     # instead of carrying a descriptor, where the filesystem can and one mount is
-    # watched. A quarter less daemon CPU per event (git status over 3,000 files on
-    # Docker: +15.8 ms recorded instead of +24.7); but a directory removed before its
-    # events are read cannot be named, and its files' accesses are only counted (the
-    # record says so). Off: every access is named, a removed file as "... (deleted)".
+    # watched. Less daemon CPU (10-13 ms per 3,000 reads; the same wall time,
+    # bench/fid_mode.py); but a directory removed before its events are read cannot be
+    # named, and its files' accesses are only counted (the record says so). Off: every
+    # access is named, a removed file as "... (deleted)".
     file_watch_fid: bool = False
     file_audit: FileAuditSettings = Field(default_factory=FileAuditSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)

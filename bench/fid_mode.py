@@ -1,0 +1,99 @@
+"""The file watch's two ways of reading events, A/B: two daemons of this tree, one with
+settings.file_watch_fid (events name a directory handle and a file) and one without (a
+descriptor per event), their calls alternated in one run. Each runs `git status` in a
+read-only workspace whose index is stale (so git reads all 3,000 files), recorded and
+unrecorded; printed: medians, the recorded call's extra time, the paired median ratio,
+and the daemon's CPU per recorded call.
+
+    .venv/bin/python bench/fid_mode.py [--adapter docker] [-n 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
+
+from sandboxd.testing import WORKSPACE_UID, make_daemon, prepared_call  # noqa: E402
+from sandboxd_client.canonical import file_accesses  # noqa: E402
+
+TEST_MODULE = "import unittest\n\nVALUE_{i} = {i}\n\n\nclass Test{i}(unittest.TestCase):\n    pass\n"
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--adapter", default="docker")
+    ap.add_argument("-n", type=int, default=100)
+    args = ap.parse_args()
+    daemons = {}
+    try:
+        for mode in ("descriptor", "fid"):
+            base = Path(tempfile.mkdtemp(prefix=f"sandboxd-bench-fid-{mode}-", dir="/tmp"))
+            base.chmod(0o755)
+            d = make_daemon(base, file_watch_fid=mode == "fid").start()
+            files = {f"pkg/m{i // 100}/test_mod{i}.py": TEST_MODULE.format(i=i) for i in range(3000)}
+            ws = d.new_workspace(files)
+            env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b",
+                   "GIT_COMMITTER_EMAIL": "b@b"}
+            for cmd in (["git", "init", "-q"], ["git", "-c", "safe.directory=*", "add", "-A"],
+                        ["git", "-c", "safe.directory=*", "commit", "-qm", "x"]):
+                subprocess.run(cmd, cwd=ws, check=True, env=env, capture_output=True)
+            for dirpath, dirnames, filenames in os.walk(ws):  # new ctimes: the index is stale
+                for name in dirnames + filenames:
+                    os.lchown(os.path.join(dirpath, name), WORKSPACE_UID, WORKSPACE_UID)
+            daemons[mode] = (d, d.client(), ws)
+        argv = ["git", "-c", "safe.directory=*", "status", "--short"]
+        times = {(m, r): [] for m in daemons for r in (True, False)}
+        cpu = {m: 0 for m in daemons}
+        paths = {}
+        for i in range(args.n + 1):
+            order = list(daemons.items()) if i % 2 else list(daemons.items())[::-1]
+            for mode, (d, client, ws) in order:
+                for record in (True, False) if i % 2 else (False, True):
+                    call = prepared_call(ws, argv, {"audit": {"recordFileAccess": record}},
+                                         runtime={"adapter": args.adapter, "image": "sandboxd/default:latest"})
+                    ticks = cpu_ticks(d.proc.pid)
+                    t = time.perf_counter()
+                    out = client.run(call)
+                    ms = (time.perf_counter() - t) * 1000
+                    if out.result.status != "success":
+                        raise RuntimeError(out.stderr.decode()[-500:])
+                    client.query_calls(page_size=1)  # the index catches up, untimed
+                    if not i:
+                        continue  # the first round warms caches
+                    times[(mode, record)].append(ms)
+                    if record:
+                        cpu[mode] += cpu_ticks(d.proc.pid) - ticks
+                        paths[mode] = sum(len(file_accesses(json.loads(e.payload_json)))
+                                          for e in client.get_trace(out.tool_call_id) if e.type == "FileAccessObserved")
+        hz = os.sysconf("SC_CLK_TCK")
+        print(f"\n`git status`, read-only, stale index, {args.adapter}, n={args.n}; ms\n")
+        print(f"| {'file watch':<11} | {'off':>7} | {'on':>7} | {'extra':>6} | {'paired':>7} | {'daemon CPU on':>13} | "
+              f"{'paths':>5} |")
+        print(f"|{'-' * 13}|{'-' * 9}|{'-' * 9}|{'-' * 8}|{'-' * 9}|{'-' * 15}|{'-' * 7}|")
+        for mode in daemons:
+            on, off = statistics.median(times[(mode, True)]), statistics.median(times[(mode, False)])
+            paired = statistics.median(a / b for a, b in zip(times[(mode, True)], times[(mode, False)]))
+            print(f"| {mode:<11} | {off:7.1f} | {on:7.1f} | {on - off:+6.1f} | {paired:6.3f}x | "
+                  f"{cpu[mode] * 1000 / hz / args.n:10.1f} ms | {paths[mode]:5d} |")
+    finally:
+        for d, _, _ in daemons.values():
+            d.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
