@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-from sandboxd_client.canonical import file_accesses
 from sandboxd.pools import READY_TIMEOUT_S
+from sandboxd.testing import TIME_SCALE
 from sandboxd_client import errors
+from sandboxd_client.canonical import file_accesses
 
 from .conftest import BACKENDS, BUSYBOX_IMAGE, call, leftover_sandboxes, nsjail_sandbox_ids, sh, wait_for
 from .test_tenants import ALICE, BOB, client_as
@@ -59,10 +60,11 @@ def test_commands_in_a_lease_are_calls_of_their_own_and_leave_nothing_running(po
         slow = c.run(leased(ws, lease, ["sleep", "30"], {"process": {"timeoutMs": 300}}, adapter=adapter))
         assert slow.result.timed_out and slow.result.status == "error"
         # A command that never stops writing still ends at its timeout (the wait that
-        # serves its pipes is never kept busy past it).
-        flood = c.run(leased(ws, lease, ["yes"], {"process": {"timeoutMs": 300, "maxStdoutBytes": 65536}},
-                             adapter=adapter))
-        assert flood.result.timed_out and flood.result.stdout_truncated
+        # serves its pipes is never kept busy past it). Scaled: in the emulated guest,
+        # 300 ms went by before `yes` had written anything.
+        flood = c.run(leased(ws, lease, ["yes"], {"process": {"timeoutMs": int(500 * TIME_SCALE),
+                                                               "maxStdoutBytes": 65536}}, adapter=adapter))
+        assert flood.result.timed_out and flood.result.stdout_truncated, (flood.result, len(flood.stdout))
         assert c.run(leased(ws, lease, ["echo", "still here"], adapter=adapter)).stdout == b"still here\n"
         c.release_sandbox(lease.lease_id)
         with pytest.raises(errors.NotFound):
