@@ -14,6 +14,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +22,10 @@
 #include <sys/fanotify.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+/* A directory's cache key is handle_type then the handle's bytes, read in one piece. */
+_Static_assert(offsetof(struct file_handle, f_handle) == offsetof(struct file_handle, handle_type) + 4,
+               "struct file_handle: handle_type right before the handle's bytes");
 
 #define READ_BYTES (256 * 1024)
 #define MAX_MOUNTS 64
@@ -55,6 +60,7 @@ struct watch {
     int fid;      /* events name a directory handle and a name, no descriptor */
     int mount_fd; /* FID mode: the marked mount, to open directory handles through */
     uint64_t unresolved; /* FID mode: events whose directory was gone before it was read */
+    uint64_t unnamed;    /* events that could not be named otherwise (a path too long, an error) */
     struct dir_slot dirs[DIR_SLOTS];
     pthread_mutex_t lock;
     struct entry *table;
@@ -100,15 +106,34 @@ void fw_set_fd(void *handle, int fan_fd) { ((struct watch *)handle)->fan_fd = fa
 /* FID mode (a group made with FAN_REPORT_DFID_NAME, one marked mount): `mount_fd` is a
  * descriptor of that mount's root (not O_PATH: open_by_handle_at refuses those), kept
  * open by the caller while the watch reads. */
-void fw_set_fid(void *handle, int mount_fd) {
+int fw_set_fid(void *handle, int mount_fd) {
     struct watch *w = handle;
     pthread_mutex_lock(&w->lock);
-    w->fid = 1;
-    w->mount_fd = mount_fd;
+    int result = -EINVAL;
+    if (w->only_mount) { /* the directory cache has no filesystem id in its key */
+        w->fid = 1;
+        w->mount_fd = mount_fd;
+        result = 0;
+    }
     pthread_mutex_unlock(&w->lock);
+    return result;
 }
 
-uint64_t fw_unresolved(void *handle) { return ((struct watch *)handle)->unresolved; }
+uint64_t fw_unresolved(void *handle) {
+    struct watch *w = handle;
+    pthread_mutex_lock(&w->lock);
+    uint64_t n = w->unresolved;
+    pthread_mutex_unlock(&w->lock);
+    return n;
+}
+
+uint64_t fw_unnamed(void *handle) {
+    struct watch *w = handle;
+    pthread_mutex_lock(&w->lock);
+    uint64_t n = w->unnamed;
+    pthread_mutex_unlock(&w->lock);
+    return n;
+}
 
 /* A marked mount: its id (statx STATX_MNT_ID) and its path inside the sandbox. */
 int fw_add_mount(void *handle, uint64_t mount_id, const char *sandbox_path) {
@@ -303,7 +328,7 @@ static ssize_t sandbox_path(struct watch *w, int fd, char *out) {
 /* FID mode: the path of the directory whose handle is `fh`, as the sandbox sees it
  * (resolved through the marked mount once per read of the queue); NULL when it cannot
  * be (removed before its events were read: ESTALE). Lock held. */
-static struct dir_slot *directory(struct watch *w, struct file_handle *fh) {
+static struct dir_slot *directory(struct watch *w, struct file_handle *fh, int *gone) {
     size_t klen = 4 + fh->handle_bytes;
     const unsigned char *key = (const unsigned char *)&fh->handle_type; /* type, then bytes */
     uint64_t h = fnv1a((const char *)key, klen);
@@ -319,8 +344,10 @@ static struct dir_slot *directory(struct watch *w, struct file_handle *fh) {
         }
     }
     int fd = open_by_handle_at(w->mount_fd, fh, O_PATH | O_CLOEXEC);
-    if (fd < 0)
+    if (fd < 0) {
+        *gone = errno == ESTALE || errno == ENOENT;
         return NULL;
+    }
     char path[PATH_MAX];
     ssize_t n = sandbox_path(w, fd, path);
     close(fd);
@@ -338,32 +365,39 @@ static struct dir_slot *directory(struct watch *w, struct file_handle *fh) {
     return d;
 }
 
-/* FID mode: one event's directory handle and name, counted as dir + "/" + name. */
+/* FID mode: one event's directory handle and name, counted as dir + "/" + name. An
+ * event that cannot be named is counted as unresolved (its directory is gone) or
+ * unnamed (anything else): the record then says it is incomplete. */
 static void note_fid(struct watch *w, const struct fanotify_event_metadata *m, char *path) {
-    const char *p = (const char *)(m + 1), *end = (const char *)m + m->event_len;
+    const char *p = (const char *)m + m->metadata_len, *end = (const char *)m + m->event_len;
     while (p + sizeof(struct fanotify_event_info_header) <= end) {
-        const struct fanotify_event_info_header *hdr = (const void *)p;
-        if (hdr->len < sizeof *hdr || p + hdr->len > end)
-            return;
+        struct fanotify_event_info_header hdr;
+        memcpy(&hdr, p, sizeof hdr); /* records are 4-byte aligned only by the kernel's word */
+        if (hdr.len < sizeof hdr || p + hdr.len > end)
+            break;
         const size_t fixed = sizeof(struct fanotify_event_info_fid) + sizeof(struct file_handle);
-        if (hdr->info_type == FAN_EVENT_INFO_TYPE_DFID_NAME && hdr->len > fixed) {
+        if (hdr.info_type == FAN_EVENT_INFO_TYPE_DFID_NAME && hdr.len > fixed) {
             const struct fanotify_event_info_fid *fid = (const void *)p;
             struct file_handle *fh = (struct file_handle *)fid->handle;
-            if (fh->handle_bytes > MAX_HANDLE || fixed + fh->handle_bytes >= hdr->len)
-                return;
+            if (fh->handle_bytes > MAX_HANDLE || fixed + fh->handle_bytes >= hdr.len)
+                break;
             const char *name = (const char *)fh->f_handle + fh->handle_bytes;
-            size_t nlen = strnlen(name, (size_t)(p + hdr->len - name));
-            if (name + nlen >= p + hdr->len) /* not NUL-terminated within the record */
-                return;
-            struct dir_slot *d = directory(w, fh);
+            size_t nlen = strnlen(name, (size_t)(p + hdr.len - name));
+            if (name + nlen >= p + hdr.len) /* not NUL-terminated within the record */
+                break;
+            int gone = 0;
+            struct dir_slot *d = directory(w, fh, &gone);
             if (!d) {
-                w->unresolved++;
+                if (gone)
+                    w->unresolved++;
+                else
+                    w->unnamed++;
                 return;
             }
             int root = d->plen == 1 && d->path[0] == '/';
             size_t len = d->plen + (root ? 0 : 1) + nlen;
             if (len >= PATH_MAX)
-                return;
+                break;
             memcpy(path, d->path, d->plen);
             if (!root)
                 path[d->plen] = '/';
@@ -371,8 +405,9 @@ static void note_fid(struct watch *w, const struct fanotify_event_metadata *m, c
             note(w, path, len, m->mask);
             return;
         }
-        p += hdr->len;
+        p += hdr.len;
     }
+    w->unnamed++;
 }
 
 /* One read of the group's queue, every event in it counted and its descriptor closed.
@@ -394,15 +429,19 @@ long fw_drain(void *handle) {
     struct fanotify_event_metadata *m = (struct fanotify_event_metadata *)w->buf;
     while (FAN_EVENT_OK(m, len)) {
         events++;
-        if (m->mask & FAN_Q_OVERFLOW)
-            w->overflowed = 1;
-        if (w->fid && m->fd == FAN_NOFD && m->event_len > m->metadata_len) {
+        if (m->mask & FAN_Q_OVERFLOW) {
+            w->overflowed = 1; /* no object: the record says events were lost */
+        } else if (w->fid && m->fd == FAN_NOFD && m->event_len > m->metadata_len) {
             note_fid(w, m, path);
         } else if (m->fd >= 0) {
             ssize_t n = sandbox_path(w, m->fd, path);
             if (n >= 0)
                 note(w, path, (size_t)n, m->mask);
+            else
+                w->unnamed++; /* e.g. a path longer than PATH_MAX */
             close(m->fd);
+        } else {
+            w->unnamed++;
         }
         m = FAN_EVENT_NEXT(m, len);
     }
@@ -466,5 +505,6 @@ void fw_reset(void *handle) {
     w->dropped = 0;
     w->overflowed = 0;
     w->unresolved = 0;
+    w->unnamed = 0;
     pthread_mutex_unlock(&w->lock);
 }

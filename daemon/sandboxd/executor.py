@@ -601,8 +601,11 @@ def _file_record(accesses: list[tuple[str, int, int]], watch: FileWatch, before:
         incomplete.append(f"more than {MAX_WATCHED_PATHS} paths were opened: {watch.dropped} opens of "
                           "further paths are not listed")
     if watch.unresolved:
-        incomplete.append(f"{watch.unresolved} opens were in directories removed before their events were read: "
+        incomplete.append(f"{watch.unresolved} events were in directories removed before they were read: "
                           "their paths are unknown")
+    if watch.unnamed:
+        incomplete.append(f"{watch.unnamed} events could not be named (a path longer than the system's limit, "
+                          "or an error resolving it)")
     changes: list[dict[str, Any]] = []
     if before is not None:
         if after is None:
@@ -799,7 +802,9 @@ class CallExecutor:
     def fid_watch(self, plan: HostPlan) -> bool:
         """Whether a call's file watch reads its events in FID mode (FileWatch.fid)."""
         mounts = {b.sandbox_path for b in plan.binds}
-        return self.settings.file_watch_fid and len(mounts) == 1 and fid_supported(plan.binds[0].host_path)
+        # (A bound file, not a directory: its events would name the host's parent.)
+        return (self.settings.file_watch_fid and len(mounts) == 1 and os.path.isdir(plan.binds[0].host_path)
+                and fid_supported(plan.binds[0].host_path))
 
     def walk_write_roots(self, writable: list[tuple[str, str]]) -> snapshot.Snapshot:
         caps = self.settings.file_audit

@@ -84,8 +84,9 @@ def reader_library() -> ctypes.CDLL:
         lib.fw_new.argtypes, lib.fw_new.restype = [ctypes.c_size_t], ctypes.c_void_p
         lib.fw_free.argtypes, lib.fw_free.restype = [ctypes.c_void_p], None
         lib.fw_set_fd.argtypes, lib.fw_set_fd.restype = [ctypes.c_void_p, ctypes.c_int], None
-        lib.fw_set_fid.argtypes, lib.fw_set_fid.restype = [ctypes.c_void_p, ctypes.c_int], None
+        lib.fw_set_fid.argtypes, lib.fw_set_fid.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int
         lib.fw_unresolved.argtypes, lib.fw_unresolved.restype = [ctypes.c_void_p], ctypes.c_uint64
+        lib.fw_unnamed.argtypes, lib.fw_unnamed.restype = [ctypes.c_void_p], ctypes.c_uint64
         lib.fw_add_mount.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_char_p]
         lib.fw_only_mount.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         lib.fw_drain.argtypes, lib.fw_drain.restype = [ctypes.c_void_p], ctypes.c_long
@@ -174,6 +175,12 @@ class FileWatch:
         return reader_library().fw_unresolved(self._fw)
 
     @property
+    def unnamed(self) -> int:
+        """Events that could not be named otherwise (a path longer than PATH_MAX, an
+        error resolving it)."""
+        return reader_library().fw_unnamed(self._fw)
+
+    @property
     def overflowed(self) -> bool:
         return bool(reader_library().fw_overflowed(self._fw)) or self.unanswered
 
@@ -222,7 +229,13 @@ class FileWatch:
                                          os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError as exc:
                 raise FileWatchError(f"{self.mounts[0]}: {exc}") from None
-            reader_library().fw_set_fid(self._fw, self._mount_fd)
+            if reader_library().fw_set_fid(self._fw, self._mount_fd) != 0:
+                raise FileWatchError("FID mode watches one mount")
+            # The mark goes on that same descriptor's mount: nothing can change between.
+            if _libc.fanotify_mark(self._fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN | FAN_CLOSE_WRITE,
+                                   self._mount_fd, None) < 0:
+                raise FileWatchError(f"fanotify_mark {self.mounts[0]}: {os.strerror(ctypes.get_errno())}")
+            return
         for mount in self.mounts:
             path = f"/proc/{pid}/root{mount}".encode()
             if len(set(self.mounts)) > 1:
@@ -306,6 +319,7 @@ class FileWatch:
             # accesses are its own group's.
             _close_later(self._fd)
             if self._mount_fd >= 0:
+                reader_library().fw_set_fid(self._fw, -1)  # never a stale descriptor number
                 os.close(self._mount_fd)
                 self._mount_fd = -1
         return self._counted()
@@ -442,15 +456,46 @@ def fid_supported(host_path: str) -> bool:
     known = _fid_by_device.get(dev)
     if known is None:
         fd = _libc.fanotify_init(FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK | FAN_REPORT_DFID_NAME, os.O_RDONLY)
-        known = fd >= 0 and _libc.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN | FAN_CLOSE_WRITE,
-                                                AT_FDCWD, os.fsencode(host_path)) == 0
-        if fd >= 0:
-            # The mark goes at once (every open on that mount queues an event while it is
-            # there); the group, whose close waits for the kernel, later.
-            _libc.fanotify_mark(fd, FAN_MARK_FLUSH | FAN_MARK_MOUNT, 0, AT_FDCWD, None)
-            _close_later(fd)
+        if fd < 0:
+            return False  # (not remembered: the limit on groups, say, may pass)
+        marked = _libc.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN | FAN_CLOSE_WRITE, AT_FDCWD,
+                                     os.fsencode(host_path)) == 0
+        # The mark goes at once (every open on that mount queues an event while it is
+        # there); the group, whose close waits for the kernel, later.
+        _libc.fanotify_mark(fd, FAN_MARK_FLUSH | FAN_MARK_MOUNT, 0, AT_FDCWD, None)
+        _close_later(fd)
+        # The reader opens directory handles: that needs CAP_DAC_READ_SEARCH too.
+        known = marked and _handles_open(host_path)
         _fid_by_device[dev] = known
     return known
+
+
+class _FileHandle(ctypes.Structure):
+    _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int), ("f_handle", ctypes.c_ubyte * 128)]
+
+
+_libc.name_to_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(_FileHandle),
+                                    ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+_libc.open_by_handle_at.argtypes = [ctypes.c_int, ctypes.POINTER(_FileHandle), ctypes.c_int]
+
+
+def _handles_open(path: str) -> bool:
+    """Whether a handle of `path` can be made and opened again (as the reader will)."""
+    handle, mount_id = _FileHandle(handle_bytes=128), ctypes.c_int()
+    if _libc.name_to_handle_at(AT_FDCWD, os.fsencode(path), ctypes.byref(handle), ctypes.byref(mount_id), 0) != 0:
+        return False
+    try:
+        mount_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fd = _libc.open_by_handle_at(mount_fd, ctypes.byref(handle), os.O_PATH | os.O_CLOEXEC)
+        if fd < 0:
+            return False
+        os.close(fd)
+        return True
+    finally:
+        os.close(mount_fd)
 
 
 def _close_later(fd: int) -> None:

@@ -264,3 +264,32 @@ def test_fid_mode_is_probed_once_per_filesystem(tmp_path):
         assert sorted(filewatch._fid_by_device.values()) == [False, True]
     finally:
         subprocess.run(["umount", str(layers["merged"])], check=True)
+
+
+@pytest.mark.parametrize("fid", [False, True])
+def test_an_access_that_cannot_be_named_is_counted_not_lost(tmp_path, fid):
+    """A path longer than the system's limit (made one directory at a time) cannot be
+    read back from the kernel: the event is counted, and the record says so."""
+    import os
+    import subprocess
+
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    subprocess.run(["mount", "--bind", str(src), str(mnt)], check=True)
+    fds = [os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)]
+    w = FileWatch(os.getpid(), (str(mnt),), fid=fid)
+    try:
+        for _ in range(17):  # 17 levels of 250 characters: over PATH_MAX (4096)
+            os.mkdir("d" * 250, dir_fd=fds[-1])
+            fds.append(os.open("d" * 250, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+        w.start()
+        os.close(os.open("deep.txt", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fds[-1]))
+        os.close(os.open("short.txt", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fds[0]))
+        assert [path for path, _, _ in w.stop()] == [f"{mnt}/short.txt"]
+        assert w.unnamed >= 1 and w.unresolved == 0
+    finally:
+        for fd in fds:
+            os.close(fd)
+        subprocess.run(["rm", "-rf", str(src / ("d" * 250))], check=False)
+        subprocess.run(["umount", str(mnt)], check=True)

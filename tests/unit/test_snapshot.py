@@ -359,13 +359,14 @@ def test_a_call_s_record_says_why_it_may_be_incomplete():
     from sandboxd.filewatch import MAX_PATHS
 
     full = snapshot.Snapshot({"/w/a": e(1, sha="A")})
-    watch = SimpleNamespace(overflowed=True, dropped=3, unresolved=2)
+    watch = SimpleNamespace(overflowed=True, dropped=3, unresolved=2, unnamed=4)
     record = _file_record([Access("/w/a", 1, 0)], watch, full, full)
     assert record.incomplete == ["the kernel's event queue overflowed: some opens were not recorded",
                                  f"more than {MAX_PATHS} paths were opened: 3 opens of further paths are not listed",
-                                 "2 opens were in directories removed before their events were read: their paths "
-                                 "are unknown"]
-    quiet = SimpleNamespace(overflowed=False, dropped=0, unresolved=0)
+                                 "2 events were in directories removed before they were read: their paths are unknown",
+                                 "4 events could not be named (a path longer than the system's limit, or an error "
+                                 "resolving it)"]
+    quiet = SimpleNamespace(overflowed=False, dropped=0, unresolved=0, unnamed=0)
     cut = snapshot.Snapshot({"/w/a": e(1, sha="A")}, gaps=["more than 1 entries in the write roots: ..."])
     record = _file_record([], quiet, full, cut)
     assert record.incomplete == ["more than 1 entries in the write roots: ...",
