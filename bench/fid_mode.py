@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,10 +21,9 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
 
-from sandboxd.testing import WORKSPACE_UID, make_daemon, prepared_call  # noqa: E402
+from file_access import git_workspace  # noqa: E402  (bench/, this script's directory)
+from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
 from sandboxd_client.canonical import file_accesses  # noqa: E402
-
-TEST_MODULE = "import unittest\n\nVALUE_{i} = {i}\n\n\nclass Test{i}(unittest.TestCase):\n    pass\n"
 
 
 def cpu_ticks(pid: int) -> int:
@@ -44,17 +42,7 @@ def main() -> int:
             base = Path(tempfile.mkdtemp(prefix=f"sandboxd-bench-fid-{mode}-", dir="/tmp"))
             base.chmod(0o755)
             d = make_daemon(base, file_watch_fid=mode == "fid").start()
-            files = {f"pkg/m{i // 100}/test_mod{i}.py": TEST_MODULE.format(i=i) for i in range(3000)}
-            ws = d.new_workspace(files)
-            env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b",
-                   "GIT_COMMITTER_EMAIL": "b@b"}
-            for cmd in (["git", "init", "-q"], ["git", "-c", "safe.directory=*", "add", "-A"],
-                        ["git", "-c", "safe.directory=*", "commit", "-qm", "x"]):
-                subprocess.run(cmd, cwd=ws, check=True, env=env, capture_output=True)
-            for dirpath, dirnames, filenames in os.walk(ws):  # new ctimes: the index is stale
-                for name in dirnames + filenames:
-                    os.lchown(os.path.join(dirpath, name), WORKSPACE_UID, WORKSPACE_UID)
-            daemons[mode] = (d, d.client(), ws)
+            daemons[mode] = (d, d.client(), git_workspace(d, 3000))
         argv = ["git", "-c", "safe.directory=*", "status", "--short"]
         times = {(m, r): [] for m in daemons for r in (True, False)}
         cpu = {m: 0 for m in daemons}

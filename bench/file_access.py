@@ -51,6 +51,25 @@ print(n, "modules ran")
 """
 
 
+def git_workspace(d, n_files: int) -> Path:
+    """A workspace of `d` holding a git repository of `n_files` unittest modules (in
+    packages of 100), committed, then given to the sandbox user: new ctimes, so the
+    index is stale for a git that cannot write it (a read-only workspace)."""
+    files = {f"pkg/m{i // 100}/test_mod{i}.py": TEST_MODULE.format(i=i, twice=2 * i) for i in range(n_files)}
+    files.update({f"pkg/m{i}/__init__.py": "" for i in range((n_files + 99) // 100)})
+    files["pkg/__init__.py"] = ""
+    ws = d.new_workspace(files)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b",
+           "GIT_COMMITTER_EMAIL": "b@b"}
+    for cmd in (["git", "init", "-q"], ["git", "-c", "safe.directory=*", "add", "-A"],
+                ["git", "-c", "safe.directory=*", "commit", "-qm", "x"]):
+        subprocess.run(cmd, cwd=ws, check=True, env=env, capture_output=True)
+    for dirpath, dirnames, filenames in os.walk(ws):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), WORKSPACE_UID, WORKSPACE_UID)
+    return ws
+
+
 def interval(ratios: list[float], resamples: int = 2000) -> tuple[float, float]:
     """A bootstrap interval (2.5th to 97.5th percentile) of the median of `ratios`: how far
     the machine's noise leaves the paired figure uncertain. Approximate: with few rounds
@@ -71,18 +90,7 @@ def main() -> int:
     base.chmod(0o755)
     d = make_daemon(base, file_watch_fid=args.fid).start()
     try:
-        files = {f"pkg/m{i // 100}/test_mod{i}.py": TEST_MODULE.format(i=i, twice=2 * i) for i in range(args.files)}
-        files.update({f"pkg/m{i}/__init__.py": "" for i in range((args.files + 99) // 100)})
-        files["pkg/__init__.py"] = ""
-        ws = d.new_workspace(files)
-        env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b",
-               "GIT_COMMITTER_EMAIL": "b@b"}
-        for cmd in (["git", "init", "-q"], ["git", "-c", "safe.directory=*", "add", "-A"],
-                    ["git", "-c", "safe.directory=*", "commit", "-qm", "x"]):
-            subprocess.run(cmd, cwd=ws, check=True, env=env, capture_output=True)
-        for dirpath, dirnames, filenames in os.walk(ws):
-            for name in dirnames + filenames:
-                os.lchown(os.path.join(dirpath, name), WORKSPACE_UID, WORKSPACE_UID)
+        ws = git_workspace(d, args.files)
         client = d.client()
         workloads = {"git status": ["git", "-c", "safe.directory=*", "status", "--short"],
                      f"test run (unittest, {args.files} test files)": [
