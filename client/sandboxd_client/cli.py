@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -264,9 +265,7 @@ def file_access_line(p: dict, listed: int = 3) -> str:
     """One FileAccessObserved payload, for people: how many of each operation, the first
     paths, and why the record may be incomplete."""
     accesses = file_accesses(p)
-    counts: dict[str, int] = {}
-    for a in accesses:
-        counts[shown(a.get("operation", "?"))] = counts.get(shown(a.get("operation", "?")), 0) + 1
+    counts = Counter(shown(a.get("operation", "?")) for a in accesses)
     parts = []
     if accesses:
         first = ", ".join(f"{shown(a.get('operation', '?'))} {shown(a['path'])}"

@@ -134,14 +134,14 @@ def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
             for table in ("audit_paths", "audit_network"):
                 conn.execute(f"DELETE FROM {table} WHERE call_seq = ?", (call_seq,))
             conn.execute("DELETE FROM audit_calls WHERE seq = ?", (call_seq,))
-    elif e.type == ev.FILE_ACCESS and ("path" in p or "accesses" in p or "reads" in p):
-        call_seq = _call_seq(conn, e.tool_call_id)
+    elif e.type == ev.FILE_ACCESS:
+        rows = []
+        for a in file_accesses(p):  # every form a daemon has written
+            rows.append((str(a["path"]), str(a.get("operation", ""))))
+            if a.get("renamedTo"):
+                rows.append((str(a["renamedTo"]), "rename"))
+        call_seq = _call_seq(conn, e.tool_call_id) if rows else None
         if call_seq is not None:
-            rows = []
-            for a in file_accesses(p):
-                rows.append((str(a["path"]), str(a.get("operation", ""))))
-                if a.get("renamedTo"):
-                    rows.append((str(a["renamedTo"]), "rename"))
             conn.executemany("INSERT OR IGNORE INTO audit_paths (event_seq, call_seq, tool_call_id, path, op)"
                              " VALUES (?,?,?,?,?)", [(e.seq, call_seq, e.tool_call_id, path, op) for path, op in rows])
 

@@ -2,7 +2,8 @@
 that call's own bind mounts (reached through /proc/<pid>/root inside the sandbox's mount
 namespace). Every event of the group is therefore the call's: no attribution by pid, no
 mixing with other sandboxes on the same files. readlink of an event's descriptor gives
-the path as the sandbox sees it (/workspace/...). The events are read, and their paths
+the path as the sandbox sees it (/workspace/...); in FID mode (opt-in) an event names its
+directory's handle and the file instead. The events are read, and their paths
 counted, by native/fanotify-reader.c outside the GIL (a Python loop cost ~10 µs an
 event, beside the call); this module marks, syncs and reads the counts back.
 
