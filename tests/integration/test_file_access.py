@@ -263,6 +263,12 @@ def test_a_daemon_in_fid_mode_records_the_same_accesses(spare_daemon, adapter):
     with d.client() as c:
         runtime = {"adapter": adapter, "image": "sandboxd/default:latest"}
         cold = c.run(call(ws, sh(script), writable, runtime=runtime))
+        # One bound file, not a directory: read in descriptor mode (a file's events would
+        # name the host's directory around it), and recorded under its sandbox path.
+        one = c.run(call(ws, ["cat", "/workspace/secrets.yaml"], {"filesystem": {"readRoots": ["secrets.yaml"]}},
+                         runtime=runtime))
+        assert one.result.status == "success" and one.stdout == b"token: x\n", (one.result, one.stderr)
+        assert list(one.result.effects_observed.reads) == ["/workspace/secrets.yaml"]
         lease = c.acquire_sandbox(str(ws), writable, adapter=adapter)
         warm = c.run(call(ws, sh("cat /workspace/src/out.txt >/dev/null; echo again >> /workspace/src/out.txt"),
                           writable, runtime={**runtime, "leaseId": lease.lease_id}))
