@@ -165,6 +165,29 @@ def test_trace_verify_and_export_detect_an_edited_event(spare_daemon, tmp_path):
     assert offline.returncode == 1 and json.loads(offline.stdout)["firstBadSeq"] == 7
 
 
+def test_a_finished_call_is_checkpointed_while_the_daemon_runs(spare_daemon):
+    """The log's head is written down after a call (off the caller's path), not only at
+    a graceful stop: a daemon killed afterwards leaves it on disk, and the log verifies
+    against it."""
+    d = spare_daemon().start()
+    ws = d.new_workspace()
+    path = d.state_dir / "checkpoints.jsonl"
+    with d.client() as c:
+        c.run(call(ws, ["echo", "one"]))
+        head = c.verify_log().head_hash
+
+    def last_checkpoint() -> str:
+        lines = path.read_text().splitlines() if path.exists() else []
+        return json.loads(lines[-1])["hash"] if lines else ""
+
+    assert wait_for(lambda: last_checkpoint() == head, 5), (last_checkpoint(), head)
+    d.stop(signal.SIGKILL)
+    assert last_checkpoint() == head
+    d.start()
+    with d.client() as c:
+        assert c.verify_log().ok
+
+
 def test_checkpoints_catch_a_truncated_or_rechained_log(spare_daemon):
     """Dropping the last call's events, or rewriting history and re-chaining it so every
     hash checks out again, still fails verification against the checkpoints."""
