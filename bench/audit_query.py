@@ -5,8 +5,9 @@ the ratio of the index to the scan.
 
 The store is synthetic but shaped like the real thing: each call has the events the
 daemon writes (Requested, ArgsValidated, PolicyChecked, SandboxPrepared, Started,
-NetworkAccessObserved*, FileAccessObserved*, Finished, ResultValidated), written through
-EventLog with the index hook, 20 principals, 200 workspaces.
+NetworkAccessObserved*, FileAccessObserved* in the forms the daemon writes, Finished,
+ResultValidated), written through EventLog with the index hook, 20 principals, 200
+workspaces.
 
     .venv/bin/python bench/audit_query.py [--calls 100000] [-n 15] [--db PATH]
 """
@@ -37,6 +38,15 @@ PATHS = ["/workspace/src/auth/login.py", "/workspace/src/auth/tokens.py", "/work
 OPS = ["read", "read", "read", "write", "create", "delete"]
 
 
+def file_access_events(touched: list[tuple[str, str]]) -> list[EventDraft]:
+    """FileAccessObserved as the daemon writes them: plain reads as [path, opens] pairs,
+    every other operation as an entry (a write's hashes left out here)."""
+    reads = [[path, 1] for path, op in touched if op == "read"]
+    entries = [{"path": path, "operation": op} for path, op in touched if op != "read"]
+    return ([EventDraft(ev.FILE_ACCESS, {"accesses": entries})] if entries else []) + (
+        [EventDraft(ev.FILE_ACCESS, {"reads": reads})] if reads else [])
+
+
 def populate(db: Database, calls: int, rng: random.Random) -> None:
     log = EventLog(db, on_append=audit.index_events)
     batch = 200
@@ -59,11 +69,11 @@ def populate(db: Database, calls: int, rng: random.Random) -> None:
                 for _ in range(rng.choice((0, 0, 1, 2))):
                     drafts.append(EventDraft(ev.NETWORK_ACCESS, {"host": rng.choice(HOSTS), "port": 443,
                                                                  "decision": rng.choice(("allowed", "denied"))}))
-                for _ in range(rng.choice((0, 1, 2, 3))):
-                    drafts.append(EventDraft(ev.FILE_ACCESS, {"path": rng.choice(PATHS), "operation": rng.choice(OPS)}))
+                touched = {(rng.choice(PATHS), rng.choice(OPS)) for _ in range(rng.choice((0, 1, 2, 3)))}
                 if i == calls // 3:  # one call that touched something nobody else did
                     drafts.append(EventDraft(ev.NETWORK_ACCESS, {"host": "rare.test", "port": 443, "decision": "allowed"}))
-                    drafts.append(EventDraft(ev.FILE_ACCESS, {"path": "/workspace/vault/key.pem", "operation": "read"}))
+                    touched.add(("/workspace/vault/key.pem", "read"))
+                drafts += file_access_events(sorted(touched))
                 status = rng.choice(("success", "success", "success", "error"))
                 drafts += [
                     EventDraft(ev.FINISHED, {"exitCode": 0 if status == "success" else 1}),
@@ -78,9 +88,12 @@ SCANS = {
                 "ORDER BY seq DESC LIMIT 50"),
     "domain": ("SELECT DISTINCT tool_call_id FROM events WHERE type = 'NetworkAccessObserved' "
                "AND json_extract(payload_json, '$.host') = ? ORDER BY seq DESC LIMIT 50"),
-    "path": ("SELECT DISTINCT tool_call_id FROM events WHERE type = 'FileAccessObserved' "
-             "AND json_extract(payload_json, '$.path') LIKE ? AND json_extract(payload_json, '$.operation') = ? "
-             "ORDER BY seq DESC LIMIT 50"),
+    "path read": ("SELECT DISTINCT e.tool_call_id FROM events e, json_each(e.payload_json, '$.reads') r "
+                  "WHERE e.type = 'FileAccessObserved' AND json_extract(r.value, '$[0]') LIKE ? "
+                  "ORDER BY e.seq DESC LIMIT 50"),
+    "path op": ("SELECT DISTINCT e.tool_call_id FROM events e, json_each(e.payload_json, '$.accesses') a "
+                "WHERE e.type = 'FileAccessObserved' AND json_extract(a.value, '$.path') LIKE ? "
+                "AND json_extract(a.value, '$.operation') = ? ORDER BY e.seq DESC LIMIT 50"),
     "principal": ("SELECT tool_call_id FROM events WHERE type = 'ToolCallRequested' "
                   "AND json_extract(payload_json, '$.principal') = ? ORDER BY seq DESC LIMIT 50"),
 }
@@ -119,9 +132,9 @@ def main() -> int:
         ("domain = rare.test (one call)", q(domain="rare.test"), scan("domain", "rare.test")),
         ("domain = *.files.test", q(domain="*.files.test"), None),
         ("path under vault/, op read (one call)", q(path="vault", path_operation="read"),
-         scan("path", "/workspace/vault/%", "read")),
+         scan("path read", "/workspace/vault/%")),
         ("path under src/auth/, op write", q(path="src/auth", path_operation="write"),
-         scan("path", "/workspace/src/auth/%", "write")),
+         scan("path op", "/workspace/src/auth/%", "write")),
         ("status error, one principal, since", q(status="error", principal="p3", since="2000-01-01T00:00:00Z"), None),
     ]
     print(f"\nforensic queries, {args.calls} calls / {n_events} events, n={args.n}; times in ms (first page of 50)\n")

@@ -198,7 +198,7 @@ def network_rows(db: Database, tcid: str | None = None) -> list[tuple]:
 
 def path_rows(db: Database, tcid: str | None = None) -> list[tuple]:
     """audit_paths as (tool_call_id, path, op), a sorted multiset."""
-    rows = db.query("SELECT tool_call_id, path, op FROM audit_paths")
+    rows = db.query("SELECT c.tool_call_id, p.path, p.op FROM audit_paths p JOIN audit_calls c ON c.seq = p.call_seq")
     return sorted(tuple(r.values()) for r in rows if tcid is None or r["tool_call_id"] == tcid)
 
 
