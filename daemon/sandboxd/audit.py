@@ -167,6 +167,11 @@ def index_events(conn: sqlite3.Connection, events: Iterable[ev.Event]) -> None:
                      "ON CONFLICT (id) DO UPDATE SET indexed_seq = excluded.indexed_seq", (events[-1].seq,))
 
 
+# A call's 3,000 reads dirty as many pages of the by-path table: with SQLite's default
+# (a checkpoint, and its fsync, once the WAL holds 1,000 pages) each such call paid one;
+# at 16,384 pages (64 MiB of WAL) indexing it takes a third less (bench in RESULTS.md).
+INDEX_CHECKPOINT_PAGES = 16384
+
 # Bumped when the index's tables change: the old ones are dropped and rebuilt from the log.
 SCHEMA_VERSION = 6  # 5: reads recorded as [path, opens] pairs (an older daemon's rebuild skips them);
 #                     6: audit_paths keyed by (path, op, call_seq), without a rowid

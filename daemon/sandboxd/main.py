@@ -234,7 +234,8 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
                                  f"{unavailable.get(settings.default_backend, 'not configured')}")
     db = Database(settings.db_path)
     audit.drop_from_log_db(db)
-    audit_index = audit.AuditIndex(db, Database(settings.audit_db_path, schema="", durable=False))
+    audit_index = audit.AuditIndex(db, Database(settings.audit_db_path, schema="", durable=False,
+                                                checkpoint_pages=audit.INDEX_CHECKPOINT_PAGES))
     events = EventLog(db, on_append=audit_index.notify)
     checkpoints = CheckpointFile(settings.state_dir / "checkpoints.jsonl", events)
     caught_up = audit_index.sync()

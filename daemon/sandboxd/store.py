@@ -68,9 +68,11 @@ CREATE INDEX IF NOT EXISTS idempotency_keys_by_call ON idempotency_keys (tool_ca
 
 
 class Database:
-    def __init__(self, path: Path, schema: str = SCHEMA, durable: bool = True):
+    def __init__(self, path: Path, schema: str = SCHEMA, durable: bool = True, checkpoint_pages: int = 0):
         """`durable` False: no commit is fsynced (a database rebuilt from another one,
-        like the forensic index); WAL still keeps it whole across a crash."""
+        like the forensic index); WAL still keeps it whole across a crash.
+        `checkpoint_pages`: the WAL's size that starts a checkpoint (SQLite's default,
+        1,000, when 0); a checkpoint fsyncs the database file."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.RLock()
@@ -87,6 +89,8 @@ class Database:
             # A commit writes the WAL; a durable one then fsyncs it (flush), as
             # synchronous=FULL would, so a relaxed one needs no pragma switched back and forth.
             self._conn.execute("PRAGMA synchronous=NORMAL")
+            if checkpoint_pages:
+                self._conn.execute(f"PRAGMA wal_autocheckpoint={int(checkpoint_pages)}")
             self._conn.executescript(schema)
 
     @contextmanager

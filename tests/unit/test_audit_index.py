@@ -213,6 +213,21 @@ def dump(db: Database) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ schema
+def test_the_index_database_checkpoints_its_wal_less_often(tmp_path):
+    """The index's WAL grows to INDEX_CHECKPOINT_PAGES before a checkpoint copies it into
+    the database file (with a fsync); SQLite's default copies it after 1,000 pages."""
+    sizes = {}
+    for name, pages in (("default", 0), ("index", audit.INDEX_CHECKPOINT_PAGES)):
+        d = Database(tmp_path / f"{name}.sqlite", schema="CREATE TABLE t (v TEXT)", durable=False,
+                     checkpoint_pages=pages)
+        for _ in range(4):  # 2,000 pages in all, 500 a commit
+            with d.transaction() as conn:
+                conn.executemany("INSERT INTO t VALUES (?)", [("x" * 3000,)] * 500)
+        sizes[name] = (tmp_path / f"{name}.sqlite").stat().st_size
+        d.close()
+    assert sizes["default"] > 4 * 2**20 and sizes["index"] < 2**20, sizes
+
+
 
 
 def test_ensure_schema_is_idempotent_and_keeps_rows(db, log):
