@@ -84,6 +84,10 @@ class WarmSandbox:
     pid: int = 0
     pidfd: int = -1
     watch: Any = None  # its FileWatch, from its first recorded command until it is destroyed
+    # Counted in its pool's `destroying` from when its removal became due (a command may
+    # still be running in it) until it is gone.
+    retired: bool = False
+    retired_from: "Pool | None" = None
 
     def init_pid(self) -> int:
         """The sandbox's init while it lives; 0 once it is gone (or never came up)."""
@@ -328,7 +332,9 @@ class PoolManager:
         ws = lease.sandbox
         ws.lease = None
         ws.dead = True
-        if not ws.busy:
+        if ws.busy:
+            self._retire(pool, ws)  # it counts against the pool until the command ends and it is gone
+        else:
             self._destroy_later(pool, ws)
         self._cond.notify_all()
 
@@ -364,9 +370,9 @@ class PoolManager:
             ws.busy = ""
             if not healthy:
                 ws.dead = True
-            pool = self._pools.get(ws.key)
             if ws.dead and ws.lease is None:
-                self._destroy_later(pool, ws)
+                # Its own pool (retired with it), not whatever pool holds its key now.
+                self._destroy_later(ws.retired_from if ws.retired else self._pools.get(ws.key), ws)
             self._cond.notify_all()
 
     # -- sandboxes ------------------------------------------------------------------------
@@ -444,12 +450,19 @@ class PoolManager:
                            baseline_pids=baseline,
                            baseline_pidfds=_pidfds(baseline) if single_threaded else ())
 
+    def _retire(self, pool: Pool | None, ws: WarmSandbox) -> None:
+        """Under the lock: `ws` counts against `pool` as being removed, once, from now
+        until it is gone."""
+        if not ws.retired:
+            ws.retired, ws.retired_from = True, pool
+            if pool is not None:
+                pool.destroyed += 1
+                pool.destroying += 1
+
     def _destroy_later(self, pool: Pool | None, ws: WarmSandbox) -> None:
         """Under the lock: removal happens off the caller's thread."""
-        if pool is not None:
-            pool.destroyed += 1
-            pool.destroying += 1
-        t = threading.Thread(target=self._destroy_counted, args=(ws, pool), daemon=True,
+        self._retire(pool, ws)
+        t = threading.Thread(target=self._destroy_counted, args=(ws, ws.retired_from), daemon=True,
                              name=f"destroy-{ws.sandbox_id}")
         self._destroyers = [d for d in self._destroyers if d.is_alive()] + [t]
         t.start()

@@ -173,6 +173,33 @@ def test_a_pool_made_again_after_a_drain_counts_the_drained_ones_until_they_are_
             c.release_sandbox(lease.lease_id)
 
 
+def test_a_sandbox_busy_at_a_drain_counts_against_a_pool_made_again_until_it_is_gone(pooled, docker_engine):
+    """A drained lease's command runs to its end, and its sandbox goes after it: until
+    then it still counts against the pool's maximum, for a pool made again too."""
+    d = pooled  # at most 2 sandboxes
+    ws = d.new_workspace()
+    with d.client() as c:
+        held = [c.acquire_sandbox(str(ws)) for _ in range(2)]
+        busy: dict = {}
+        command = threading.Thread(target=lambda: busy.update(out=c.run(leased(
+            ws, held[0], sh("echo up; sleep 3"), {"process": {"timeoutMs": 20_000}}))))
+        command.start()
+        [container] = docker_engine.api.containers(filters={"label": f"sandboxd.sandbox_id={held[0].sandbox_id}"})
+        assert wait_for(lambda: any("sleep 3" in " ".join(p) for p in docker_engine.api.top(container["Id"])["Processes"]),
+                        10)
+
+        def drain_and_acquire():
+            assert c.drain_pools(held[0].pool_key) == 2
+            return [c.acquire_sandbox(str(ws), wait_ms=30_000) for _ in range(2)]
+
+        again, counts = containers_throughout(docker_engine, d, drain_and_acquire)
+        command.join(30)
+        assert busy["out"].result.status == "success"  # the drain let it finish
+        assert len(counts) > 5 and max(counts) <= 2, counts
+        for lease in again:
+            c.release_sandbox(lease.lease_id)
+
+
 def test_a_released_sandbox_counts_against_the_maximum_until_it_is_gone(pooled, docker_engine):
     d = pooled  # at most 2 sandboxes
     ws = d.new_workspace()
