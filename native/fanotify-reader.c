@@ -286,9 +286,10 @@ static uint64_t mount_id(int fd) {
 }
 
 /* The path of an event's descriptor as the sandbox sees it, into `out`; its length, or
- * -1. Once the sandbox's mount namespace is gone (nsjail ends with its command), the
- * kernel gives a path relative to the mount's own root, put back under the mount's
- * sandbox path here. */
+ * -1. The watch holds the sandbox's mount namespace until it stops, so the kernel names
+ * the path from the sandbox's root. Were the namespace gone, it would name it relative
+ * to the mount's own root: such a path is put back under the mount's sandbox path here
+ * (a defence; ambiguous for a directory named like the mount's path). */
 static ssize_t sandbox_path(struct watch *w, int fd, char *out) {
     char link[64], path[PATH_MAX];
     snprintf(link, sizeof link, "/proc/self/fd/%d", fd);

@@ -128,9 +128,9 @@ def test_a_watch_whose_reader_died_answers_at_once_and_says_so(tmp_path, monkeyp
 def test_paths_are_the_sandbox_s_even_when_read_after_its_mount_namespace_is_gone(tmp_path, monkeypatch, marked,
                                                                                     fid):
     """A jail's mount namespace ends with its command, usually before the reader has
-    read the last events: the kernel then names a file relative to its mount's root,
-    and the reader puts it back under the mount's sandbox path (by mount id when more
-    than one mount is marked)."""
+    read the last events; the watch holds it until it stops, so the kernel still names
+    each file as the sandbox did, also one under a directory named like the mount's own
+    path (relative to the mount's root, /mnt0/mnt0/t0 would read as /mnt0/t0)."""
     import os
     import subprocess
     import threading
@@ -140,9 +140,13 @@ def test_paths_are_the_sandbox_s_even_when_read_after_its_mount_namespace_is_gon
     for i, (src, point) in enumerate(zip(sources, points)):
         (src / "sub").mkdir(parents=True)
         (src / "sub" / f"f{i}").write_text(str(i))
+        twin = src / str(point).lstrip("/")  # in the sandbox: {point}{point}
+        twin.mkdir(parents=True)
+        (twin / f"t{i}").write_text(str(i))
         point.mkdir()
     binds = " && ".join(f"mount --bind {s} {p}" for s, p in zip(sources, points))
-    reads = " ".join(f"{p}/sub/f{i}" for i, p in enumerate(points))
+    expected = sorted(path for i, p in enumerate(points) for path in (f"{p}/sub/f{i}", f"{p}{p}/t{i}"))
+    reads = " ".join(expected)
     child = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c",
                               f"{binds} && echo up && read go && cat {reads} >/dev/null"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -156,7 +160,7 @@ def test_paths_are_the_sandbox_s_even_when_read_after_its_mount_namespace_is_gon
         child.communicate("go\n", timeout=10)
         assert child.returncode == 0
         gone.set()  # the namespace went with its last process: now the reader reads
-        assert [(path, writes) for path, _, writes in w.stop()] == [(f"{p}/sub/f{i}", 0) for i, p in enumerate(points)]
+        assert [(path, writes) for path, _, writes in w.stop()] == [(path, 0) for path in expected]
         assert not w.overflowed and w.dropped == 0 and w.unresolved == 0
         assert w.fid == (fid and marked == 1)  # FID mode watches one mount
     finally:
