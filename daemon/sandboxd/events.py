@@ -189,10 +189,20 @@ class CheckpointFile:
         self._lock = threading.Lock()
         self._last_seq = max((c.seq for c in self.read()), default=0)
         # One fsynced line per call would cost every call a disk flush: at most one per
-        # interval (and always at shutdown), which bounds what an undetected truncation
-        # could remove to the last interval's events.
+        # interval (one skipped is written once the interval has passed, and always at
+        # shutdown), which bounds what an undetected truncation could remove to the last
+        # interval's events.
         self._min_interval_s = min_interval_s
-        self._last_time = 0.0
+        self._last_time = float("-inf")  # none written yet by this daemon
+
+    @property
+    def min_interval_s(self) -> float:
+        return self._min_interval_s
+
+    def behind(self) -> bool:
+        """Whether the log has moved past the last checkpoint written."""
+        with self._lock:
+            return self._log.head()[0] > self._last_seq
 
     def read(self) -> list[Checkpoint]:
         try:

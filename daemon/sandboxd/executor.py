@@ -792,7 +792,16 @@ class CallExecutor:
         self._after_calls.put((spool, tool_call_id))
 
     def _tidy_after_calls(self) -> None:
-        while (item := self._after_calls.get()) is not None:
+        behind = False
+        while True:
+            try:
+                # A checkpoint skipped (another was written under an interval ago) is
+                # written once the interval has passed, not only after a later call.
+                item = self._after_calls.get(timeout=self.checkpoints.min_interval_s if behind else None)
+            except queue.Empty:
+                item = (None, "")
+            if item is None:
+                return
             spool, tool_call_id = item
             if spool is not None:
                 try:
@@ -801,8 +810,10 @@ class CallExecutor:
                     log.exception("removing the spool of %s failed", tool_call_id)
             try:
                 self.checkpoint()
-            except Exception:  # never lose the janitor: the next call checkpoints again
-                log.exception("checkpointing after %s failed", tool_call_id)
+                behind = self.checkpoints is not None and self.checkpoints.behind()
+            except Exception:  # never lose the janitor: it tries again
+                log.exception("checkpointing after %s failed", tool_call_id or "a skipped checkpoint")
+                behind = self.checkpoints is not None
 
     def fid_watch(self, plan: HostPlan) -> bool:
         """Whether a call's file watch reads its events in FID mode (FileWatch.fid)."""

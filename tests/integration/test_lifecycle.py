@@ -165,15 +165,17 @@ def test_trace_verify_and_export_detect_an_edited_event(spare_daemon, tmp_path):
     assert offline.returncode == 1 and json.loads(offline.stdout)["firstBadSeq"] == 7
 
 
-def test_a_finished_call_is_checkpointed_while_the_daemon_runs(spare_daemon):
+def test_the_last_call_is_checkpointed_while_the_daemon_runs(spare_daemon):
     """The log's head is written down after a call (off the caller's path), not only at
-    a graceful stop: a daemon killed afterwards leaves it on disk, and the log verifies
-    against it."""
+    a graceful stop, and the last of calls that ended within the checkpoints' interval
+    (one a second) too, once the interval has passed: a daemon killed afterwards leaves
+    it on disk, and the log verifies against it."""
     d = spare_daemon().start()
     ws = d.new_workspace()
     path = d.state_dir / "checkpoints.jsonl"
     with d.client() as c:
-        c.run(call(ws, ["echo", "one"]))
+        for word in ("one", "two", "three"):  # jails: tens of milliseconds each
+            c.run(call(ws, ["echo", word], runtime={"adapter": "nsjail", "image": "sandboxd/default:latest"}))
         head = c.verify_log().head_hash
 
     def last_checkpoint() -> str:

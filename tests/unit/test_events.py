@@ -297,3 +297,21 @@ def test_a_rolled_back_append_then_a_commit_without_events_leaves_the_chain_whol
     events = log.range()
     assert [(e.seq, e.type) for e in events] == [(1, "A"), (2, "D")]
     assert log.verify().ok
+
+
+def test_checkpoints_are_written_at_most_once_an_interval_and_say_when_they_are_behind(log, tmp_path):
+    from sandboxd.events import CheckpointFile
+
+    path = tmp_path / "checkpoints.jsonl"
+    checkpoints = CheckpointFile(path, log, min_interval_s=3600)
+    assert not checkpoints.behind() and checkpoints.checkpoint() is None  # an empty log: nothing to write
+    log.record("tc-a", "", drafts("ToolCallRequested"))
+    assert checkpoints.behind()
+    first = checkpoints.checkpoint()
+    assert first is not None and first.seq == 1 and not checkpoints.behind()
+    log.record("tc-a", "", drafts("ToolCallStarted"))
+    assert checkpoints.checkpoint() is None and checkpoints.behind()  # within the interval: skipped, and behind
+    forced = checkpoints.checkpoint(force=True)
+    assert forced is not None and forced.seq == 2 and not checkpoints.behind()
+    assert [c.seq for c in checkpoints.read()] == [1, 2]
+    assert CheckpointFile(path, log).behind() is False  # a new daemon knows what is on disk
