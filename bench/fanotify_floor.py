@@ -6,9 +6,9 @@ sandbox's workspace is), each workload runs in rounds, each way once per round, 
 - off: no mark;
 - kernel only: the mount marked as a call's watch marks it (FAN_OPEN | FAN_CLOSE_WRITE),
   nothing reading while the command runs; the queued events are dropped after: the
-  cost each open pays in the command's own context (an event made and queued). An
-  upper bound, not the floor: a queue left to grow makes each new event cost more (it
-  is checked against those queued, to merge) than one the reader keeps short;
+  cost each open pays in the command's own context (an event made and queued). Not
+  quite the floor: a queue left to grow cost the command more here than one the
+  reader keeps short;
 - the same with FID mode's event format (FAN_REPORT_DFID_NAME: the directory's handle
   and the name, made in the command's context, instead of a reference to its path);
 - reader: the daemon's own FileWatch, reading as the command runs, as calls use it
@@ -82,7 +82,11 @@ def kernel_only(argv: list[str], mount: Path, fid: bool) -> float:
 def with_reader(argv: list[str], mount: Path) -> tuple[float, float, int]:
     watch = FileWatch(os.getpid(), (str(mount),))
     watch.start()
-    ms = timed(argv, mount)
+    try:
+        ms = timed(argv, mount)
+    except BaseException:
+        watch.stop()
+        raise
     t = time.perf_counter()
     paths = watch.stop()
     return ms, (time.perf_counter() - t) * 1000, len(paths)

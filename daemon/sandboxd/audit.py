@@ -27,6 +27,7 @@ from typing import Any
 from sandboxd_client.canonical import file_accesses
 
 from . import events as ev
+from .store import Database
 
 log = logging.getLogger("sandboxd.audit")
 
@@ -169,8 +170,18 @@ def index_events(conn: sqlite3.Connection, events: Iterable[ev.Event]) -> None:
 
 # A call's 3,000 reads dirty as many pages of the by-path table: with SQLite's default
 # (a checkpoint, and its fsync, once the WAL holds 1,000 pages) each such call paid one;
-# at 16,384 pages (64 MiB of WAL) indexing it takes a third less (bench in RESULTS.md).
+# at 16,384 pages (64 MiB of WAL) indexing such calls takes a fifth less on average, in
+# fewer, longer checkpoints on the index's thread (bench/audit_query.py --heavy). Once a
+# checkpoint has emptied it, the WAL file is cut back to 16 MiB.
 INDEX_CHECKPOINT_PAGES = 16384
+INDEX_WAL_KEEP_BYTES = 16 * 2**20
+
+
+def open_index_db(path) -> Database:
+    """The forensic index's own database: never fsynced on its own (it is rebuilt from
+    the log), checkpointed in large steps."""
+    return Database(path, schema="", durable=False, checkpoint_pages=INDEX_CHECKPOINT_PAGES,
+                    wal_keep_bytes=INDEX_WAL_KEEP_BYTES)
 
 # Bumped when the index's tables change: the old ones are dropped and rebuilt from the log.
 SCHEMA_VERSION = 6  # 5: reads recorded as [path, opens] pairs (an older daemon's rebuild skips them);

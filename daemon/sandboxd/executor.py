@@ -791,6 +791,10 @@ class CallExecutor:
         a fsync of 1-4 ms that fell to whichever call ended then)."""
         self._after_calls.put((spool, tool_call_id))
 
+    def checkpoint_soon(self) -> None:
+        """The log's head checkpointed off the caller's path (a refusal, a lease's events)."""
+        self._after_calls.put((None, ""))
+
     def _tidy_after_calls(self) -> None:
         behind = False
         while True:
@@ -806,7 +810,7 @@ class CallExecutor:
             if spool is not None:
                 try:
                     spool.discard()
-                except OSError:
+                except Exception:  # never lose the janitor: the next start removes it
                     log.exception("removing the spool of %s failed", tool_call_id)
             try:
                 self.checkpoint()
@@ -989,8 +993,7 @@ class CallExecutor:
                 else:
                     prepared = self._prepare(call, tool_call_id, principal)
                 if not caller.admin and prepared.plan.uid != caller.uid:
-                    if prepared.lease is not None:
-                        self.pools.command_done(prepared.lease, True)
+                    # (A leased sandbox is handed back below, with every other refusal.)
                     raise PermissionDenied("the workspace belongs to another user; a principal may only use "
                                            "workspaces its own uid owns", field="workspace")
                 if prepared.lease is None:
@@ -1208,7 +1211,7 @@ class CallExecutor:
                 EventDraft(ev.REJECTED, {"stage": stage, "code": exc.kind, "field": exc.field or "",
                                          "reason": exc.reason, "requestedToolCallId": requested_id[:256]}),
             ])
-        self.checkpoint()
+        self.checkpoint_soon()
 
     def check_access(self, tool_call_id: str, caller: Principal) -> None:
         """Another tenant's call is NOT_FOUND, exactly like a call that does not exist."""

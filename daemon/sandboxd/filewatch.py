@@ -332,12 +332,14 @@ class FileWatch:
                 reader_library().fw_set_fid(self._fw, -1)  # never a stale descriptor number
                 os.close(self._mount_fd)
                 self._mount_fd = -1
-            if self._ns_fd >= 0:
-                # Here, not later: the sandbox's removal that follows must find its mounts
-                # released (the last holder's close takes 0.04 ms; the unmounting is the
-                # kernel's, deferred).
-                os.close(self._ns_fd)
-                self._ns_fd = -1
+        if self._ns_fd >= 0:
+            # Whether or not the reader stopped (it never uses this one), and here, not
+            # later: the sandbox's removal that follows must find its mounts released.
+            # The last holder's close unmounts the namespace's tree on this thread (0.06 ms
+            # for binds, ~3 ms for a tmpfs holding 20 MB), which the jail's own exit did
+            # before.
+            os.close(self._ns_fd)
+            self._ns_fd = -1
         return self._counted()
 
     def _read(self) -> None:

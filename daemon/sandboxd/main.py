@@ -234,10 +234,9 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
                                  f"{unavailable.get(settings.default_backend, 'not configured')}")
     db = Database(settings.db_path)
     audit.drop_from_log_db(db)
-    audit_index = audit.AuditIndex(db, Database(settings.audit_db_path, schema="", durable=False,
-                                                checkpoint_pages=audit.INDEX_CHECKPOINT_PAGES))
+    audit_index = audit.AuditIndex(db, audit.open_index_db(settings.audit_db_path))
     events = EventLog(db, on_append=audit_index.notify)
-    checkpoints = CheckpointFile(settings.state_dir / "checkpoints.jsonl", events)
+    checkpoints = CheckpointFile(settings.state_dir / "checkpoints.jsonl", events, settings.checkpoint_interval_s)
     caught_up = audit_index.sync()
     if caught_up:
         log.info("indexed %d events the forensic index had not seen", caught_up)

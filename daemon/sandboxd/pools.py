@@ -88,6 +88,7 @@ class WarmSandbox:
     # still be running in it) until it is gone.
     retired: bool = False
     retired_from: "Pool | None" = None
+    removing: bool = False  # its removal has begun (once)
 
     def init_pid(self) -> int:
         """The sandbox's init while it lives; 0 once it is gone (or never came up)."""
@@ -113,10 +114,16 @@ class Lease:
     expires: float  # wall clock
     key: str
     last_event_id: str = ""
+    # The pool it was taken from (a drained one's key may name a newer pool by its end).
+    pool: "Pool | None" = None
 
     def to_json(self) -> dict[str, Any]:
         return {"leaseId": self.lease_id, "sandboxId": self.sandbox.sandbox_id, "expiresAt": _rfc3339(self.expires),
                 "poolKey": self.key, "backend": self.sandbox.prepared.backend.name}
+
+
+def _drained() -> Aborted:
+    return Aborted("the pool was drained while this request waited for a sandbox; acquire again")
 
 
 @dataclass
@@ -245,6 +252,8 @@ class PoolManager:
             while True:
                 if self._closing:
                     raise FailedPrecondition("the daemon is shutting down")
+                if pool.draining:  # while this caller waited: nothing more is made in it
+                    raise _drained()
                 while pool.idle:
                     ws = pool.idle.pop()
                     if not ws.dead:
@@ -272,6 +281,9 @@ class PoolManager:
             if self._closing:
                 self._destroy_later(pool, ws)
                 raise FailedPrecondition("the daemon is shutting down")
+            if pool.draining:  # drained while this one was being made: never handed out
+                self._destroy_later(pool, ws)
+                raise _drained()
             return self._lease(pool, ws, caller, lease_s)
 
     def ensure(self, template: "Prepared", caller: "Principal") -> dict[str, Any]:
@@ -289,7 +301,7 @@ class PoolManager:
         return next(p for p in self.list() if p["poolKey"] == key)
 
     def _lease(self, pool: Pool, ws: WarmSandbox, caller: "Principal", lease_s: float) -> Lease:
-        lease = Lease("lease_" + ev.new_id("x")[2:], caller.name, ws, time.time() + lease_s, pool.key)
+        lease = Lease("lease_" + ev.new_id("x")[2:], caller.name, ws, time.time() + lease_s, pool.key, pool=pool)
         ws.lease = lease
         pool.last_used = time.monotonic()
         pool.leased[lease.lease_id] = lease
@@ -303,6 +315,7 @@ class PoolManager:
                                     "backend": ws.prepared.backend.name, "workspace": ws.prepared.plan.workspace,
                                     "image": ws.prepared.image, "imageDigest": ws.prepared.image_digest,
                                     "expiresAt": _rfc3339(lease.expires)})])[-1].event_id
+        self._ex.checkpoint_soon()
         return lease
 
     def release(self, lease_id: str, caller: "Principal") -> None:
@@ -326,7 +339,8 @@ class PoolManager:
                     ev.SANDBOX_LEASE_ENDED, {"reason": why, "sandboxId": lease.sandbox.sandbox_id})])
             except Exception:
                 log.exception("recording the end of lease %s failed", lease.lease_id)
-        pool = self._pools.get(lease.key)
+            self._ex.checkpoint_soon()
+        pool = lease.pool
         if pool is not None:
             pool.leased.pop(lease.lease_id, None)
         ws = lease.sandbox
@@ -460,8 +474,11 @@ class PoolManager:
                 pool.destroying += 1
 
     def _destroy_later(self, pool: Pool | None, ws: WarmSandbox) -> None:
-        """Under the lock: removal happens off the caller's thread."""
+        """Under the lock: removal happens off the caller's thread, once."""
         self._retire(pool, ws)
+        if ws.removing:
+            return
+        ws.removing = True
         t = threading.Thread(target=self._destroy_counted, args=(ws, ws.retired_from), daemon=True,
                              name=f"destroy-{ws.sandbox_id}")
         self._destroyers = [d for d in self._destroyers if d.is_alive()] + [t]
@@ -876,23 +893,28 @@ class LeaseBackend:
         The supervisor kills what it can see; a process it cannot see (nsjail's /proc
         hides non-dumpable ones) still counts in the sandbox's cgroup, and then the
         sandbox is retired rather than handed the next command."""
-        if self._io is not None:  # it never ended, not even after SIGKILL: retired
-            self._io.close()
-            self._io = None
-            self._healthy = False
-        if self._healthy and self._ws.baseline_pids is not None and not self._found_clean:
-            deadline = time.monotonic() + 0.5
-            while True:
-                left = (sandbox_processes(self._ws.prepared.spec) or set()) - self._ws.baseline_pids
-                if not left:
-                    break
-                if time.monotonic() > deadline:
-                    log.warning("command left %d process(es) in %s: the sandbox is retired", len(left),
-                                self._ws.sandbox_id)
-                    self._healthy = False
-                    break
-                time.sleep(0.01)
-        self._pools.command_done(self._ws, self._healthy and self._done.is_set())
+        healthy = False  # unless shown below: a failure here retires the sandbox
+        try:
+            if self._io is not None:  # it never ended, not even after SIGKILL: retired
+                self._io.close()
+                self._io = None
+                self._healthy = False
+            if self._healthy and self._ws.baseline_pids is not None and not self._found_clean:
+                deadline = time.monotonic() + 0.5
+                while True:
+                    left = (sandbox_processes(self._ws.prepared.spec) or set()) - self._ws.baseline_pids
+                    if not left:
+                        break
+                    if time.monotonic() > deadline:
+                        log.warning("command left %d process(es) in %s: the sandbox is retired", len(left),
+                                    self._ws.sandbox_id)
+                        self._healthy = False
+                        break
+                    time.sleep(0.01)
+            healthy = self._healthy and self._done.is_set()
+        finally:
+            # Always: a sandbox left busy would never be removed, nor leave its pool's count.
+            self._pools.command_done(self._ws, healthy)
 
 
 def _pidfds(pids: set[int]) -> tuple[int, ...]:

@@ -279,6 +279,9 @@ class DaemonSettings(BaseModel):
     # Principals that may read every tenant's traces and artifacts.
     admins: tuple[str, ...] = ("root",)
     max_concurrent_calls: int = 32
+    # The log's head goes into state/checkpoints.jsonl at most this often (a fsynced line;
+    # one skipped is written when the interval has passed).
+    checkpoint_interval_s: float = Field(default=1.0, gt=0)
     grace_period_s: float = 10.0
     log_level: str = "INFO"
     daemon_id: str | None = None

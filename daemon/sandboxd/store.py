@@ -68,11 +68,13 @@ CREATE INDEX IF NOT EXISTS idempotency_keys_by_call ON idempotency_keys (tool_ca
 
 
 class Database:
-    def __init__(self, path: Path, schema: str = SCHEMA, durable: bool = True, checkpoint_pages: int = 0):
+    def __init__(self, path: Path, schema: str = SCHEMA, durable: bool = True, checkpoint_pages: int = 0,
+                 wal_keep_bytes: int = -1):
         """`durable` False: no commit is fsynced (a database rebuilt from another one,
         like the forensic index); WAL still keeps it whole across a crash.
         `checkpoint_pages`: the WAL's size that starts a checkpoint (SQLite's default,
-        1,000, when 0); a checkpoint fsyncs the database file."""
+        1,000, when 0); a checkpoint fsyncs the database file. `wal_keep_bytes`: what
+        the WAL file is cut back to once a checkpoint has emptied it (-1: never cut)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.RLock()
@@ -91,6 +93,8 @@ class Database:
             self._conn.execute("PRAGMA synchronous=NORMAL")
             if checkpoint_pages:
                 self._conn.execute(f"PRAGMA wal_autocheckpoint={int(checkpoint_pages)}")
+            if wal_keep_bytes >= 0:
+                self._conn.execute(f"PRAGMA journal_size_limit={int(wal_keep_bytes)}")
             self._conn.executescript(schema)
 
     @contextmanager

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -168,21 +169,31 @@ def test_trace_verify_and_export_detect_an_edited_event(spare_daemon, tmp_path):
 def test_the_last_call_is_checkpointed_while_the_daemon_runs(spare_daemon):
     """The log's head is written down after a call (off the caller's path), not only at
     a graceful stop, and the last of calls that ended within the checkpoints' interval
-    (one a second) too, once the interval has passed: a daemon killed afterwards leaves
-    it on disk, and the log verifies against it."""
-    d = spare_daemon().start()
+    (one a second by default) too, once the interval has passed: a daemon killed
+    afterwards leaves it on disk, and the log verifies against it."""
+    d = spare_daemon(checkpoint_interval_s=3.0).start()
     ws = d.new_workspace()
     path = d.state_dir / "checkpoints.jsonl"
-    with d.client() as c:
-        for word in ("one", "two", "three"):  # jails: tens of milliseconds each
-            c.run(call(ws, ["echo", word], runtime={"adapter": "nsjail", "image": "sandboxd/default:latest"}))
-        head = c.verify_log().head_hash
 
     def last_checkpoint() -> str:
         lines = path.read_text().splitlines() if path.exists() else []
         return json.loads(lines[-1])["hash"] if lines else ""
 
-    assert wait_for(lambda: last_checkpoint() == head, 5), (last_checkpoint(), head)
+    with d.client() as c:
+        t = time.monotonic()
+        for word in ("one", "two", "three"):  # jails: tens of milliseconds each
+            out = c.run(call(ws, ["echo", word], runtime={"adapter": "nsjail", "image": "sandboxd/default:latest"}))
+            assert out.result.status == "success"
+        head = c.verify_log().head_hash
+        assert time.monotonic() - t < 3.0  # within one interval: the first was written, the last skipped
+        assert last_checkpoint() != head
+        assert wait_for(lambda: last_checkpoint() == head, 10), (last_checkpoint(), head)
+        with pytest.raises(errors.InvalidArgument):  # a refusal is on the log, and checkpointed too
+            c.run(call(ws, [], runtime={"adapter": "nsjail", "image": "sandboxd/default:latest"}))
+        refused = c.verify_log().head_hash
+    assert refused != head
+    assert wait_for(lambda: last_checkpoint() == refused, 10), (last_checkpoint(), refused)
+    head = refused
     d.stop(signal.SIGKILL)
     assert last_checkpoint() == head
     d.start()

@@ -200,6 +200,34 @@ def test_a_sandbox_busy_at_a_drain_counts_against_a_pool_made_again_until_it_is_
             c.release_sandbox(lease.lease_id)
 
 
+def test_a_caller_waiting_on_a_drained_pool_is_told_to_acquire_again(pooled, docker_engine):
+    """A caller waiting at the pool's maximum when the pool is drained gets ABORTED
+    (retryable), not a sandbox made in a pool being emptied; acquiring again takes the
+    pool made again under that key."""
+    d = pooled  # at most 2 sandboxes
+    ws = d.new_workspace()
+    with d.client() as c:
+        held = [c.acquire_sandbox(str(ws)) for _ in range(2)]
+        outcome: dict = {}
+
+        def wait_for_one():
+            try:
+                outcome["lease"] = c.acquire_sandbox(str(ws), wait_ms=20_000)
+            except errors.SandboxdClientError as exc:
+                outcome["error"] = exc
+
+        waiter = threading.Thread(target=wait_for_one)
+        waiter.start()
+        time.sleep(0.5)  # it waits at the maximum
+        assert "lease" not in outcome and "error" not in outcome
+        assert c.drain_pools(held[0].pool_key) == 2
+        waiter.join(20)
+        assert isinstance(outcome.get("error"), errors.Aborted), outcome
+        again = c.acquire_sandbox(str(ws), wait_ms=20_000)
+        assert again.sandbox_id not in {h.sandbox_id for h in held}
+        c.release_sandbox(again.lease_id)
+
+
 def test_a_released_sandbox_counts_against_the_maximum_until_it_is_gone(pooled, docker_engine):
     d = pooled  # at most 2 sandboxes
     ws = d.new_workspace()

@@ -213,17 +213,26 @@ def dump(db: Database) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ schema
-def test_the_index_database_checkpoints_its_wal_less_often(tmp_path):
-    """The index's WAL grows to INDEX_CHECKPOINT_PAGES before a checkpoint copies it into
-    the database file (with a fsync); SQLite's default copies it after 1,000 pages."""
+def test_the_index_database_checkpoints_its_wal_less_often_and_cuts_it_back(tmp_path):
+    """The index's database (as the daemon opens it) lets its WAL grow to
+    INDEX_CHECKPOINT_PAGES before a checkpoint copies it into the database file (with a
+    fsync); SQLite's default copies it after 1,000 pages. A checkpoint that emptied it
+    cuts the file back to INDEX_WAL_KEEP_BYTES."""
     sizes = {}
-    for name, pages in (("default", 0), ("index", audit.INDEX_CHECKPOINT_PAGES)):
-        d = Database(tmp_path / f"{name}.sqlite", schema="CREATE TABLE t (v TEXT)", durable=False,
-                     checkpoint_pages=pages)
-        for _ in range(4):  # 2,000 pages in all, 500 a commit
+    for name, d in (("default", Database(tmp_path / "default.sqlite", schema="", durable=False)),
+                    ("index", audit.open_index_db(tmp_path / "index.sqlite"))):
+        d.ensure_schema("CREATE TABLE t (v TEXT)")
+        for _ in range(10):  # 5,000 pages in all (20 MB), 500 a commit
             with d.transaction() as conn:
                 conn.executemany("INSERT INTO t VALUES (?)", [("x" * 3000,)] * 500)
         sizes[name] = (tmp_path / f"{name}.sqlite").stat().st_size
+        if name == "index":
+            wal = tmp_path / "index.sqlite-wal"
+            assert wal.stat().st_size > audit.INDEX_WAL_KEEP_BYTES
+            d.query("PRAGMA wal_checkpoint(TRUNCATE)")
+            with d.transaction() as conn:  # the next writer starts the WAL over
+                conn.execute("INSERT INTO t VALUES ('y')")
+            assert wal.stat().st_size <= audit.INDEX_WAL_KEEP_BYTES
         d.close()
     assert sizes["default"] > 4 * 2**20 and sizes["index"] < 2**20, sizes
 
