@@ -194,15 +194,13 @@ class CheckpointFile:
         # interval's events.
         self._min_interval_s = min_interval_s
         self._last_time = float("-inf")  # none written yet by this daemon
+        # The last checkpoint() was skipped for the interval: try again once it has passed
+        # (known without reading the log's head, which a call's commit holds the lock of).
+        self.skipped = False
 
     @property
     def min_interval_s(self) -> float:
         return self._min_interval_s
-
-    def behind(self) -> bool:
-        """Whether the log has moved past the last checkpoint written."""
-        with self._lock:
-            return self._log.head()[0] > self._last_seq
 
     def read(self) -> list[Checkpoint]:
         try:
@@ -223,7 +221,8 @@ class CheckpointFile:
         """Writes the current head if it moved (and the interval passed); returns it."""
         with self._lock:
             now = time.monotonic()
-            if not force and now - self._last_time < self._min_interval_s:
+            self.skipped = not force and now - self._last_time < self._min_interval_s
+            if self.skipped:
                 return None
             seq, h = self._log.head()
             if seq <= self._last_seq:

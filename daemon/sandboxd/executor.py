@@ -814,7 +814,7 @@ class CallExecutor:
                     log.exception("removing the spool of %s failed", tool_call_id)
             try:
                 self.checkpoint()
-                behind = self.checkpoints is not None and self.checkpoints.behind()
+                behind = self.checkpoints is not None and self.checkpoints.skipped
             except Exception:  # never lose the janitor: it tries again
                 log.exception("checkpointing after %s failed", tool_call_id or "a skipped checkpoint")
                 behind = self.checkpoints is not None

@@ -385,8 +385,9 @@ class PoolManager:
             if not healthy:
                 ws.dead = True
             if ws.dead and ws.lease is None:
-                # Its own pool (retired with it), not whatever pool holds its key now.
-                self._destroy_later(ws.retired_from if ws.retired else self._pools.get(ws.key), ws)
+                # Its lease ended while it ran (_end_lease retired it): counted in its own
+                # pool since, not in whatever pool holds its key now.
+                self._destroy_later(ws.retired_from, ws)
             self._cond.notify_all()
 
     # -- sandboxes ------------------------------------------------------------------------

@@ -179,3 +179,9 @@ def test_load_settings_missing_file(tmp_path):
 def test_caps_below_their_minimum_or_unknown_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         DaemonSettings(**{field: value})
+
+
+@pytest.mark.parametrize("interval", [0, -1])
+def test_a_checkpoint_interval_that_is_not_positive_is_refused(tmp_path, interval):
+    with pytest.raises(ValueError, match="checkpoint_interval_s"):
+        make(tmp_path, checkpoint_interval_s=interval)
