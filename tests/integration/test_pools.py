@@ -471,8 +471,13 @@ def test_a_warm_sandbox_that_cannot_start_is_refused_at_once_with_its_reason(spa
         with pytest.raises(errors.Internal) as exc:
             c.acquire_sandbox(str(ws), {"process": {"maxPids": 1}}, adapter=adapter)
         assert time.monotonic() - begun < READY_TIMEOUT_S / 2
-        # tini's fork (or, on nsjail, nsjail's own clone: it counts in the cgroup too) hit the limit.
-        assert "temporarily unavailable" in exc.value.message, exc.value.message
+        # tini's fork (or, on nsjail, nsjail's own clone: it counts in the cgroup too) hit the
+        # limit. Rarely (once in hundreds here), dockerd loses the race with a container that
+        # ends at once and answers its start with an error of its own (docker/for-linux#647):
+        # still refused at once, with the engine's reason.
+        assert "temporarily unavailable" in exc.value.message or (
+            adapter == "docker" and "cannot start an already running container" in exc.value.message), \
+            exc.value.message
         assert wait_for(lambda: not leftover_sandboxes(docker_engine, d), timeout_s=20)
         # The pool is usable with a policy that lets the sandbox start.
         lease = c.acquire_sandbox(str(ws), adapter=adapter)
