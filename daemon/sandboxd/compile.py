@@ -42,6 +42,43 @@ class MountSpec:
 
 
 @dataclass(frozen=True)
+class StagedBind:
+    """One workspace root: where preflight found it (its inode), and the staging path
+    the engine mounts it from (backends/staging.py binds it there first)."""
+
+    host_path: str
+    dev: int
+    ino: int
+    staged_path: str
+
+
+@dataclass(frozen=True)
+class Staging:
+    """What a sandbox's staging needs: the workspace as checked, and each root."""
+
+    directory: str
+    gid: int
+    workspace: str
+    workspace_dev: int
+    workspace_ino: int
+    binds: tuple[StagedBind, ...]
+
+
+def staging_for(plan: HostPlan) -> Staging | None:
+    """The roots of `plan` bound under its staging directory, in the plan's order."""
+    if not plan.staging_dir or not plan.binds:
+        return None
+    return Staging(plan.staging_dir, plan.gid, plan.workspace, plan.workspace_dev, plan.workspace_ino,
+                   tuple(StagedBind(b.host_path, b.dev, b.ino, f"{plan.staging_dir}/{i}")
+                         for i, b in enumerate(plan.binds)))
+
+
+def bind_source(plan: HostPlan, index: int) -> str:
+    """Where the engine mounts the plan's `index`th root from."""
+    return f"{plan.staging_dir}/{index}" if plan.staging_dir else plan.binds[index].host_path
+
+
+@dataclass(frozen=True)
 class SandboxIdentity:
     daemon_id: str
     sandbox_id: str
@@ -74,6 +111,9 @@ class DockerSpec:
     # The host directory of the FIFOs the command's output reaches the daemon through
     # ("" when it comes over the attach socket).
     stdio_host_dir: str = ""
+    # The workspace roots bound into a directory of the daemon's before the engine is
+    # called (None: no roots, or a pure test's plan).
+    staging: Staging | None = None
     hostname: str = "sandbox"
     read_only_rootfs: bool = True
     cap_drop: tuple[str, ...] = ("ALL",)
@@ -232,8 +272,8 @@ def _mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str,
         # root-owned directory the sandbox user cannot write into.
         mounts.append(MountSpec("tmpfs", WORKSPACE, read_only=False,
                                 tmpfs_size_bytes=WORKSPACE_BASE_TMPFS_BYTES, tmpfs_mode=0o755))
-    for b in plan.binds:
-        mounts.append(MountSpec("bind", b.sandbox_path, source=b.host_path, read_only=b.read_only))
+    for i, b in enumerate(plan.binds):
+        mounts.append(MountSpec("bind", b.sandbox_path, source=bind_source(plan, i), read_only=b.read_only))
     mounts.append(MountSpec("tmpfs", policy.temp_dir, tmpfs_size_bytes=policy.tmp_size_bytes, tmpfs_mode=0o1777))
     for m in plan.masks:
         if m.kind == "dir":
@@ -293,5 +333,6 @@ def compile_docker(
         max_stderr_bytes=policy.max_stderr_bytes,
         seccomp_profile=seccomp_profile,
         stdio_host_dir=attachments.stdio_host_dir,
+        staging=staging_for(plan),
     )
 

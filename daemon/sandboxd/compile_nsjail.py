@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .compile import (LABEL_PREFIX, MASK_DIR_TMPFS_BYTES, MAX_OPEN_FILES, SHIM_PATH, WORKSPACE_BASE_TMPFS_BYTES,
-                      Attachments, SandboxIdentity, _mounts, plain, require_egress)
+                      Attachments, SandboxIdentity, Staging, _mounts, plain, require_egress, staging_for)
 from .errors import FailedPrecondition, Unimplemented
 from .policy import WORKSPACE, EffectivePolicy
 from .preflight import HostPlan
@@ -113,6 +113,8 @@ class NsjailSpec:
     timeout_ms: int
     max_stdout_bytes: int
     max_stderr_bytes: int
+    # The workspace roots bound into a directory of the daemon's first (compile.Staging).
+    staging: Staging | None = None
     hostname: str = HOSTNAME
     no_new_privileges: bool = True
     keep_caps: bool = False
@@ -281,6 +283,7 @@ def compile_nsjail(
         timeout_ms=policy.timeout_ms,
         max_stdout_bytes=policy.max_stdout_bytes,
         max_stderr_bytes=policy.max_stderr_bytes,
+        staging=staging_for(plan),
     )
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from . import events as ev
 from . import snapshot
 from .artifacts import ArtifactRecord, FileArtifactStore
-from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle
+from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle, staging
 from .compile import Attachments, EgressAttachment, SandboxIdentity
 from .errors import (Aborted, AlreadyExists, BackendUnavailable, FailedPrecondition, InternalError, InvalidArgument, NotFound,
                      PermissionDenied, ResourceExhausted, SandboxdError)
@@ -32,8 +32,8 @@ from .filewatch import (MAX_PATHS as MAX_WATCHED_PATHS, FileWatch, FileWatchErro
 from .live_snapshot import LiveSnapshots
 from .output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
 from .redact import Redactor
-from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_admission, parse_call, request_digest,
-                     resolve_policy)
+from .policy import (EffectivePolicy, PreparedToolCall, canonical_json, check_admission, is_within, parse_call,
+                     request_digest, resolve_policy)
 from .approvals import verify_authorization
 from .credentials import CredentialBroker, ResolvedSecret
 from .pools import CommandSpec, LeaseBackend, PoolManager
@@ -54,6 +54,8 @@ MAX_EFFECT_PATHS = 1000
 # Per FileAccessObserved event: entries (writes, creations, ...), or plain reads.
 FILE_ENTRIES_PER_EVENT = 500
 FILE_READS_PER_EVENT = 2000
+# Below the runtime directory: each sandbox's staged workspace roots (backends/staging.py).
+STAGING_SUBDIR = "mounts"
 # A write root's snapshot is brought up to date this long after a change reaches it.
 REFRESH_WRITE_ROOTS_AFTER_S = 0.02
 
@@ -832,11 +834,13 @@ class CallExecutor:
             writable, snapshot.HashBudget(caps.hash_budget_mb * 2**20, caps.hash_max_file_mb * 2**20), caps.max_entries)
 
     # -- admission ------------------------------------------------------------------
-    def _prepare(self, call: PreparedToolCall, tool_call_id: str, principal: str | None = None, *,
-                 sandbox: bool = True) -> Prepared:
-        """Everything up to the compiled spec. `principal` None (ExplainPolicy) resolves
-        no credentials. `sandbox` False (a command for a leased sandbox, which exists)
-        stops after the host checks: no image lookup, no spec."""
+    def _prepare(self, call: PreparedToolCall, tool_call_id: str, caller: Principal | None, *,
+                 resolve_credentials: bool = True, sandbox: bool = True) -> Prepared:
+        """Everything up to the compiled spec. The workspace must be `caller`'s own (an
+        admin's: any), checked before anything else of the host is looked at; None only
+        for the daemon's own templates. `resolve_credentials` False (ExplainPolicy, a
+        pool's template) resolves none. `sandbox` False (a command for a leased sandbox,
+        which exists) stops after the host checks: no image lookup, no spec."""
         check_admission(call)
         policy = resolve_policy(call, self.settings.limits, self._inheritable)
         argv_bytes = sum(len(a.encode()) + 1 for a in call.argv)
@@ -852,7 +856,8 @@ class CallExecutor:
         image = call.runtime.image or self.settings.default_image
         if not any(fnmatch.fnmatchcase(image, pat) for pat in self.settings.allowed_images):
             raise PermissionDenied(f"image {image!r} is not in the daemon's allowed images", field="runtime.image")
-        plan = preflight(policy, call.workspace, self.settings)
+        plan = preflight(policy, call.workspace, self.settings,
+                         owner_uid=None if caller is None or caller.admin else caller.uid)
         if policy.record_file_access and self.settings.file_watch and plan.binds:
             try:
                 reader_library()  # refused here, before any sandbox is made
@@ -863,13 +868,14 @@ class CallExecutor:
             return Prepared(call, policy, plan, image, "", backend, None, "")
         digest = backend.image_digest(image)
         sandbox_id = "sbx-" + ev.new_id("x")[2:]
+        plan = replace(plan, staging_dir=self.staging_dir(sandbox_id))
         egress = None
         if policy.proxied:
             if self.proxy is None:
                 raise BackendUnavailable(f"egress {policy.egress!r} needs the egress proxy, which is unavailable: "
                                          f"{self._no_proxy_reason}", field="policy.network.egress")
             egress = EgressAttachment(str(self.proxy.socket_path(sandbox_id)), self.settings.egress.proxy_port)
-        secrets = self.broker.resolve(call, policy, principal) if principal is not None else ()
+        secrets = self.broker.resolve(call, policy, caller.name) if resolve_credentials and caller is not None else ()
         gate = ""
         if policy.record_file_access and self.settings.file_watch and plan.binds:
             gate = str(self.settings.runtime_dir / "gates" / sandbox_id)
@@ -886,7 +892,7 @@ class CallExecutor:
     def _prepare_leased(self, call: PreparedToolCall, tool_call_id: str, caller: Principal) -> Prepared:
         """A call in a leased sandbox: the same checks as any call, then the lease's
         sandbox (its policy class must match) and a command spec for its supervisor."""
-        prepared = self._prepare(call, tool_call_id, None, sandbox=False)
+        prepared = self._prepare(call, tool_call_id, caller, resolve_credentials=False, sandbox=False)
         secrets = self.broker.resolve(call, prepared.policy, caller.name) if call.credential_refs else ()
         if self.pools is None:
             raise FailedPrecondition("this daemon keeps no pools", field="runtime.leaseId")
@@ -914,10 +920,7 @@ class CallExecutor:
         later looks its image up and compiles then)."""
         if self.pools is None:
             raise FailedPrecondition("this daemon keeps no pools")
-        template = self._prepare(parse_call(raw), "pool", None, sandbox=sandbox)
-        if not caller.admin and template.plan.uid != caller.uid:
-            raise PermissionDenied("the workspace belongs to another user", field="workspace")
-        return template
+        return self._prepare(parse_call(raw), "pool", caller, resolve_credentials=False, sandbox=sandbox)
 
     def acquire(self, raw: Mapping[str, Any], caller: Principal, lease_ms: int, wait_ms: int):
         """A lease on a warm sandbox for this workspace, image and policy."""
@@ -991,7 +994,7 @@ class CallExecutor:
                 if call.runtime.lease_id:
                     prepared = self._prepare_leased(call, tool_call_id, caller)
                 else:
-                    prepared = self._prepare(call, tool_call_id, principal)
+                    prepared = self._prepare(call, tool_call_id, caller)
                 if not caller.admin and prepared.plan.uid != caller.uid:
                     # (A leased sandbox is handed back below, with every other refusal.)
                     raise PermissionDenied("the workspace belongs to another user; a principal may only use "
@@ -1109,7 +1112,11 @@ class CallExecutor:
 
     def recover_interrupted(self) -> int:
         """Calls a crashed daemon accepted but never finished get a recorded end, so that
-        the log answers for them and their idempotency keys never run them again."""
+        the log answers for them and their idempotency keys never run them again.
+        Their sandboxes' staged roots are unmounted first (the sandboxes are gone)."""
+        left = staging.reap(str(self.settings.runtime_dir / STAGING_SUBDIR))
+        if left:
+            log.warning("removed %d staged workspace mounts an earlier run left", left)
         rows = self.db.query(
             "SELECT DISTINCT tool_call_id FROM events e WHERE type = ? AND NOT EXISTS ("
             " SELECT 1 FROM events f WHERE f.tool_call_id = e.tool_call_id AND f.type = ?)",
@@ -1222,9 +1229,11 @@ class CallExecutor:
             raise NotFound(f"no call {tool_call_id}", field="toolCallId")
 
     # -- explain --------------------------------------------------------------------
-    def explain(self, raw_call: Mapping[str, Any]) -> tuple[Prepared, list[str]]:
+    def explain(self, raw_call: Mapping[str, Any], caller: Principal) -> tuple[Prepared, list[str]]:
+        """A dry run, with Execute's checks: another tenant's workspace is refused before
+        anything of it is looked at."""
         call = parse_call(raw_call)
-        prepared = self._prepare(call, call.tool_call_id or "explain")
+        prepared = self._prepare(call, call.tool_call_id or "explain", caller, resolve_credentials=False)
         return prepared, list(prepared.plan.notes)
 
     # -- running calls ----------------------------------------------------------------
@@ -1245,6 +1254,10 @@ class CallExecutor:
             raise NotFound(f"no call {tool_call_id}", field="toolCallId")
         return run.cancel(reason)
 
+    def staging_dir(self, sandbox_id: str) -> str:
+        """Where a new sandbox's workspace roots are bound before the engine mounts them."""
+        return str(self.settings.runtime_dir / STAGING_SUBDIR / sandbox_id)
+
     def _reserve_workspace(self, tool_call_id: str, prepared: Prepared) -> None:
         self.reserve_workspace(tool_call_id, prepared.plan)
 
@@ -1256,13 +1269,16 @@ class CallExecutor:
         """A call that can write a workspace runs alone on it. Its writes could swap a
         directory for a symlink between another call's host checks and that call's
         mounts, redirecting a bind (or a mask) to anywhere its owner can reach; so while
-        a writer runs nobody else mounts the workspace, and the other way round."""
+        a writer runs nobody else mounts the workspace, and the other way round. Nested
+        workspaces count as one: a writer of /a can swap what a call on /a/b mounts, and
+        a writer of /a/b what a call on /a finds inside it."""
         workspace = plan.workspace
         writes = any(not b.read_only for b in plan.binds)
         with self._lock:
             if self._closing:
                 raise FailedPrecondition("the daemon is shutting down")
-            others = [(tid, w) for tid, (ws, w) in self._workspace_users.items() if ws == workspace]
+            others = [(tid, w) for tid, (ws, w) in self._workspace_users.items()
+                      if is_within(ws, workspace) or is_within(workspace, ws)]
             if any(w for _, w in others) or (writes and others):
                 holder = others[0][0]
                 raise Aborted(f"call {holder} is using this workspace and one of the two can write it; "

@@ -431,7 +431,8 @@ class PoolManager:
             # The engine-side limit is the sandbox's whole life; each command has its own.
             life_ms = int((self._settings.max_lease_s + self._settings.idle_ttl_s) * 1000)
             policy = replace(t.policy, timeout_ms=life_ms)
-            spec = t.backend.compile(policy, t.plan, SandboxIdentity(ex.daemon_id, sandbox_id, f"pool:{pool.key}"),
+            plan = replace(t.plan, staging_dir=ex.staging_dir(sandbox_id))
+            spec = t.backend.compile(policy, plan, SandboxIdentity(ex.daemon_id, sandbox_id, f"pool:{pool.key}"),
                                      argv=("supervisor",), image=t.image, stdin_open=False, attachments=attachments)
             ex.reserve_workspace(f"pool:{sandbox_id}", t.plan)
             reserved = True

@@ -24,6 +24,9 @@ class Bind:
     sandbox_path: str
     host_path: str
     read_only: bool
+    # The inode preflight checked: the root is mounted only if it is still that one.
+    dev: int = 0
+    ino: int = 0
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,11 @@ class HostPlan:
     binds: tuple[Bind, ...]
     masks: tuple[Mask, ...]
     notes: tuple[str, ...] = field(default=())
+    workspace_dev: int = 0
+    workspace_ino: int = 0
+    # Set for a sandbox about to be made: its roots are bound here first, and the engine
+    # mounts them from here (backends/staging.py). "" only in pure tests.
+    staging_dir: str = ""
 
 
 def _within(path: str, root: str) -> bool:
@@ -54,14 +62,16 @@ def _resolved(paths: tuple[os.PathLike | str, ...]) -> tuple[str, ...]:
     return tuple(os.path.realpath(p) for p in paths)
 
 
-def resolve_workspace(raw: str, settings: DaemonSettings) -> str:
+def resolve_workspace(raw: str, settings: DaemonSettings, owner_uid: int | None = None) -> str:
+    """`owner_uid` set: the caller is a tenant, who learns nothing of what the path
+    resolves to, nor whether it exists, unless it is the caller's own (checked next)."""
+    hide_host = owner_uid is not None
     if not os.path.isabs(raw):
         raise InvalidArgument("must be an absolute host path", field="workspace")
     real = os.path.realpath(raw)
     if not any(_within(real, r) and real != r for r in _resolved(tuple(settings.workspace_roots))):
-        raise PermissionDenied(
-            f"{raw} (resolved {real}) is not below a configured workspace root", field="workspace"
-        )
+        shown = "" if hide_host else f" (resolved {real})"
+        raise PermissionDenied(f"{raw}{shown} is not below a configured workspace root", field="workspace")
     # The daemon's own places: its state, its socket, and what it hands sandboxes (the
     # shim, gates and output FIFOs, secrets, egress sockets), which another sandbox
     # must never see.
@@ -72,6 +82,8 @@ def resolve_workspace(raw: str, settings: DaemonSettings) -> str:
         if _within(f, real) or _within(real, f):
             raise PermissionDenied(f"{raw} contains or lies in {f}, which is never mounted", field="workspace")
     if not os.path.isdir(real):
+        if hide_host:  # the same answer as a directory of another user's
+            raise _not_callers(raw, owner_uid)
         raise FailedPrecondition(f"{raw} is not an existing directory", field="workspace")
     return real
 
@@ -99,16 +111,20 @@ def _host_path(workspace: str, sandbox_path: str) -> str:
     return workspace if rel == "." else os.path.join(workspace, rel)
 
 
-def _check_root(workspace: str, sandbox_path: str, where: str) -> str:
+def _check_root(workspace: str, sandbox_path: str, where: str, read_only: bool) -> Bind:
     host = _host_path(workspace, sandbox_path)
     real = os.path.realpath(host)
     if not _within(real, workspace):
         raise PermissionDenied(f"{sandbox_path} resolves outside the workspace", field=where)
     if real != host:
         raise PermissionDenied(f"{sandbox_path} goes through a symlink; name its target instead", field=where)
-    if not os.path.exists(host):
-        raise FailedPrecondition(f"{sandbox_path} does not exist in the workspace", field=where)
-    return host
+    try:
+        st = os.lstat(host)
+    except FileNotFoundError:
+        raise FailedPrecondition(f"{sandbox_path} does not exist in the workspace", field=where) from None
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise FailedPrecondition(f"{sandbox_path} is neither a directory nor a regular file", field=where)
+    return Bind(sandbox_path, host, read_only, st.st_dev, st.st_ino)
 
 
 def _hard_linked(path: str, where: str) -> str | None:
@@ -178,17 +194,36 @@ def _blocked_targets(workspace: str, sandbox_path: str) -> list[str]:
     return targets
 
 
-def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSettings) -> HostPlan:
-    workspace = resolve_workspace(workspace_raw, settings)
+def check_owner(workspace_raw: str, workspace: str, uid: int, owner_uid: int) -> None:
+    """A caller may use only a workspace its own uid owns; checked before anything else
+    of the host is looked at, so that a refusal tells another tenant nothing about it."""
+    if uid != owner_uid:
+        raise _not_callers(workspace_raw, owner_uid)
+
+
+def _not_callers(workspace_raw: str, owner_uid: int | None) -> PermissionDenied:
+    """One answer for a missing directory and another user's: no oracle of existence."""
+    return PermissionDenied(f"{workspace_raw} is not an existing workspace of uid {owner_uid}: a principal may only "
+                            "use workspaces its own uid owns", field="workspace")
+
+
+def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSettings,
+              owner_uid: int | None = None) -> HostPlan:
+    """`owner_uid`: the caller's uid, unless the caller is an admin (who may use any
+    workspace); the workspace must be that uid's before any root is looked at."""
+    workspace = resolve_workspace(workspace_raw, settings, owner_uid)
+    ws_stat = os.stat(workspace)
     uid, gid = sandbox_owner(workspace, settings)
+    if owner_uid is not None:
+        check_owner(workspace_raw, workspace, uid, owner_uid)
     fs = "policy.filesystem"
     binds: list[Bind] = []
     for i, p in enumerate(policy.read_roots):
-        binds.append(Bind(p, _check_root(workspace, p, f"{fs}.readRoots[{i}]"), read_only=True))
+        binds.append(_check_root(workspace, p, f"{fs}.readRoots[{i}]", read_only=True))
     for i, p in enumerate(policy.write_roots):
         if is_within(p, policy.temp_dir):
             continue  # already writable: it is the tmpfs
-        binds.append(Bind(p, _check_root(workspace, p, f"{fs}.writeRoots[{i}]"), read_only=False))
+        binds.append(_check_root(workspace, p, f"{fs}.writeRoots[{i}]", read_only=False))
 
     masks: list[Mask] = []
     notes: list[str] = []
@@ -220,4 +255,5 @@ def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSetti
                     "its content would stay visible under the other name", field=where)
             if all(m.sandbox_path != target for m in masks):
                 masks.append(Mask(target, "dir" if os.path.isdir(host) else "file"))
-    return HostPlan(workspace=workspace, uid=uid, gid=gid, binds=tuple(binds), masks=tuple(masks), notes=tuple(notes))
+    return HostPlan(workspace=workspace, uid=uid, gid=gid, binds=tuple(binds), masks=tuple(masks), notes=tuple(notes),
+                    workspace_dev=ws_stat.st_dev, workspace_ino=ws_stat.st_ino)

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -569,6 +570,41 @@ def test_a_call_that_writes_a_workspace_runs_alone_on_it(client, daemon):
     assert client.run(call(ws, ["cat", "/workspace/a.txt"])).stdout == b"a\n"
     client.cancel(reader_id, "done")
     list(reader)
+
+
+def _running(client, ws, policy) -> tuple[str, object]:
+    stream = iter(client.execute(call(ws, sh("echo up; sleep 30"), policy)))
+    for event in stream:
+        if event.WhichOneof("kind") == "output":
+            return event.tool_call_id, stream
+    raise AssertionError("the call never printed")
+
+
+def test_nested_workspaces_count_as_one_for_the_writer_rule(client, daemon):
+    """A writer of /a can swap what a call on /a/inner mounts, and a writer of /a/inner
+    what a call on /a finds: both directions are one workspace. A sibling whose name
+    merely starts the same is another."""
+    outer = daemon.new_workspace({"inner/x.txt": "x\n", "out/.keep": ""})
+    inner = outer / "inner"
+    sibling = Path(f"{outer}-sibling")
+    sibling.mkdir()
+    (sibling / "s.txt").write_text("s\n")
+    os.chown(sibling, WORKSPACE_UID, WORKSPACE_UID)
+    os.chown(sibling / "s.txt", WORKSPACE_UID, WORKSPACE_UID)
+    write_outer = {"filesystem": {"readRoots": ["/workspace"], "writeRoots": ["/workspace/inner"]}}
+    writer_id, writer = _running(client, outer, write_outer)
+    with pytest.raises(errors.Aborted) as exc:
+        client.run(call(inner, ["cat", "/workspace/x.txt"]))
+    assert writer_id in exc.value.message
+    assert client.run(call(sibling, ["cat", "/workspace/s.txt"])).stdout == b"s\n"
+    client.cancel(writer_id, "done")
+    list(writer)
+    writer_id, writer = _running(client, inner, {"filesystem": {"writeRoots": ["/workspace"]}})
+    with pytest.raises(errors.Aborted) as exc:
+        client.run(call(outer, ["cat", "/workspace/inner/x.txt"]))
+    assert writer_id in exc.value.message
+    client.cancel(writer_id, "done")
+    list(writer)
 
 
 def test_a_workspace_whose_group_is_root_is_refused(client, daemon):

@@ -91,9 +91,11 @@ def test_a_lease_is_its_principals_alone(pooled):
     ws = d.new_workspace(uid=ALICE)
     with client_as(d, ALICE) as alice, client_as(d, BOB) as bob:
         lease = alice.acquire_sandbox(str(ws))
-        for attempt in (lambda: bob.run(leased(ws, lease, ["true"])), lambda: bob.release_sandbox(lease.lease_id)):
-            with pytest.raises(errors.NotFound):
-                attempt()
+        with pytest.raises(errors.PermissionDenied) as refused:  # her workspace, checked before any lease
+            bob.run(leased(ws, lease, ["true"]))
+        assert "workspace" in refused.value.message and lease.lease_id not in refused.value.message
+        with pytest.raises(errors.NotFound):
+            bob.release_sandbox(lease.lease_id)
         assert alice.run(leased(ws, lease, ["true"])).result.status == "success"
         alice.release_sandbox(lease.lease_id)
         # The lease is on the log under its id: who held which sandbox, and how it ended.

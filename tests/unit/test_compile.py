@@ -35,6 +35,7 @@ from .conftest import resolve
 GOLDEN = Path(__file__).parent / "golden"
 MASK_FILE = "/var/lib/sandboxd/mask/empty"
 WS = "/srv/sandboxd/workspaces/alice/project"
+STAGED = "/var/lib/sandboxd-runtime/mounts/sbx-0001"
 MB = 2**20
 
 
@@ -73,10 +74,28 @@ def case_partial_workspace():
     plan = HostPlan(
         workspace=WS, uid=1000, gid=1001,
         binds=(Bind("/workspace/src", f"{WS}/src", True), Bind("/workspace/docs", f"{WS}/docs", True),
-               Bind("/workspace/out", f"{WS}/out", False)),
+               Bind("/workspace/out", f"{WS}/out", False, dev=64769, ino=4242)),
         masks=(Mask("/workspace/src/.env", "file"), Mask("/workspace/src/secrets", "dir")),
+        workspace_dev=64769, workspace_ino=77, staging_dir=STAGED,
     )
     return policy, plan, {"stdin_open": True, "argv": ("make", "-C", "/workspace/src", "test")}
+
+
+def test_staged_roots_are_mounted_from_the_staging_directory_only():
+    """The engine is handed the staging paths, never a path of the workspace, which its
+    owner could swap for a symlink between the host checks and the mount."""
+    policy, plan, kwargs = case_partial_workspace()
+    spec = _compile(policy, plan, **kwargs)
+    binds = {m.target: m.source for m in spec.mounts if m.source.startswith((WS, STAGED))}
+    assert binds == {"/workspace/src": "/var/lib/sandboxd-runtime/mounts/sbx-0001/0",
+                     "/workspace/docs": "/var/lib/sandboxd-runtime/mounts/sbx-0001/1",
+                     "/workspace/out": "/var/lib/sandboxd-runtime/mounts/sbx-0001/2"}
+    assert spec.staging is not None and spec.staging.gid == 1001
+    assert [(b.host_path, b.staged_path) for b in spec.staging.binds] == [
+        (f"{WS}/src", "/var/lib/sandboxd-runtime/mounts/sbx-0001/0"),
+        (f"{WS}/docs", "/var/lib/sandboxd-runtime/mounts/sbx-0001/1"),
+        (f"{WS}/out", "/var/lib/sandboxd-runtime/mounts/sbx-0001/2")]
+    assert (spec.staging.binds[2].dev, spec.staging.binds[2].ino) == (64769, 4242)
 
 
 def case_writable_workspace_custom_temp():
@@ -266,9 +285,9 @@ def test_binds_keep_read_only_flags():
     spec = _compile(policy, plan, **kwargs)
     binds = {m.target: m for m in spec.mounts if m.type == "bind" and m.source != MASK_FILE}
     assert binds == {
-        "/workspace/src": MountSpec("bind", "/workspace/src", f"{WS}/src", True),
-        "/workspace/docs": MountSpec("bind", "/workspace/docs", f"{WS}/docs", True),
-        "/workspace/out": MountSpec("bind", "/workspace/out", f"{WS}/out", False),
+        "/workspace/src": MountSpec("bind", "/workspace/src", f"{STAGED}/0", True),
+        "/workspace/docs": MountSpec("bind", "/workspace/docs", f"{STAGED}/1", True),
+        "/workspace/out": MountSpec("bind", "/workspace/out", f"{STAGED}/2", False),
     }
 
 

@@ -15,6 +15,12 @@ from sandboxd.settings import DaemonSettings
 from .conftest import WORKSPACE_GID, WORKSPACE_UID, resolve
 
 
+def _bind(sandbox_path: str, host, read_only: bool) -> Bind:
+    """A bind as preflight makes it: with the inode it checked, which staging compares."""
+    st = os.lstat(host)
+    return Bind(sandbox_path, str(host), read_only, st.st_dev, st.st_ino)
+
+
 def refused(cls, fn, *args, **kwargs) -> SandboxdError:
     with pytest.raises(SandboxdError) as info:
         fn(*args, **kwargs)
@@ -40,7 +46,7 @@ def test_plain_workspace(host):
     plan = plan_for(host)
     assert plan.workspace == str(host.ws)
     assert (plan.uid, plan.gid) == (WORKSPACE_UID, WORKSPACE_GID)
-    assert plan.binds == (Bind("/workspace", str(host.ws), read_only=True),)
+    assert plan.binds == (_bind("/workspace", host.ws, read_only=True),)
     assert plan.masks == () and plan.notes == ()
 
 
@@ -124,8 +130,8 @@ def test_read_and_write_roots_become_binds(host):
     (host.ws / "src").mkdir()
     (host.ws / "out").mkdir()
     plan = plan_for(host, {"readRoots": ["src"], "writeRoots": ["/workspace/out"]})
-    assert plan.binds == (Bind("/workspace/src", str(host.ws / "src"), True),
-                          Bind("/workspace/out", str(host.ws / "out"), False))
+    assert plan.binds == (_bind("/workspace/src", host.ws / "src", True),
+                          _bind("/workspace/out", host.ws / "out", False))
 
 
 def test_write_roots_in_temp_dir_produce_no_bind(host):
@@ -202,7 +208,7 @@ def test_dangling_symlink_root_is_refused(host):
 def test_file_root_is_a_bind_of_the_file(host):
     f = mkfile(host.ws / "config.yml")
     plan = plan_for(host, {"readRoots": ["config.yml"]})
-    assert plan.binds == (Bind("/workspace/config.yml", str(f), True),)
+    assert plan.binds == (_bind("/workspace/config.yml", f, True),)
 
 
 # ------------------------------------------------------------------ blocked paths

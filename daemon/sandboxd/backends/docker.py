@@ -29,6 +29,7 @@ from ..compile import LABEL_PREFIX, Attachments, DockerSpec, SandboxIdentity, cg
 from ..errors import BackendUnavailable, FailedPrecondition, InternalError
 from ..output import STDERR, STDOUT, OutputSpool
 from . import CGROUP_ROOT, ExitStatus, ResourceUsage, SandboxHandle
+from . import staging
 from .cgroups import cgroup_usage
 
 log = logging.getLogger("sandboxd.docker")
@@ -205,6 +206,8 @@ class DockerBackend:
     def create(self, spec: DockerSpec) -> SandboxHandle:
         sandbox_id = spec.labels[f"{LABEL_PREFIX}sandbox_id"]
         try:
+            if spec.staging is not None:
+                staging.stage(spec.staging)  # dockerd is told only these paths, never the workspace's
             if spec.stdio_host_dir:
                 uid, gid = (int(x) for x in spec.user.split(":"))
                 make_stdio_fifos(spec.stdio_host_dir, uid, gid)
@@ -213,10 +216,10 @@ class DockerBackend:
         except self._errors.APIError as exc:
             self._force_remove(spec.name)
             remove_cgroup(spec.cgroup_parent)
-            remove_stdio_fifos(spec.stdio_host_dir)
+            self._release_host_parts(spec)
             raise InternalError(f"dockerd refused the sandbox: {exc.explanation}") from None
         except BaseException:
-            remove_stdio_fifos(spec.stdio_host_dir)
+            self._release_host_parts(spec)
             raise
         return SandboxHandle(sandbox_id=sandbox_id, engine_id=container["Id"], spec=spec)
 
@@ -340,7 +343,13 @@ class DockerBackend:
     def destroy(self, handle: SandboxHandle) -> None:
         self._force_remove(handle.engine_id)
         remove_cgroup(handle.spec.cgroup_parent)
-        remove_stdio_fifos(handle.spec.stdio_host_dir)
+        self._release_host_parts(handle.spec)
+
+    @staticmethod
+    def _release_host_parts(spec: DockerSpec) -> None:
+        remove_stdio_fifos(spec.stdio_host_dir)
+        if spec.staging is not None:
+            staging.release(spec.staging.directory)
 
     def _force_remove(self, ref: str) -> None:
         try:

@@ -72,7 +72,7 @@ from ..errors import BackendUnavailable, FailedPrecondition, InternalError
 from ..output import STDERR, STDOUT, OutputSpool
 from ..policy import WORKSPACE, is_within
 from ..settings import REPO_ROOT
-from . import ExitStatus, ResourceUsage, SandboxHandle, cgroups
+from . import ExitStatus, ResourceUsage, SandboxHandle, cgroups, staging
 from .docker import _signal_name
 
 log = logging.getLogger("sandboxd.nsjail")
@@ -482,6 +482,8 @@ class NsjailBackend:
         slot = None
         early = slot_early = None
         try:
+            if spec.staging is not None:
+                staging.stage(spec.staging)  # nsjail is told only these paths, never the workspace's
             _check_reachable(spec)
             _ensure_mount_points(spec)
             limits = cgroup_limits(spec)
@@ -523,6 +525,8 @@ class NsjailBackend:
                 slot.release()
             remove_cgroups(spec.cgroup)
             self._slots.done(spec.cgroup)
+            if spec.staging is not None:
+                staging.release(spec.staging.directory)
             if isinstance(exc, OSError):
                 raise InternalError(f"cannot prepare the jail: {exc}") from None
             raise
@@ -690,6 +694,8 @@ class NsjailBackend:
                     jail.closed = True
         remove_cgroups(spec.cgroup)
         self._slots.done(spec.cgroup)
+        if spec.staging is not None:
+            staging.release(spec.staging.directory)
 
     def reap_orphans(self, daemon_id: str) -> int:
         self._slots.forget(daemon_id)  # this backend's own warm slots for that id, if any

@@ -1,0 +1,169 @@
+"""Binds a call's workspace roots into a directory only the daemon can change, so that
+the engine is never handed a path its owner could swap between the host checks and the
+mount. preflight checked each root by its path; here each is opened again with
+openat2 (beneath the workspace, no symlink anywhere, the workspace itself reached with no
+symlink either), must still be the inode that was checked, and is bound from its
+descriptor (`/proc/self/fd/N`) onto `<staging dir>/<n>`. Docker and nsjail mount those
+staging paths: a rename or a symlink in the workspace no longer moves them.
+
+The staging directory is root's, group the sandbox's gid, mode 0710: nsjail, which
+mounts as the sandbox user, can traverse it; no other local user can (a read root of a
+0700 workspace stays out of their reach)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import stat
+
+from ..compile import StagedBind, Staging
+from ..errors import FailedPrecondition
+
+log = logging.getLogger("sandboxd.staging")
+
+_SYS_OPENAT2 = 437  # the same number on every architecture (the unified syscall table)
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+_MS_BIND = 0x1000
+_MNT_DETACH = 0x2
+_O_PATH = os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def openat2(dir_fd: int, path: str, resolve: int) -> int:
+    how = _OpenHow(_O_PATH, 0, resolve)
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    fd = libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
+                      ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return int(fd)
+
+
+def _same(fd: int, dev: int, ino: int) -> bool:
+    st = os.fstat(fd)
+    return st.st_dev == dev and st.st_ino == ino
+
+
+def _changed(path: str) -> FailedPrecondition:
+    return FailedPrecondition(f"{path} changed after it was checked (renamed, replaced or made a symlink); "
+                              "nothing was mounted", field="workspace")
+
+
+def _open_workspace(staging: Staging) -> int:
+    try:
+        fd = openat2(-100, staging.workspace, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)  # AT_FDCWD
+    except OSError:
+        raise _changed(staging.workspace) from None
+    if not _same(fd, staging.workspace_dev, staging.workspace_ino):
+        os.close(fd)
+        raise _changed(staging.workspace)
+    return fd
+
+
+def _open_root(ws_fd: int, staging: Staging, bind: StagedBind) -> int:
+    rel = os.path.relpath(bind.host_path, staging.workspace)
+    try:
+        fd = openat2(ws_fd, rel, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+    except OSError:
+        raise _changed(bind.host_path) from None
+    if not _same(fd, bind.dev, bind.ino):
+        os.close(fd)
+        raise _changed(bind.host_path)
+    return fd
+
+
+def _bind_mount(source_fd: int, target: str) -> None:
+    libc = _libc()
+    if libc.mount(os.fsencode(f"/proc/self/fd/{source_fd}"), os.fsencode(target), None,
+                  ctypes.c_ulong(_MS_BIND), None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"binding into {target}: {os.strerror(err)}")
+
+
+def _unmount(target: str) -> None:
+    if _libc().umount2(os.fsencode(target), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOENT):  # not a mount point (never bound), or gone
+            raise OSError(err, f"unmounting {target}: {os.strerror(err)}")
+
+
+def _make_directory(directory: str, gid: int) -> None:
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, mode=0o711, exist_ok=True)
+    st = os.lstat(parent)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise FailedPrecondition(f"the staging directory {parent} is not the daemon's own")
+    os.mkdir(directory, 0o700)  # a leftover of the same name is never reused
+    os.chown(directory, os.geteuid(), gid)
+    os.chmod(directory, 0o710)
+
+
+def stage(staging: Staging) -> None:
+    """Opens, checks and binds every root; on any failure nothing stays mounted."""
+    _make_directory(staging.directory, staging.gid)
+    try:
+        ws_fd = _open_workspace(staging)
+        try:
+            for bind in staging.binds:
+                fd = _open_root(ws_fd, staging, bind)
+                try:
+                    is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+                    if is_dir:
+                        os.mkdir(bind.staged_path, 0o700)
+                    else:
+                        os.close(os.open(bind.staged_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC,
+                                         0o600))
+                    _bind_mount(fd, bind.staged_path)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(ws_fd)
+    except BaseException:
+        release(staging.directory)
+        raise
+
+
+def release(directory: str) -> None:
+    """Unmounts and removes a staging directory (which may be half made, or gone)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        target = os.path.join(directory, name)
+        try:
+            _unmount(target)
+            if os.path.isdir(target) and not os.path.islink(target):
+                os.rmdir(target)
+            else:
+                os.unlink(target)
+        except OSError as exc:
+            log.error("could not remove the staged mount %s: %s", target, exc)
+    try:
+        os.rmdir(directory)
+    except OSError as exc:
+        log.error("could not remove the staging directory %s: %s", directory, exc)
+
+
+def reap(root: str) -> int:
+    """At start-up: every staging directory an earlier run of this daemon left."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        release(os.path.join(root, name))
+    return len(names)
