@@ -6,7 +6,6 @@ an event is durable before the caller hears of it."""
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import logging
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import events as ev
-from . import snapshot
+from . import images, snapshot
 from .artifacts import ArtifactRecord, FileArtifactStore
 from .backends import Backend, ExitStatus, ResourceUsage, SandboxHandle, staging
 from .compile import Attachments, EgressAttachment, SandboxIdentity
@@ -854,7 +853,7 @@ class CallExecutor:
             reason = self._unavailable.get(backend_name, "not enabled in this daemon")
             raise BackendUnavailable(f"backend {backend_name!r} is unavailable: {reason}", field="runtime.adapter")
         image = call.runtime.image or self.settings.default_image
-        if not any(fnmatch.fnmatchcase(image, pat) for pat in self.settings.allowed_images):
+        if not images.allowed(images.parse_reference(image).name, self.settings.allowed_images):
             raise PermissionDenied(f"image {image!r} is not in the daemon's allowed images", field="runtime.image")
         plan = preflight(policy, call.workspace, self.settings,
                          owner_uid=None if caller is None or caller.admin else caller.uid)
@@ -866,7 +865,7 @@ class CallExecutor:
                                          field="policy.audit.recordFileAccess") from None
         if not sandbox:
             return Prepared(call, policy, plan, image, "", backend, None, "")
-        digest = backend.image_digest(image)
+        digest = self.resolve_allowed_image(backend, image)
         sandbox_id = "sbx-" + ev.new_id("x")[2:]
         plan = replace(plan, staging_dir=self.staging_dir(sandbox_id))
         egress = None
@@ -1253,6 +1252,17 @@ class CallExecutor:
                 return False
             raise NotFound(f"no call {tool_call_id}", field="toolCallId")
         return run.cancel(reason)
+
+    def resolve_allowed_image(self, backend: Backend, image: str) -> str:
+        """The digest of the local image `image` names, which must itself carry an
+        allowed name: an allowed name that the engine resolves to another image (a short
+        id, a name it cleans up) is refused, on every backend."""
+        digest, names = backend.resolve_image(image)
+        if not images.allowed_resolution(names, self.settings.allowed_images):
+            shown = ", ".join(names[:5]) or "no name"
+            raise PermissionDenied(f"image {image!r} resolves to {digest[:19]} ({shown}), which is not in the "
+                                   "daemon's allowed images", field="runtime.image")
+        return digest
 
     def staging_dir(self, sandbox_id: str) -> str:
         """Where a new sandbox's workspace roots are bound before the engine mounts them."""

@@ -395,7 +395,7 @@ class PoolManager:
         ex, t = self._ex, pool.template
         # Looked up for each sandbox: the image a tag names may have changed since the
         # pool was made, and a lease's record names what its sandbox runs.
-        image_digest = t.backend.image_digest(t.image)
+        image_digest = ex.resolve_allowed_image(t.backend, t.image)
         sandbox_id = "sbx-" + ev.new_id("x")[2:]
         # The supervisor calls in: a socket only the sandbox's user may reach, accepted
         # once (before any command exists) and then removed, so no command can ever

@@ -59,6 +59,10 @@ class Backend(Protocol):
     def image_digest(self, image: str) -> str:
         """The local image's content digest; FailedPrecondition when it is absent."""
 
+    def resolve_image(self, image: str) -> tuple[str, tuple[str, ...]]:
+        """The local image a reference resolves to: its digest and every name the engine
+        gives it (repository:tag), which the image allowlist is checked against."""
+
     def create(self, spec: Any) -> SandboxHandle:
         """Creates the sandbox; nothing runs yet. Cleans up after itself on failure."""
 

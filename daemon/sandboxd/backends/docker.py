@@ -194,8 +194,12 @@ class DockerBackend:
 
     @_engine_errors_are_unavailable
     def image_digest(self, image: str) -> str:
+        return self.resolve_image(image)[0]
+
+    def resolve_image(self, image: str) -> tuple[str, tuple[str, ...]]:
         try:
-            return self._api.inspect_image(image)["Id"]
+            info = self._api.inspect_image(image)
+            return info["Id"], tuple(info.get("RepoTags") or ())
         except self._errors.ImageNotFound:
             raise FailedPrecondition(f"image {image!r} is not present in the local engine "
                                      "(nothing is pulled; build it with images/build.sh)", field="runtime.image") from None

@@ -241,7 +241,8 @@ class NsjailBackend:
         self._api: Any = None
         self._lock = threading.Lock()
         self._export_lock = threading.Lock()
-        self._images: dict[str, tuple[str, str, float]] = {}  # image -> (id, rootfs, resolved at)
+        # image -> (id, rootfs, resolved at, the names dockerd gives it)
+        self._images: dict[str, tuple[str, str, float, tuple[str, ...]]] = {}
         self._jails: dict[str, _Jail] = {}
         self._slots = _SlotPool(warm_slots, self._binary)
 
@@ -357,19 +358,23 @@ class NsjailBackend:
 
         image_id = None
         try:
-            image_id = self._docker().inspect_image(image)["Id"]
+            info = self._docker().inspect_image(image)
+            image_id, names = info["Id"], tuple(info.get("RepoTags") or ())
         except docker.errors.ImageNotFound:
             raise FailedPrecondition(f"image {image!r} is not present in the local engine "
                                      "(nothing is pulled; build it with images/build.sh)", field="runtime.image") from None
         except Exception as exc:  # no engine: an earlier export may still serve
-            image_id = self._read_index().get(image)
+            index = self._read_index()
+            image_id = index.get(image)
             if image_id is None:
                 raise FailedPrecondition(f"image {image!r} has no exported root filesystem and dockerd cannot "
                                          f"export one: {exc}", field="runtime.image") from None
+            # The names dockerd resolved to this image before (each was exported by name).
+            names = tuple(sorted(name for name, iid in index.items() if iid == image_id))
         path = self._rootfs_path(image_id)
         if not path.is_dir():
             self._export(image, image_id)
-        self._images[image] = (image_id, str(path), now)
+        self._images[image] = (image_id, str(path), now, names)
         return image_id, str(path)
 
     def _export(self, image: str, image_id: str) -> None:
@@ -464,6 +469,10 @@ class NsjailBackend:
     # -- the protocol -----------------------------------------------------------------
     def image_digest(self, image: str) -> str:
         return self._resolve(image)[0]
+
+    def resolve_image(self, image: str) -> tuple[str, tuple[str, ...]]:
+        image_id, _ = self._resolve(image)
+        return image_id, self._images[image][3]
 
     def compile(self, policy, plan, identity: SandboxIdentity, *, argv: tuple[str, ...], image: str,
                 stdin_open: bool, attachments=None) -> NsjailSpec:
