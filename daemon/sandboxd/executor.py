@@ -554,6 +554,11 @@ class CallRun:
             # The whole result is recorded, so the log alone can answer for the call.
             EventDraft(ev.RESULT_VALIDATED, {"result": result}, validated_id),
         ] + [_persisted(r) for r in records]
+        if self.prepared.secrets:
+            # Before anything is hashed into the log: a sandbox can name a file, a host
+            # or a method after its secret as easily as it prints it.
+            drafts, result = redact_sandbox_strings(
+                drafts, result, Redactor({s.binding_id: s.value for s in self.prepared.secrets}))
         with ex.db.transaction() as conn:
             for r in records:
                 ex.artifacts.insert(conn, r)
@@ -566,6 +571,43 @@ class CallRun:
             self._result = result
             self._result_event_id = finished_id
             self._cond.notify_all()
+
+
+# Events whose every string may have come from the sandbox (names, hosts, methods, reasons).
+SANDBOX_WORDED_EVENTS = (ev.FILE_ACCESS, ev.NETWORK_ACCESS)
+
+
+def _redact_tree(value: Any, redact: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, list):
+        return [_redact_tree(v, redact) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_redact_tree(v, redact) for v in value)
+    if isinstance(value, dict):
+        return {k: _redact_tree(v, redact) for k, v in value.items()}
+    return value
+
+
+def redact_sandbox_strings(drafts: list[EventDraft], result: dict[str, Any],
+                           redactor: Redactor) -> tuple[list[EventDraft], dict[str, Any]]:
+    """The call's drafts and result with the secrets struck from every string a sandbox
+    could have chosen: file and network records, the effects, failure and error texts.
+    (Digests, ids and the daemon's own fields are left as they are.)"""
+    text = redactor.redact_text
+    result = {**result, "effectsObserved": _redact_tree(result["effectsObserved"], text)}
+    if "error" in result:
+        result["error"] = {**result["error"], "message": text(result["error"]["message"])}
+    out: list[EventDraft] = []
+    for d in drafts:
+        if d.type in SANDBOX_WORDED_EVENTS:
+            d = replace(d, payload=_redact_tree(d.payload, text))
+        elif d.type == ev.FINISHED:
+            d = replace(d, payload={**d.payload, "failure": text(d.payload["failure"])})
+        elif d.type == ev.RESULT_VALIDATED:
+            d = replace(d, payload={**d.payload, "result": result})
+        out.append(d)
+    return out, result
 
 
 def _spool_name(sandbox_id: str, tool_call_id: str, leased: bool) -> str:
