@@ -1017,8 +1017,8 @@ class CallExecutor:
             elif len(self._runs) >= self.settings.max_concurrent_calls:
                 exc = ResourceExhausted(f"{len(self._runs)} calls are running, the daemon's maximum")
             if exc is not None:
-                exc.tool_call_id = tool_call_id
-                self._reject(tool_call_id, raw, principal, "admission", exc)
+                exc.tool_call_id = self._refusal_id(call, tool_call_id)
+                self._reject(exc.tool_call_id, raw, principal, "admission", exc, requested_id)
                 raise exc
             placeholder = self._runs[tool_call_id] = None  # type: ignore[assignment]
             self._run_owners[tool_call_id] = principal
@@ -1045,13 +1045,14 @@ class CallExecutor:
                 else:
                     self.pools.claim(prepared.lease, tool_call_id)
             except SandboxdError as exc:
-                exc.tool_call_id = tool_call_id
-                self._reject(tool_call_id, raw, principal, "verification", exc)
+                exc.tool_call_id = self._refusal_id(call, tool_call_id)
+                self._reject(exc.tool_call_id, raw, principal, "verification", exc, requested_id)
                 raise
             except Exception as exc:
                 log.exception("preparing call %s failed", tool_call_id)
-                internal = InternalError(f"preparing the sandbox failed: {type(exc).__name__}", tool_call_id=tool_call_id)
-                self._reject(tool_call_id, raw, principal, "verification", internal)
+                internal = InternalError(f"preparing the sandbox failed: {type(exc).__name__}",
+                                         tool_call_id=self._refusal_id(call, tool_call_id))
+                self._reject(internal.tool_call_id, raw, principal, "verification", internal, requested_id)
                 raise internal from None
             # Before the call is recorded as accepted: once it is, it must get a result.
             spool = OutputSpool(self.settings.spool_dir / _spool_name(prepared.sandbox_id, tool_call_id,
@@ -1244,6 +1245,13 @@ class CallExecutor:
                 self.checkpoints.checkpoint(force)
             except OSError:
                 log.exception("writing the log checkpoint failed")
+
+    @staticmethod
+    def _refusal_id(call: PreparedToolCall, tool_call_id: str) -> str:
+        """The id a refusal is recorded under: never an id the caller chose, so that a
+        refused call reserves nothing (another tenant could otherwise take the id a
+        caller will use, with a call that does not even run)."""
+        return ev.new_id("tc") if call.tool_call_id else tool_call_id
 
     def _reject(self, tool_call_id: str, raw: Mapping[str, Any], principal: str, stage: str,
                 exc: SandboxdError, requested_id: str = "") -> None:

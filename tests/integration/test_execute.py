@@ -355,6 +355,20 @@ def test_invalid_policies_are_refused_with_field_and_no_container(client, worksp
     assert rejected["field"] == field and rejected["code"] == code.name
 
 
+def test_a_refused_call_reserves_no_id(client, workspace):
+    """Refusals are recorded under ids of their own: another tenant cannot take the id a
+    caller will use with a call that never runs (nor a caller lose its own by a typo)."""
+    chosen = f"tc-chosen-{os.urandom(6).hex()}"
+    for bad in ({"filesystem": {"readRoots": ["/workspace/missing"]}}, {"process": {"timeoutMs": 10**9}}):
+        with pytest.raises(errors.SandboxdClientError) as exc:
+            client.run(call(workspace, ["true"], bad, toolCallId=chosen))
+        assert exc.value.tool_call_id and exc.value.tool_call_id != chosen
+        rejected = json.loads(client.get_trace(exc.value.tool_call_id)[1].payload_json)
+        assert rejected["requestedToolCallId"] == chosen
+    ok = client.run(call(workspace, ["true"], toolCallId=chosen))
+    assert ok.tool_call_id == chosen and ok.result.status == "success"
+
+
 def test_malformed_calls_are_refused(client, workspace):
     cases = [(call(workspace, []), "argv"), ({**call(workspace, ["true"]), "toolId": ""}, "toolId"),
              (call(workspace, ["true"], toolCallId="bad id with spaces"), "toolCallId")]
