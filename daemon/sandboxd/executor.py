@@ -685,6 +685,36 @@ def _persisted(r: ArtifactRecord) -> EventDraft:
     }, r.event_id)
 
 
+# What a refusal keeps of a request's strings and lists (a refused request may be as
+# large as a gRPC message: kept whole, each refusal grew the log by megabytes, forever).
+REFUSAL_STRING_CHARS = 256
+REFUSAL_LIST_ITEMS = 64
+
+
+def bounded(value: Any) -> Any:
+    """`value` with each long string cut to a prefix that names its length and digest,
+    and each long list cut (the refusal's record of what was sent, not a copy)."""
+    if isinstance(value, str):
+        if len(value) <= REFUSAL_STRING_CHARS:
+            return value
+        digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+        return f"{value[:REFUSAL_STRING_CHARS]}...[{len(value)} characters, sha256:{digest}]"
+    if isinstance(value, Mapping):
+        items = list(value.items())
+        kept = {bounded(str(k)): bounded(v) for k, v in items[:REFUSAL_LIST_ITEMS]}
+        if len(items) > REFUSAL_LIST_ITEMS:
+            kept["..."] = f"{len(items) - REFUSAL_LIST_ITEMS} more entries"
+        return kept
+    if isinstance(value, (list, tuple)):
+        kept_list = [bounded(v) for v in value[:REFUSAL_LIST_ITEMS]]
+        if len(value) > REFUSAL_LIST_ITEMS:
+            kept_list.append(f"...[{len(value) - REFUSAL_LIST_ITEMS} more items]")
+        return kept_list
+    if isinstance(value, (bytes, bytearray)):
+        return f"[{len(value)} bytes, sha256:{hashlib.sha256(value).hexdigest()}]"
+    return value
+
+
 def _request_summary(raw: Mapping[str, Any]) -> dict[str, Any]:
     """What the trace keeps of a request: everything but stdin's bytes."""
     summary = {k: v for k, v in raw.items() if k != "stdin"}
@@ -1255,7 +1285,7 @@ class CallExecutor:
 
     def _reject(self, tool_call_id: str, raw: Mapping[str, Any], principal: str, stage: str,
                 exc: SandboxdError, requested_id: str = "") -> None:
-        payload = _request_summary(raw)
+        payload = bounded(_request_summary(raw))
         payload["principal"] = principal
         payload["daemonId"] = self.daemon_id
         parent = raw.get("parentEventId") if isinstance(raw.get("parentEventId"), str) else ""
@@ -1264,8 +1294,8 @@ class CallExecutor:
                          (tool_call_id, principal))
             self.events.append(conn, tool_call_id, parent[:256], [
                 EventDraft(ev.REQUESTED, payload),
-                EventDraft(ev.REJECTED, {"stage": stage, "code": exc.kind, "field": exc.field or "",
-                                         "reason": exc.reason, "requestedToolCallId": requested_id[:256]}),
+                EventDraft(ev.REJECTED, {"stage": stage, "code": exc.kind, "field": bounded(exc.field or ""),
+                                         "reason": bounded(exc.reason), "requestedToolCallId": requested_id[:256]}),
             ])
         self.checkpoint_soon()
 

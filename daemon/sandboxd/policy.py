@@ -26,6 +26,12 @@ WORKSPACE = "/workspace"
 DEFAULT_TEMP_DIR = "/tmp"
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
+# Every string of a request is at most this long (a path, an id, a name)...
+MAX_FIELD_CHARS = 4096
+# ...but an argument (Linux's own limit for one, MAX_ARG_STRLEN) and an injected value.
+MAX_ARG_CHARS = 128 * 1024
+MAX_ENV_VALUE_CHARS = 32 * 1024
+_LONG_FIELDS = {"argv": MAX_ARG_CHARS, "policy.environment.injectedEnv": MAX_ENV_VALUE_CHARS}
 # Sandbox paths where a tmpfs or a bind would hide the kernel's own views.
 _FORBIDDEN_MOUNT_PARENTS = ("/proc", "/sys", "/dev")
 
@@ -200,7 +206,30 @@ class EffectivePolicy:
 _EFFECTIVE_POLICY_KEYS = tuple((f.name, to_camel(f.name)) for f in fields(EffectivePolicy))
 
 
+def check_strings(value: Any, path: str = "") -> None:
+    """Every string of a request (and every key) before anything reads it: no NUL byte
+    (a path, an image or a name with one means something else to the kernel or the
+    engine than to the check), and a bounded length. The refusal names the field."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise InvalidArgument("contains a NUL byte", field=path or None)
+        limit = _LONG_FIELDS.get(path.split("[", 1)[0] if path.startswith("argv") else path.rsplit(".", 1)[0],
+                                 MAX_FIELD_CHARS)
+        if len(value) > limit:
+            raise InvalidArgument(f"{len(value)} characters exceed the maximum of {limit}", field=path or None)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and ("\x00" in key or len(key) > MAX_FIELD_CHARS):
+                raise InvalidArgument("a key with a NUL byte or over the maximum length", field=path or None)
+            check_strings(item, where)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_strings(item, f"{path}[{i}]")
+
+
 def parse_call(data: Mapping[str, Any]) -> PreparedToolCall:
+    check_strings(data)
     try:
         return PreparedToolCall.model_validate(data)
     except ValidationError as exc:

@@ -369,6 +369,34 @@ def test_a_refused_call_reserves_no_id(client, workspace):
     assert ok.tool_call_id == chosen and ok.result.status == "success"
 
 
+def test_a_huge_refused_request_is_kept_as_prefixes_and_digests(client, workspace):
+    """One refusal of a request with megabytes in it used to grow the log by megabytes,
+    forever: a refusal keeps each long string's prefix, length and digest."""
+    big = "x" * (8 * 2**20)
+    many = ["y" * 100_000] * 100  # each argument allowed, together over max_argv_bytes
+    for request, field in ((call(workspace, ["true"], toolId=big), "toolId"),
+                           (call(workspace, ["echo", *many]), "argv")):
+        with pytest.raises(errors.InvalidArgument) as exc:
+            client.run(request)
+        assert field in exc.value.message
+        trace = client.get_trace(exc.value.tool_call_id)
+        assert sum(len(e.payload_json) for e in trace) < 64 * 1024
+    requested = json.loads(trace[0].payload_json)
+    assert requested["argv"][1].endswith(f"...[100000 characters, sha256:{hashlib.sha256(many[0].encode()).hexdigest()}]")
+    assert requested["argv"][-1] == "...[37 more items]"
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"workspace": "/tmp\x00/etc"}, "workspace"),
+    ({"runtime": {"image": "sandboxd/busybox\x00"}}, "runtime.image"),
+    ({"credentialRefs": [{"bindingId": "gh", "filePath": "/tmp/x\x00y"}]}, "credentialRefs[0].filePath"),
+])
+def test_nul_bytes_are_invalid_arguments_naming_the_field(client, workspace, patch, field):
+    with pytest.raises(errors.InvalidArgument) as exc:
+        client.run({**call(workspace, ["true"]), **patch})
+    assert exc.value.message.startswith(f"{field}:") and "NUL" in exc.value.message
+
+
 def test_malformed_calls_are_refused(client, workspace):
     cases = [(call(workspace, []), "argv"), ({**call(workspace, ["true"]), "toolId": ""}, "toolId"),
              (call(workspace, ["true"], toolCallId="bad id with spaces"), "toolCallId")]

@@ -11,6 +11,9 @@ from google.protobuf import json_format
 from sandboxd.errors import InvalidArgument, PermissionDenied, SandboxdError, Unimplemented
 from sandboxd.policy import (
     BASE_PATH,
+    MAX_ARG_CHARS,
+    MAX_ENV_VALUE_CHARS,
+    MAX_FIELD_CHARS,
     EffectivePolicy,
     check_admission,
     is_within,
@@ -528,10 +531,11 @@ def test_wrong_type_nested_field():
     assert exc.field == "policy.audit.recordCommand"
 
 
-@pytest.mark.parametrize("argv", [[], [""], ["echo", "a\x00b"], ["\x00"]])
-def test_bad_argv_is_refused(argv):
+@pytest.mark.parametrize("argv, field", [([], "argv"), ([""], "argv"), (["echo", "a\x00b"], "argv[1]"),
+                                         (["\x00"], "argv[0]")])
+def test_bad_argv_is_refused(argv, field):
     exc = refused(InvalidArgument, parse_call, call_dict(argv=argv))
-    assert exc.field == "argv"
+    assert exc.field == field
 
 
 @pytest.mark.parametrize("tcid", ["-x", ".x", "a b", "a/b", "x" * 129, "a\x00"])
@@ -679,3 +683,39 @@ def test_a_call_names_at_most_sixteen_credentials():
     exc = refused(InvalidArgument, parse_call, {**call_dict(), "credentialRefs": refs})
     assert exc.field == "credentialRefs"
     assert len(parse_call({**call_dict(), "credentialRefs": refs[:16]}).credential_refs) == 16
+
+
+# -- every string of a request: no NUL, a bounded length (issue 20) -------------------
+@pytest.mark.parametrize("patch, field", [
+    ({"workspace": "/srv/ws\x00/etc"}, "workspace"),
+    ({"runtime": {"image": "sandboxd/default\x00x"}}, "runtime.image"),
+    ({"credentialRefs": [{"bindingId": "gh", "filePath": "/tmp/a\x00b"}]}, "credentialRefs[0].filePath"),
+    ({"cwd": "/workspace/\x00"}, "cwd"),
+    ({"policy": {"filesystem": {"readRoots": ["/workspace", "/workspace/a\x00"]}}}, "policy.filesystem.readRoots[1]"),
+    ({"policy": {"environment": {"injectedEnv": {"A": "x\x00y"}}}}, "policy.environment.injectedEnv.A"),
+    ({"sessionId": "s\x00"}, "sessionId"),
+])
+def test_a_nul_byte_anywhere_is_an_invalid_argument_naming_the_field(patch, field):
+    raw = {"toolId": "t", "argv": ["true"], "workspace": "/srv/ws", **patch}
+    with pytest.raises(InvalidArgument) as exc:
+        parse_call(raw)
+    assert exc.value.field == field and "NUL" in exc.value.reason
+
+
+@pytest.mark.parametrize("patch, field, limit", [
+    ({"toolId": "t" * (MAX_FIELD_CHARS + 1)}, "toolId", MAX_FIELD_CHARS),
+    ({"authorization": {"signature": "s" * (MAX_FIELD_CHARS + 1)}}, "authorization.signature", MAX_FIELD_CHARS),
+    ({"argv": ["echo", "a" * (MAX_ARG_CHARS + 1)]}, "argv[1]", MAX_ARG_CHARS),
+    ({"policy": {"environment": {"injectedEnv": {"A": "v" * (MAX_ENV_VALUE_CHARS + 1)}}}},
+     "policy.environment.injectedEnv.A", MAX_ENV_VALUE_CHARS),
+])
+def test_every_string_has_a_maximum_length(patch, field, limit):
+    raw = {"toolId": "t", "argv": ["true"], "workspace": "/srv/ws", **patch}
+    with pytest.raises(InvalidArgument) as exc:
+        parse_call(raw)
+    assert exc.value.field == field and str(limit) in exc.value.reason
+    at_limit = {k: v for k, v in raw.items()}
+    # One character less is accepted (the limit is the limit, not a round figure near it).
+    if field == "argv[1]":
+        at_limit["argv"] = ["echo", "a" * MAX_ARG_CHARS]
+        assert parse_call(at_limit).argv[1] == "a" * MAX_ARG_CHARS
