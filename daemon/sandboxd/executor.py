@@ -1212,8 +1212,23 @@ class CallExecutor:
                     EventDraft(ev.FINISHED, {"interrupted": True, "exitCode": -1}, finished_id),
                     EventDraft(ev.RESULT_VALIDATED, {"result": result}, validated_id),
                 ] + [_persisted(r) for r in records])
+        self._close_open_leases()
         self.checkpoint(force=True)
         return len(rows)
+
+    def _close_open_leases(self) -> None:
+        """Leases a killed daemon held end on the record: their sandboxes were reaped
+        with everything else it left."""
+        rows = self.db.query(
+            "SELECT DISTINCT tool_call_id FROM events e WHERE type = ? AND NOT EXISTS ("
+            " SELECT 1 FROM events f WHERE f.tool_call_id = e.tool_call_id AND f.type IN (?, ?))",
+            (ev.SANDBOX_LEASED, ev.SANDBOX_LEASE_ENDED, ev.EXPIRED))
+        for row in rows:
+            trace = self.events.for_call(row["tool_call_id"])
+            self.events.record(row["tool_call_id"], trace[-1].event_id, [EventDraft(ev.SANDBOX_LEASE_ENDED, {
+                "reason": "daemon-restarted", "sandboxId": trace[0].payload.get("sandboxId", "")})])
+        if rows:
+            log.warning("ended %d leases an earlier run of this daemon held", len(rows))
 
     def _salvage_output(self, tool_call_id: str, sandbox_id: str, leased: bool = False) -> list[ArtifactRecord]:
         """What an interrupted call printed before the crash, from its spool files."""

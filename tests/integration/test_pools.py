@@ -269,13 +269,18 @@ def test_drain_and_restart_leave_no_sandbox(spare_daemon, docker_engine):
         assert c.drain_pools() == 3
     assert wait_for(lambda: not leftover_sandboxes(docker_engine, d), timeout_s=20)
     with d.client() as c:
-        c.acquire_sandbox(str(ws))
+        held = c.acquire_sandbox(str(ws))
         assert leftover_sandboxes(docker_engine, d)
     # A crash leaves them behind; the restarted daemon removes them by label.
     d.stop(signal.SIGKILL)
     assert leftover_sandboxes(docker_engine, d)
     d.start()
     assert wait_for(lambda: not _leased_containers(docker_engine, d), timeout_s=20)
+    with d.client() as c:  # and the lease the killed run held ends on the record
+        trace = c.get_trace(held.lease_id)
+        assert [e.type for e in trace] == ["SandboxLeased", "SandboxLeaseEnded"]
+        assert '"reason":"daemon-restarted"' in trace[1].payload_json
+        assert c.verify_log().ok
     d.stop()
     assert not leftover_sandboxes(docker_engine, d)
 
