@@ -15,6 +15,9 @@ MAX_OPEN_FILES = 4096
 # The empty, root-owned tmpfs that stands for /workspace when only parts are visible.
 WORKSPACE_BASE_TMPFS_BYTES = 64 * 1024
 MASK_DIR_TMPFS_BYTES = 4 * 1024
+# A container's deadline without the daemon: its timeout and this much more. (The
+# watcher acts only once the daemon is gone; while it lives, its own timeout kills.)
+BACKSTOP_SLACK_S = 2
 
 
 def plain(value: Any) -> Any:
@@ -313,6 +316,8 @@ def compile_docker(
             f"{LABEL_PREFIX}sandbox_id": identity.sandbox_id,
             f"{LABEL_PREFIX}tool_call_id": identity.tool_call_id,
             f"{LABEL_PREFIX}workspace": plan.workspace,
+            # Enforced by the backstop watcher if the daemon dies (backends/backstop.py).
+            f"{LABEL_PREFIX}deadline_s": str(-(-policy.timeout_ms // 1000) + BACKSTOP_SLACK_S),
         },
         mounts=_mounts(policy, plan, mask_file, attachments),
         network_mode=network_mode,

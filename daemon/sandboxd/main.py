@@ -133,6 +133,7 @@ def _start_backends(settings: DaemonSettings, daemon_id: str, shim: str = "") ->
         reaped = docker_backend.reap_orphans(daemon_id)
         if reaped:
             log.warning("removed %d containers left by an earlier run of this daemon", reaped)
+        docker_backend.start_backstop(daemon_id)  # its containers' deadlines hold without this process
         backends["docker"] = docker_backend
     except SandboxdError as exc:
         unavailable["docker"] = exc.message

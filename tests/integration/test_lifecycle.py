@@ -57,6 +57,27 @@ def test_graceful_shutdown_cancels_calls_and_removes_sandboxes(spare_daemon, doc
     c.close()
 
 
+def test_a_dead_daemons_docker_sandbox_still_ends_at_its_deadline(spare_daemon, docker_engine):
+    """nsjail's jails carry their own time limit; a container's is the daemon's, so a
+    watcher beside the daemon kills it at its deadline once the daemon is gone."""
+    d = spare_daemon().start()
+    ws = d.new_workspace()
+    c = d.client()
+    sleeper = call(ws, sh("echo up; sleep 600"), {"process": {"timeoutMs": 2000}})
+    stream = iter(c.execute(sleeper))
+    for event in stream:
+        if event.WhichOneof("kind") == "output":
+            break
+    d.stop(signal.SIGKILL)
+    running = lambda: [x for x in docker_engine.api.containers(  # noqa: E731
+        filters={"label": f"sandboxd.daemon_id={d.daemon_id}", "status": "running"})]
+    assert running(), "the container outlives its daemon"
+    assert wait_for(lambda: not running(), timeout_s=20), "the container ran past its deadline without its daemon"
+    c.close()
+    d.start()  # and the restart removes what is left
+    assert not leftover_sandboxes(docker_engine, d)
+
+
 @pytest.mark.parametrize("adapter", ["docker", "nsjail"])
 def test_restart_after_a_crash_reaps_orphaned_sandboxes(spare_daemon, docker_engine, adapter):
     d = spare_daemon().start()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sandboxd.compile import (
+    BACKSTOP_SLACK_S,
     MASK_DIR_TMPFS_BYTES,
     MAX_OPEN_FILES,
     WORKSPACE_BASE_TMPFS_BYTES,
@@ -229,8 +230,13 @@ def test_temp_dir_tmpfs(compiled):
 
 def test_labels(compiled):
     _, plan, spec = compiled
-    assert set(spec.labels) == {"sandboxd.daemon_id", "sandboxd.sandbox_id", "sandboxd.tool_call_id", "sandboxd.workspace"}
+    assert set(spec.labels) == {"sandboxd.daemon_id", "sandboxd.sandbox_id", "sandboxd.tool_call_id", "sandboxd.workspace",
+                                "sandboxd.deadline_s"}
     assert spec.labels["sandboxd.workspace"] == plan.workspace
+    # The deadline the backstop enforces without the daemon: the timeout (whole seconds,
+    # up) and a slack, never less than the timeout itself.
+    policy = compiled[0]
+    assert int(spec.labels["sandboxd.deadline_s"]) == -(-policy.timeout_ms // 1000) + BACKSTOP_SLACK_S
     assert spec.name == f"sandboxd-{spec.labels['sandboxd.sandbox_id']}"
     assert spec.cgroup_parent == f"/sandboxd/{spec.labels['sandboxd.sandbox_id']}"
 

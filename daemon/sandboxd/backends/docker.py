@@ -18,6 +18,7 @@ import select
 import shutil
 import signal as signal_module
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -29,7 +30,7 @@ from ..compile import LABEL_PREFIX, Attachments, DockerSpec, SandboxIdentity, cg
 from ..errors import BackendUnavailable, FailedPrecondition, InternalError
 from ..output import STDERR, STDOUT, OutputSpool
 from . import CGROUP_ROOT, ExitStatus, ResourceUsage, SandboxHandle
-from . import staging
+from . import backstop, staging
 from .cgroups import cgroup_usage
 
 log = logging.getLogger("sandboxd.docker")
@@ -168,6 +169,8 @@ class DockerBackend:
                 remove_stdio_fifos(os.path.join(stdio_dir, name))
 
         self._errors = docker.errors
+        self._docker_host = docker_host
+        self._backstop: subprocess.Popen | None = None
         self._seccomp_name = os.path.basename(seccomp_path)
         self._seccomp_json = load_seccomp_profile(seccomp_path)
         self._mask_file = mask_file
@@ -176,6 +179,11 @@ class DockerBackend:
                                          version="auto", timeout=120)
         except docker.errors.DockerException as exc:
             raise BackendUnavailable(f"cannot reach dockerd: {exc}") from None
+
+    def start_backstop(self, daemon_id: str) -> None:
+        """Starts the watcher that enforces this daemon's containers' deadlines once the
+        daemon is gone (backstop.py). Its pipe is held, never written, until the end."""
+        self._backstop = backstop.spawn(daemon_id, self._docker_host)
 
     def check(self) -> None:
         try:
