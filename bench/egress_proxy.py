@@ -1,14 +1,16 @@
 """Egress proxy: is it a bottleneck? In one run:
 
-  * a 100 MB download from an allowed local server (bench.test -> 127.0.0.2, exempted
-    from the private-network rule by this bench's daemon config), with curl:
-    directly on the host (the baseline), and from inside an allowlist sandbox through
-    the shim and the daemon's proxy, on Docker and on nsjail;
+  * a 100 MB download from an allowed server (allowed.test, in a network namespace of
+    this bench's own on a veth pair, as tests/integration/egress_hosts.py makes it; its
+    address exempted from the private-network rule by this bench's daemon config: the
+    proxy refuses every loopback address, exempted or not), with curl: directly on the
+    host (the baseline, over the same veth), and from inside an allowlist sandbox
+    through the shim and the daemon's proxy, on Docker and on nsjail;
   * connections per second: the same Python client opening fresh connections for small
     requests (8 threads), directly on the host and from inside a sandbox through the proxy.
 
 Times are measured by curl / the client itself, so sandbox start-up is not counted.
-Prints a table of medians and ratios to the direct baseline.
+Prints a table of medians and ratios to the direct baseline. Needs root (ip netns).
 
     .venv/bin/python bench/egress_proxy.py [-n 5] [--mb 100] [--requests 2000]
 """
@@ -16,22 +18,19 @@ Prints a table of medians and ratios to the direct baseline.
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / d) for d in ("daemon", "client")] + [str(ROOT)]
 
 from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
-
-SERVER_ADDR = "127.0.0.2"
-CHUNK = b"x" * (1 << 20)
+from tests.integration.egress_hosts import RemoteHosts  # noqa: E402
 
 CONN_RATE = r"""
 import json, sys, threading, time, urllib.request
@@ -53,26 +52,6 @@ print(json.dumps({"rate": (total // 8 * 8) / (time.perf_counter() - t), "errors"
 """
 
 
-class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self):  # noqa: N802 - http.server's naming
-        size = int(self.path.rsplit("/", 1)[1]) if self.path.startswith("/bytes/") else 2
-        self.send_response(200)
-        self.send_header("Content-Length", str(size))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        left = size
-        while left:
-            piece = CHUNK[:left]
-            self.wfile.write(piece)
-            left -= len(piece)
-        self.close_connection = True
-
-    def log_message(self, *args):
-        pass
-
-
 def row(name: str, samples: list[float], unit: str, baseline: float | None) -> str:
     med = statistics.median(samples)
     ratio = f"{med / baseline:.2f}x" if baseline else "-"
@@ -86,18 +65,16 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2000)
     args = ap.parse_args()
 
-    server = http.server.ThreadingHTTPServer((SERVER_ADDR, 0), Handler)
-    server.daemon_threads = True
-    port = server.server_address[1]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    big = f"http://bench.test:{port}/bytes/{args.mb << 20}"
-    small = f"http://bench.test:{port}/small"
+    workdir = Path(tempfile.mkdtemp(prefix="sandboxd-bench-hosts-", dir="/tmp"))
+    hosts = RemoteHosts(workdir, tag="b", subnet="10.215").start()
+    server_addr = hosts.allowed_ip
+    big = f"http://allowed.test/bytes/{args.mb << 20}"
+    small = "http://allowed.test/small"
 
     base = Path(tempfile.mkdtemp(prefix="sandboxd-bench-egress-", dir="/tmp"))
     base.chmod(0o755)
-    d = make_daemon(base, egress={"hosts": {"bench.test": [SERVER_ADDR]},
-                                  "exempt_networks": [f"{SERVER_ADDR}/32"]}).start()
-    policy = {"network": {"egress": "allowlist", "allowDomains": ["bench.test"]}}
+    d = make_daemon(base, egress=hosts.daemon_egress_settings()).start()
+    policy = {"network": {"egress": "allowlist", "allowDomains": ["allowed.test"]}}
     curl = ["curl", "-sS", "-o", "/dev/null", "-w", "%{speed_download}"]
     try:
         ws = d.new_workspace({"rate.py": CONN_RATE})
@@ -112,14 +89,14 @@ def main() -> int:
             return out.stdout.decode()
 
         def host(argv: list[str]) -> str:
-            # The host has no bench.test: resolve it the way the proxy's table does.
+            # The host has no allowed.test: resolve it the way the proxy's DNS server does.
             return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
 
         direct_big = ["curl", "-sS", "-o", "/dev/null", "-w", "%{speed_download}",
-                      "--resolve", f"bench.test:{port}:{SERVER_ADDR}", "--noproxy", "*", big]
+                      "--resolve", f"allowed.test:80:{server_addr}", "--noproxy", "*", big]
         download: dict[str, list[float]] = {"direct": [], "docker": [], "nsjail": []}
         rate: dict[str, list[float]] = {"direct": [], "docker": [], "nsjail": []}
-        host_small = small.replace("bench.test", SERVER_ADDR)
+        host_small = small.replace("allowed.test", server_addr)
         rate_script = str(ws / "rate.py")
         for _ in range(args.n):  # alternating, so drift hits every path alike
             download["direct"].append(float(host(direct_big)) / 2**20)
@@ -147,8 +124,9 @@ def main() -> int:
             print(row(f"new connections, {adapter} sandbox via proxy", rate[adapter], "conn/s", base_rate))
     finally:
         d.stop()
-        server.shutdown()
+        hosts.stop()
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -5,6 +5,11 @@ make. Run as a script (inside the namespace) it is the servers:
   main    .2:80  HTTP, .2:443 HTTPS, .2:53/udp DNS   allowed.test
   other   .3:80  HTTP, .3:443 HTTPS                    other.test (must never be reached
                                                        through a tunnel to allowed.test)
+  lenient .2:8080 HTTP, keep-alive, read as leniently as the most forgiving origins
+                  (leading white space, any white space between the parts of a request
+                  line, bare LFs, folded lines, Transfer-Encoding only if it says
+                  "chunked" somewhere, else Content-Length): every request it reads is
+                  logged, so a smuggled second request would show.
 
 GET /bytes/N answers N bytes of body. Every connection and every DNS question is
 logged as one JSON line (with the exact bytes read and written on the TCP socket),
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import ssl
 import struct
@@ -113,6 +119,68 @@ def serve_http(name: str, addr: str, port: int, log: Log, tls: ssl.SSLContext | 
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
 
+def _lenient_requests(conn, log: "Log") -> None:
+    """Reads request after request on one connection, as leniently as it can."""
+    buf = b""
+
+    def fill() -> bool:
+        nonlocal buf
+        chunk = conn.recv(65536)
+        buf += chunk
+        return bool(chunk)
+
+    while True:
+        buf = buf.lstrip(b" \t\r\n")
+        while not (end := re.search(rb"\r?\n\r?\n", buf)):
+            if not fill():
+                return
+            buf = buf.lstrip(b" \t\r\n")
+        head, buf = buf[:end.start()].replace(b"\r\n", b"\n"), buf[end.end():]
+        lines = head.decode("latin-1").split("\n")
+        parts = lines[0].split()
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers.setdefault(name.strip().lower(), value.strip())
+        body = b""
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            while True:
+                while b"\n" not in buf:
+                    if not fill():
+                        return
+                size_line, _, buf = buf.partition(b"\n")
+                size = int(size_line.split(b";")[0].strip() or b"0", 16)
+                while len(buf) < size + 2 and fill():
+                    pass
+                body, buf = body + buf[:size], buf[size:].lstrip(b"\r").removeprefix(b"\n")
+                if not size:
+                    break
+        elif headers.get("content-length", "").isdigit():
+            size = int(headers["content-length"])
+            while len(buf) < size and fill():
+                pass
+            body, buf = buf[:size], buf[size:]
+        log.write(server="lenient", method=parts[0] if parts else "", path=parts[1] if len(parts) > 1 else "",
+                  host=headers.get("host", ""), body=body.decode("latin-1"))
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n")
+
+
+def serve_lenient(addr: str, port: int, log: "Log") -> None:
+    listener = socket.create_server((addr, port), backlog=256)
+
+    def handle(conn: socket.socket) -> None:
+        try:
+            _lenient_requests(conn, log)
+        except (OSError, ValueError) as exc:
+            log.write(server="lenient", error=repr(exc))
+        finally:
+            conn.close()
+
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+
 class _BioSocket:
     """TLS over a counted plain socket, so the counts are the bytes on the wire."""
 
@@ -204,6 +272,7 @@ def run_servers(prefix: str, cert: str, key: str, log_path: str, table_json: str
         threading.Thread(target=serve_http, args=("allowed", f"{prefix}.2", 443, log, tls)),
         threading.Thread(target=serve_http, args=("other", f"{prefix}.3", 80, log, None)),
         threading.Thread(target=serve_http, args=("other", f"{prefix}.3", 443, log, tls)),
+        threading.Thread(target=serve_lenient, args=(f"{prefix}.2", 8080, log)),
         threading.Thread(target=serve_dns, args=(f"{prefix}.2", json.loads(table_json), log)),
     ]
     for t in threads:
@@ -224,11 +293,12 @@ def _ip(*args: str) -> None:
 class RemoteHosts:
     """A network namespace with the servers above, reachable from the host only."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, *, tag: str = "t", subnet: str = "10.213"):
+        # `tag` and `subnet` tell apart the namespaces of several users in one process.
         n = os.getpid() % 200 + 20
-        self.ns = f"sbxt-{os.getpid()}"
-        self.host_if, self.ns_if = f"sxh{os.getpid()}"[:15], f"sxs{os.getpid()}"[:15]
-        self.prefix = f"10.213.{n}"
+        self.ns = f"sbx{tag}-{os.getpid()}"
+        self.host_if, self.ns_if = f"s{tag}h{os.getpid()}"[:15], f"s{tag}s{os.getpid()}"[:15]
+        self.prefix = f"{subnet}.{n}"
         self.workdir = workdir
         self.log_path = workdir / "servers.jsonl"
         self.proc: subprocess.Popen | None = None

@@ -17,13 +17,9 @@ from sandboxd.proxy import (
     HOP_BY_HOP,
     MAX_HELLO_RECORD,
     ConnectionRecord,
-    EgressProxy,
     IncompleteHello,
     ProxyRefusal,
-    http_host_header,
-    looks_like_http,
     looks_like_tls,
-    origin_form_request,
     parse_head,
     refusal_response,
     response_status,
@@ -31,6 +27,8 @@ from sandboxd.proxy import (
     summarize_external_calls,
     tls_client_hello_sni,
 )
+from sandboxd.proxy_http import TunnelRequests, origin_form_request, parse_proxy_target, parse_request
+from sandboxd.proxy_tunnel import check_first_bytes as check_tunnel_first_bytes
 
 
 def refusal(fn, *args) -> ProxyRefusal:
@@ -59,23 +57,49 @@ def test_proxy_refusal_fields():
 
 def test_parse_head_full_request():
     head = (b"GET http://a.test/x?y=1 HTTP/1.1\r\nHost: a.test\r\nUser-Agent: curl/8.5.0\r\n"
-            b"X-Empty:\r\nX-Spaces:   padded value  \r\nX-Colon: a:b:c\r\nhost: dup.test")
+            b"X-Empty:\r\nX-Spaces:   padded value  \r\nX-Colon: a:b:c")
     assert parse_head(head) == ("GET", "http://a.test/x?y=1", "HTTP/1.1", [
         ("Host", "a.test"), ("User-Agent", "curl/8.5.0"), ("X-Empty", ""), ("X-Spaces", "padded value"),
-        ("X-Colon", "a:b:c"), ("host", "dup.test"),
+        ("X-Colon", "a:b:c"),
     ])
+
+
+@pytest.mark.parametrize("head", [
+    b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\nhost: dup.test",  # two Hosts
+    b"GET / HTTP/1.1\r\nAccept: */*",  # HTTP/1.1 without Host (origin-form)
+    b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n",  # an empty line inside the head
+    b"GET http://a.test/ HTTP/1.1\r\n\r\nA: b",
+    b"GET http://a.test/ HTTP/1.1\r\nX-A: a\x01b",  # a control character in a value
+    b"GET http://a.test/ HTTP/1.1\r\nContent-Length: 1, 2",
+    b"GET http://a.test/ HTTP/1.1\r\nContent-Length: -1",
+    b"GET http://a.test/ HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2",
+    b"GET http://a.test/ HTTP/1.1\r\nContent-Length: 99999999999999999999",
+    b"POST http://a.test/ HTTP/1.0\r\nTransfer-Encoding: chunked",
+    b"POST http://a.test/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3",
+    b"POST http://a.test/ HTTP/1.1\r\nTransfer-Encoding: identity",
+    b"POST http://a.test/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked",
+])
+def test_parse_head_refuses_what_another_parser_could_read_differently(head):
+    exc = refusal(parse_head, head)
+    assert (exc.status, exc.rule, exc.decision) == (400, "bad-request", "denied")
+
+
+def test_parse_request_framing():
+    chunked = parse_request(b"POST http://a.test/ HTTP/1.1\r\nTransfer-Encoding: Chunked")
+    assert (chunked.chunked, chunked.length) == (True, 0)
+    sized = parse_request(b"POST http://a.test/ HTTP/1.1\r\nContent-Length: 007\r\nContent-Length: 007")
+    assert (sized.chunked, sized.length) == (False, 7)
+    assert parse_request(b"GET http://a.test/ HTTP/1.1").headers == []  # Host is lent to h11, not kept
 
 
 @pytest.mark.parametrize("head, expected", [
     (b"CONNECT a.test:443 HTTP/1.1", ("CONNECT", "a.test:443", "HTTP/1.1", [])),
     (b"CONNECT [2606:4700::1]:443 HTTP/1.0\r\nHost: [2606:4700::1]:443",
      ("CONNECT", "[2606:4700::1]:443", "HTTP/1.0", [("Host", "[2606:4700::1]:443")])),
-    # Empty lines (a trailing CRLF) are skipped.
-    (b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n", ("GET", "http://a.test/", "HTTP/1.1", [("Host", "a.test")])),
-    (b"GET http://a.test/ HTTP/1.1\r\n\r\nA: b", ("GET", "http://a.test/", "HTTP/1.1", [("A", "b")])),
     # The head is ISO-8859-1: every byte decodes.
     (b"GET http://a.test/ HTTP/1.1\r\nX-Name: caf\xe9", ("GET", "http://a.test/", "HTTP/1.1", [("X-Name", "caf\xe9")])),
-    (b"POST http://a.test/ HTTP/1.9", ("POST", "http://a.test/", "HTTP/1.9", [])),
+    (b"POST http://a.test/ HTTP/1.0", ("POST", "http://a.test/", "HTTP/1.0", [])),
+    (b"A" * 21 + b" http://a.test/ HTTP/1.1", ("A" * 21, "http://a.test/", "HTTP/1.1", [])),
 ])
 def test_parse_head_ok(head, expected):
     assert parse_head(head) == expected
@@ -87,6 +111,11 @@ def test_parse_head_ok(head, expected):
     b"GET http://a.test/",
     b"GET http://a.test/ HTTP/2",
     b"GET http://a.test/ HTTP/2.0",
+    b"GET http://a.test/ HTTP/1.9",
+    b" GET http://a.test/ HTTP/1.1",
+    b"GET\thttp://a.test/ HTTP/1.1",
+    b"G(T http://a.test/ HTTP/1.1",
+    b"GET http://a.test/\xe9 HTTP/1.1",
     b"GET http://a.test/ http/1.1",
     b"GET http://a.test/ HTTP/1.1 extra",
     b"GET  http://a.test/ HTTP/1.1",  # two spaces: four parts
@@ -134,7 +163,10 @@ def test_parse_head_refuses_a_bare_cr_lf_or_nul_anywhere(head):
 def test_parse_head_malformed_header(line):
     exc = refusal(parse_head, b"GET http://a.test/ HTTP/1.1\r\nAccept: */*\r\n" + line)
     assert (exc.status, exc.rule, exc.decision) == (400, "bad-request", "denied")
-    assert exc.reason.startswith("malformed header line ")
+    if line[:1] in b" \t":
+        assert exc.reason.startswith("obsolete line folding")
+    else:
+        assert exc.reason.startswith("malformed header line ")
     assert repr(line.decode("iso-8859-1")[:40]) in exc.reason
 
 
@@ -215,8 +247,10 @@ def test_split_host_port_refusals(authority, default, why):
 @pytest.mark.parametrize("raw", [b"\xb2", b"\xb3", b"\xb9", b"4\xb2\xb3"])
 def test_a_non_ascii_digit_port_is_a_bad_request(raw):
     # ISO-8859-1 superscripts are str.isdigit() but not ASCII digits: a 400, never a
-    # ValueError that would end the handler without an answer.
-    method, target, _, _ = parse_head(b"CONNECT a.test:" + raw + b" HTTP/1.1")
+    # ValueError that would end the handler without an answer. (A request line never
+    # carries them: its target is visible ASCII.)
+    assert refusal(parse_head, b"CONNECT a.test:" + raw + b" HTTP/1.1").reason == "not an HTTP/1.x request line"
+    target = "a.test:" + raw.decode("iso-8859-1")
     exc = refusal(split_host_port, target, None)
     assert (exc.status, exc.rule, exc.decision) == (400, "bad-request", "denied")
     assert exc.reason == f"bad port in {target!r}"
@@ -495,47 +529,10 @@ def test_looks_like_tls(data, expected):
     assert looks_like_tls(data) is expected
 
 
-def test_a_real_hello_looks_like_tls_not_http():
+def test_a_real_hello_looks_like_tls():
     hello = real_client_hello("allowed.test")
-    assert looks_like_tls(hello) and not looks_like_http(hello)
     for cut in range(1, 6):
         assert looks_like_tls(hello[:cut])
-
-
-@pytest.mark.parametrize("data", [
-    b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n",
-    b"POST /x HTTP/1.1",
-    b"get / HTTP/1.1",
-    b"OPTIONS * HTTP/1.1",
-    b"G",  # a method token still arriving
-    b"GE",
-    b"GET",
-    b"GET ",
-    b"PROPFIND ",
-    b"A" * 20 + b" ",  # the longest method token it waits for
-    b"A" * 20,
-])
-def test_looks_like_http(data):
-    assert looks_like_http(data)
-
-
-@pytest.mark.parametrize("data", [
-    b"",
-    b" GET / HTTP/1.1",
-    b"\r\nGET / HTTP/1.1",
-    b"GET/ HTTP/1.1",
-    b"GET\t/ HTTP/1.1",
-    b"1GET / HTTP/1.1",
-    b"M-SEARCH * HTTP/1.1",
-    b"SSH-2.0-OpenSSH_9.6\r\n",
-    b"A" * 21 + b" ",  # longer than any method
-    b"A" * 21,
-    b"\x16\x03\x01\x02\x00",
-    b"\x00" * 8,
-    "G\u00c9T / HTTP/1.1".encode("iso-8859-1"),
-])
-def test_does_not_look_like_http(data):
-    assert not looks_like_http(data)
 
 
 def test_record_length_bounds_the_hello():
@@ -546,30 +543,6 @@ def test_record_length_bounds_the_hello():
     assert tls_client_hello_sni(hello + trailing) == (True, None)
 
 
-# ------------------------------------------------------------------ http_host_header
-
-
-@pytest.mark.parametrize("data, expected", [
-    (b"GET / HTTP/1.1\r\nHost: allowed.test\r\nAccept: */*\r\n\r\n", "allowed.test"),
-    (b"GET / HTTP/1.1\r\nhost: allowed.test:8080\r\n\r\n", "allowed.test:8080"),
-    (b"GET / HTTP/1.1\r\nHOST:   [2606:4700::1]:80  \r\n\r\n", "[2606:4700::1]:80"),
-    (b"GET / HTTP/1.1\r\nHost: first.test\r\nHost: second.test\r\n\r\n", "first.test"),
-    (b"POST /x HTTP/1.1\r\nHost: a.test\r\nContent-Length: 20\r\n\r\nHost: evil.test\r\n\r\n", "a.test"),
-    (b"GET / HTTP/1.1\r\nAccept: */*\r\n\r\n", None),  # no Host
-    (b"GET / HTTP/1.1\r\nHost: a.test\r\n", None),  # the head is not complete
-    (b"GET / HTTP/1.1\nHost: a.test\n\n", None),  # bare LFs
-    (b"GET / HTTP/1.1\r\nHost : a.test\r\n\r\n", None),  # malformed: not a request we read
-    (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", None),
-    (b"", None),
-])
-def test_http_host_header(data, expected):
-    assert http_host_header(data) == expected
-
-
-def test_http_host_header_of_a_tls_hello_is_none():
-    assert http_host_header(real_client_hello("allowed.test")) is None
-
-
 # ------------------------------------------------------------------ origin_form_request
 
 
@@ -578,9 +551,16 @@ def request_lines(raw: bytes) -> list[str]:
     return raw[:-4].decode("iso-8859-1").split("\r\n")
 
 
+def forward(method: str, url: str, version: str, headers: list[tuple[str, str]], host: str, port: int) -> bytes:
+    """What the proxy sends the origin for this request head: parsed, then re-made."""
+    head = "\r\n".join([f"{method} {url} {version}"] + [f"{k}: {v}" for k, v in headers])
+    req = parse_request(head.encode("iso-8859-1"))
+    return origin_form_request(req, host, port, parse_proxy_target(url)[2])
+
+
 def test_origin_form_request_basic():
-    raw = origin_form_request("GET", "http://a.test/path/x?q=1&r=%20#frag", "HTTP/1.1",
-                              [("Host", "a.test"), ("Accept", "*/*")], "a.test", 80)
+    raw = forward("GET", "http://a.test/path/x?q=1&r=%20#frag", "HTTP/1.1",
+                  [("Host", "a.test"), ("Accept", "*/*")], "a.test", 80)
     assert raw == (b"GET /path/x?q=1&r=%20 HTTP/1.1\r\nHost: a.test\r\nAccept: */*\r\n"
                    b"Connection: close\r\n\r\n")
 
@@ -589,19 +569,37 @@ def test_origin_form_request_basic():
     ("http://a.test", "/"),
     ("http://a.test/", "/"),
     ("http://a.test?x=1", "/?x=1"),
+    ("http://a.test#frag", "/"),
     ("http://a.test:8080/p/q/", "/p/q/"),
     ("http://user:secret@a.test/x", "/x"),  # no userinfo in the request line
+    ("http://a.test@a.test/x@y", "/x@y"),
     ("HTTP://A.TEST/Case/Kept", "/Case/Kept"),
     ("http://a.test/a%2Fb?c=d%26e", "/a%2Fb?c=d%26e"),
     ("http://[2606:4700::1]:8080/v6?x", "/v6?x"),
 ])
 def test_origin_form_target(url, target):
-    lines = request_lines(origin_form_request("GET", url, "HTTP/1.1", [("Host", "a.test")], "a.test", 80))
+    lines = request_lines(forward("GET", url, "HTTP/1.1", [("Host", "a.test")], "a.test", 80))
     assert lines[0] == f"GET {target} HTTP/1.1"
 
 
+@pytest.mark.parametrize("url, expected", [
+    ("http://a.test/x", ("a.test", 80, "/x")),
+    ("http://A.Test:8080", ("a.test", 8080, "/")),
+    ("http://u:p@[::1]:81/?q", ("::1", 81, "/?q")),
+])
+def test_parse_proxy_target(url, expected):
+    assert parse_proxy_target(url) == expected
+
+
+@pytest.mark.parametrize("url", ["http://[allowed.test]/", "http://[::1/", "http://:80/", "http://a.test:0/",
+                                 "http:///x", "ftp://a.test/", "/relative", "http://a.test:http/"])
+def test_parse_proxy_target_refusals_are_400(url):
+    exc = refusal(parse_proxy_target, url)
+    assert (exc.status, exc.rule) == (400, "bad-request")
+
+
 def test_origin_form_keeps_method_and_version():
-    lines = request_lines(origin_form_request("DELETE", "http://a.test/r", "HTTP/1.0", [], "a.test", 80))
+    lines = request_lines(forward("DELETE", "http://a.test/r", "HTTP/1.0", [], "a.test", 80))
     assert lines[0] == "DELETE /r HTTP/1.0"
 
 
@@ -617,34 +615,37 @@ def test_hop_by_hop_and_proxy_headers_are_stripped():
         ("Trailer", "Expires"),
         ("UPGRADE", "websocket"),
         ("Content-Length", "5"),
-        ("Transfer-Encoding", "chunked"),
         ("X-Kept", "yes"),
     ]
-    lines = request_lines(origin_form_request("POST", "http://a.test/", "HTTP/1.1", headers, "a.test", 80))
-    assert lines == ["POST / HTTP/1.1", "Host: a.test", "Content-Length: 5", "Transfer-Encoding: chunked",
-                     "X-Kept: yes", "Connection: close"]
-    assert not any(line.lower().startswith("proxy-") for line in lines)
+    lines = request_lines(forward("POST", "http://a.test/", "HTTP/1.1", headers, "a.test", 80))
+    # The framing is the proxy's own, from its parse: last, before Connection.
+    assert lines == ["POST / HTTP/1.1", "Host: a.test", "X-Kept: yes", "Content-Length: 5", "Connection: close"]
+
+
+def test_a_chunked_request_is_forwarded_chunked():
+    lines = request_lines(forward("POST", "http://a.test/", "HTTP/1.1", [("Host", "a.test"),
+                                  ("Transfer-Encoding", "Chunked"), ("Connection", "transfer-encoding")], "a.test", 80))
+    assert lines == ["POST / HTTP/1.1", "Host: a.test", "Transfer-Encoding: chunked", "Connection: close"]
 
 
 @pytest.mark.parametrize("name", sorted(HOP_BY_HOP))
 def test_every_hop_by_hop_header_is_stripped_in_any_case(name):
     for spelled in (name, name.upper(), name.title()):
-        lines = request_lines(origin_form_request("GET", "http://a.test/", "HTTP/1.1",
-                                                  [("Host", "a.test"), (spelled, "v")], "a.test", 80))
+        lines = request_lines(forward("GET", "http://a.test/", "HTTP/1.1", [("Host", "a.test"), (spelled, "v")],
+                                      "a.test", 80))
         assert lines == ["GET / HTTP/1.1", "Host: a.test", "Connection: close"]
 
 
 def test_headers_named_in_connection_are_stripped():
-    headers = [("Host", "a.test"), ("connection", "Keep-Alive, X-Secret-Token ,x-other"),
-               ("X-Secret-Token", "t0ken"), ("X-OTHER", "o"), ("X-Visible", "v")]
-    lines = request_lines(origin_form_request("GET", "http://a.test/", "HTTP/1.1", headers, "a.test", 80))
-    assert lines == ["GET / HTTP/1.1", "Host: a.test", "X-Visible: v", "Connection: close"]
+    headers = [("Host", "a.test"), ("connection", "Keep-Alive, X-Secret-Token ,x-other, host, content-length"),
+               ("X-Secret-Token", "t0ken"), ("X-OTHER", "o"), ("X-Visible", "v"), ("Content-Length", "0")]
+    lines = request_lines(forward("GET", "http://a.test/", "HTTP/1.1", headers, "a.test", 80))
+    assert lines == ["GET / HTTP/1.1", "Host: a.test", "X-Visible: v", "Content-Length: 0", "Connection: close"]
 
 
 def test_connection_close_is_always_the_one_connection_header():
     headers = [("Host", "a.test"), ("Connection", "keep-alive"), ("Connection", "upgrade")]
-    raw = origin_form_request("GET", "http://a.test/", "HTTP/1.1", headers, "a.test", 80)
-    lines = request_lines(raw)
+    lines = request_lines(forward("GET", "http://a.test/", "HTTP/1.1", headers, "a.test", 80))
     assert [line for line in lines if line.lower().startswith("connection")] == ["Connection: close"]
     assert lines[-1] == "Connection: close"
 
@@ -657,15 +658,13 @@ def test_connection_close_is_always_the_one_connection_header():
     ("93.184.216.34", 81, "Host: 93.184.216.34:81"),
 ])
 def test_host_is_added_when_missing(host, port, expected):
-    lines = request_lines(origin_form_request("GET", f"http://{host}:{port}/", "HTTP/1.1",
-                                              [("Accept", "*/*")], host, port))
+    lines = request_lines(forward("GET", f"http://{host}:{port}/", "HTTP/1.1", [("Accept", "*/*")], host, port))
     assert lines == ["GET / HTTP/1.1", "Accept: */*", expected, "Connection: close"]
 
 
 @pytest.mark.parametrize("port, expected", [(8080, "Host: [2606:4700::1]:8080"), (80, "Host: [2606:4700::1]")])
 def test_an_added_ipv6_host_is_bracketed(port, expected):
-    lines = request_lines(origin_form_request("GET", f"http://[2606:4700::1]:{port}/", "HTTP/1.1", [],
-                                              "2606:4700::1", port))
+    lines = request_lines(forward("GET", f"http://[2606:4700::1]:{port}/", "HTTP/1.1", [], "2606:4700::1", port))
     assert lines == ["GET / HTTP/1.1", expected, "Connection: close"]
     # ...and reads back as the host and port it was made from.
     assert split_host_port(expected.removeprefix("Host: "), 80) == ("2606:4700::1", port)
@@ -673,13 +672,13 @@ def test_an_added_ipv6_host_is_bracketed(port, expected):
 
 def test_a_client_host_header_is_kept_not_duplicated():
     headers = [("HOST", "A.Test:80"), ("Accept", "*/*")]
-    lines = request_lines(origin_form_request("GET", "http://a.test/", "HTTP/1.1", headers, "a.test", 80))
+    lines = request_lines(forward("GET", "http://a.test/", "HTTP/1.1", headers, "a.test", 80))
     assert lines == ["GET / HTTP/1.1", "HOST: A.Test:80", "Accept: */*", "Connection: close"]
 
 
 def test_origin_form_round_trips_through_parse_head_and_latin1():
     headers = [("Host", "a.test"), ("X-Name", "caf\xe9"), ("Accept", "*/*"), ("Accept", "text/html")]
-    raw = origin_form_request("GET", "http://a.test/x", "HTTP/1.1", headers, "a.test", 80)
+    raw = forward("GET", "http://a.test/x", "HTTP/1.1", headers, "a.test", 80)
     assert b"X-Name: caf\xe9\r\n" in raw
     assert parse_head(raw[:-4]) == ("GET", "/x", "HTTP/1.1", headers + [("Connection", "close")])
 
@@ -866,10 +865,11 @@ class _Upstream:
         self.data += data
 
 
-def check_first_bytes(chunks: list[bytes], target: str = "allowed.test") -> tuple[ConnectionRecord, bytes]:
-    """EgressProxy._check_first_bytes over a reader that gets `chunks` one at a time (the
-    first before the check starts), then EOF: the record and what reached the upstream.
-    A refusal propagates."""
+def check_first_bytes(chunks: list[bytes], target: str = "allowed.test",
+                      port: int = 443) -> tuple[ConnectionRecord, bytes]:
+    """proxy_tunnel.check_first_bytes over a reader that gets `chunks` one at a time
+    (the first before the check starts), then EOF: the record and what reached the
+    upstream. A refusal propagates."""
     async def run() -> tuple[ConnectionRecord, bytes]:
         reader = asyncio.StreamReader()
         reader.feed_data(chunks[0])
@@ -882,11 +882,10 @@ def check_first_bytes(chunks: list[bytes], target: str = "allowed.test") -> tupl
             reader.feed_eof()
 
         feeder = asyncio.ensure_future(feed())
-        rec = ConnectionRecord(protocol="connect", host=target, port=443)
+        rec = ConnectionRecord(protocol="connect", host=target, port=port)
         upstream = _Upstream()
         try:
-            # The method reads nothing of the proxy's own state: no loop, thread or socket needed.
-            await EgressProxy._check_first_bytes(object.__new__(EgressProxy), rec, reader, upstream)
+            await check_tunnel_first_bytes(rec, reader, upstream)
         finally:
             feeder.cancel()
         return rec, upstream.data
@@ -938,15 +937,95 @@ def test_first_bytes_a_mismatching_host_header_is_refused():
         check_first_bytes([b"GET / HTTP/1.1\r\nHo", b"st: evil.test\r\n\r\n"])
     assert (info.value.status, info.value.rule) == (0, "host-mismatch")
     rec, sent = check_first_bytes([b"GET / HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n"])
-    assert sent.startswith(b"GET / HTTP/1.1")
+    assert sent == b"GET / HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n"
 
 
-def test_first_bytes_an_unreadable_http_head_is_not_relayed_unchecked():
+@pytest.mark.parametrize("head", [
+    b"GET / HTTP/1.1\nHost: evil.test\r\n\r\n",
+    b" GET / HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+    b"GET\t/ HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+    b"\x00\x01\x02",
+    b"\x17\x03\x03\x00\x05hello",  # TLS application data is not a hello
+])
+def test_first_bytes_an_unreadable_head_is_not_relayed_unchecked(head):
+    with pytest.raises(ProxyRefusal) as info:
+        check_first_bytes([head])
+    assert (info.value.status, info.value.rule) == (0, "unreadable-first-bytes")
+
+
+def test_first_bytes_a_head_that_never_ends_is_refused():
+    with pytest.raises(ProxyRefusal) as info:
+        check_first_bytes([b"GET / HTTP/1.1\r\nHost: allowed.test\r\n"])
+    assert info.value.rule == "unreadable-first-bytes"
+
+
+def test_first_bytes_on_a_server_first_port_an_ssh_banner_is_relayed():
+    assert check_first_bytes([b"SSH-2.0-OpenSSH_9.6\r\n"], port=22)[1] == b"SSH-2.0-OpenSSH_9.6\r\n"
     with pytest.raises(ProxyRefusal):
-        check_first_bytes([b"GET / HTTP/1.1\nHost: evil.test\r\n\r\n"])
+        check_first_bytes([b"SSH-2.0-OpenSSH_9.6\r\n"], port=443)
 
 
-def test_first_bytes_that_name_nothing_are_relayed():
-    # The server speaks first, or a protocol with no name in it.
-    for data in (b"SSH-2.0-OpenSSH_9.6\r\n", b"\x00\x01\x02", b"\x17\x03\x03\x00\x05hello"):
-        assert check_first_bytes([data])[1] == data
+# ------------------------------------------------------------------ TunnelRequests
+
+
+def test_tunnel_requests_checks_each_request_however_it_is_cut():
+    stream = (b"GET /a HTTP/1.1\r\nHost: a.test\r\n\r\n"
+              b"POST /b HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n3;x\r\nabc\r\n0\r\nT: 1\r\n\r\n"
+              b"\r\nPUT /c HTTP/1.1\r\nHost: A.TEST.:80\r\nContent-Length: 2\r\n\r\nhi")
+    expected = (b"GET /a HTTP/1.1\r\nHost: a.test\r\n\r\n"
+                b"POST /b HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+                b"PUT /c HTTP/1.1\r\nHost: A.TEST.:80\r\nContent-Length: 2\r\n\r\nhi")
+    for size in (1, 2, 7, 64, len(stream)):
+        t = TunnelRequests("a.test", 80)
+        out = b"".join(t.feed(stream[i:i + size]) for i in range(0, len(stream), size))
+        assert t.checked == 3
+        # However it was cut, the origin gets the same requests (the body maybe in more chunks).
+        assert _unchunk(out) == _unchunk(expected), size
+
+
+def _unchunk(stream: bytes) -> bytes:
+    """The stream with chunked bodies joined, so that two chunkings compare equal."""
+    out, rest = b"", stream
+    while rest:
+        head, _, rest = rest.partition(b"\r\n\r\n")
+        out += head + b"\r\n\r\n"
+        if b"Transfer-Encoding: chunked" in head:
+            body = b""
+            while True:
+                size_line, _, rest = rest.partition(b"\r\n")
+                size = int(size_line, 16)
+                if not size:
+                    rest = rest[2:]
+                    break
+                body, rest = body + rest[:size], rest[size + 2:]
+            out += body + b"|end|"
+        elif b"Content-Length: " in head:
+            n = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+            out, rest = out + rest[:n], rest[n:]
+    return out
+
+
+@pytest.mark.parametrize("stream, rule", [
+    (b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\nGET / HTTP/1.1\r\nHost: b.test\r\n\r\n", "host-mismatch"),
+    (b"GET / HTTP/1.1\r\nHost: a.test\r\nContent-Length: 1\r\n\r\nxGET / HTTP/1.1\r\nHost: b.test\r\n\r\n",
+     "host-mismatch"),
+    (b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n GET / HTTP/1.1\r\nHost: b.test\r\n\r\n", "unreadable-first-bytes"),
+    (b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n\nGET / HTTP/1.1\r\n", "unreadable-first-bytes"),
+    (b"GET / HTTP/1.1\r\nHost: a.test\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n", "unreadable-first-bytes"),
+    (b"CONNECT b.test:80 HTTP/1.1\r\nHost: b.test\r\n\r\n", "host-mismatch"),
+    (b"GET / HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "unreadable-first-bytes"),
+    (b"GET / HTTP/1.1\r\nAccept: */*\r\n\r\n", "unreadable-first-bytes"),  # HTTP/1.1 needs a Host
+    (b"GET / HTTP/1.1\r\nHost: [a.test]\r\n\r\n", "host-mismatch"),
+    (b"A" * (70 * 1024), "unreadable-first-bytes"),
+])
+def test_tunnel_requests_refusals(stream, rule):
+    t = TunnelRequests("a.test", 80)
+    with pytest.raises(ProxyRefusal) as info:
+        t.feed(stream)
+    assert (info.value.status, info.value.rule) == (0, rule)
+
+
+def test_tunnel_requests_accept_http_1_0_without_host():
+    t = TunnelRequests("a.test", 80)
+    assert t.feed(b"GET / HTTP/1.0\r\n\r\n") == b"GET / HTTP/1.0\r\n\r\n"
+    assert t.checked == 1
