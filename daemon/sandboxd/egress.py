@@ -4,28 +4,23 @@ asks these questions; nothing here touches the network."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _LABEL_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
-# Suffixes under which anyone can get a name: a wildcard on one of them admits the
-# whole internet's worth of strangers (and an exfiltration channel). Not the whole
-# Public Suffix List, the multi-label ones agents meet most.
-SHARED_SUFFIXES = frozenset({
-    "co.uk", "org.uk", "ac.uk", "gov.uk", "me.uk", "com.au", "net.au", "org.au", "co.jp", "ne.jp", "or.jp",
-    "com.br", "com.cn", "com.mx", "co.nz", "co.in", "co.za", "com.tr", "com.tw", "com.sg", "com.hk", "co.kr",
-    "github.io", "githubusercontent.com", "gitlab.io", "appspot.com", "herokuapp.com", "cloudfront.net",
-    "amazonaws.com", "s3.amazonaws.com", "azurewebsites.net", "blob.core.windows.net", "blogspot.com",
-    "pages.dev", "workers.dev", "vercel.app", "netlify.app", "web.app", "firebaseapp.com", "ngrok.io",
-    "ngrok-free.app", "trycloudflare.com", "duckdns.org", "no-ip.org", "glitch.me", "repl.co", "fly.dev",
-    "onrender.com", "deno.dev", "r2.dev", "supabase.co",
-})
-# Link-local metadata endpoints and the NAT64 prefix that embeds IPv4 addresses.
+# What the Public Suffix List (publicsuffixlist, loaded lazily by _public_suffixes) does
+# not name. Kept under its old name: suffixes under which anyone gets a name one label
+# down, refused like a public suffix (as a wildcard and as an exact name).
+SHARED_SUFFIXES = frozenset({"glitch.me"})
+# Link-local metadata endpoints and the prefixes that embed or tunnel to IPv4 addresses
+# (refused whole: a translator or relay picks the real destination).
 _ALWAYS_FORBIDDEN: tuple[tuple[IPNetwork, str], ...] = (
     (ipaddress.ip_network("169.254.0.0/16"), "link-local"),
     (ipaddress.ip_network("fe80::/10"), "link-local"),
@@ -33,20 +28,43 @@ _ALWAYS_FORBIDDEN: tuple[tuple[IPNetwork, str], ...] = (
     (ipaddress.ip_network("100.100.100.200/32"), "metadata"),
     (ipaddress.ip_network("64:ff9b::/96"), "nat64"),
     (ipaddress.ip_network("64:ff9b:1::/48"), "nat64"),
-    # Prefixes that embed or tunnel to other addresses, and a deprecated local scope.
+    (ipaddress.ip_network("::ffff:0:0:0/96"), "siit"),
     (ipaddress.ip_network("2002::/16"), "6to4"),
     (ipaddress.ip_network("2001::/32"), "teredo"),
     (ipaddress.ip_network("::/96"), "ipv4-compatible"),
     (ipaddress.ip_network("fec0::/10"), "site-local"),
 )
-# Domains under which anyone gets names at any depth (buckets, tunnels, user content):
-# no wildcard below them at all, only exact names.
+# Domains under which anyone gets names at any depth (buckets, tunnels, request catchers,
+# user content), in the PSL or not: no wildcard on or below them, only exact names.
 SHARED_PARENTS = frozenset({
     "amazonaws.com", "googleapis.com", "googleusercontent.com", "appspot.com", "cloudfront.net",
     "azureedge.net", "azurewebsites.net", "windows.net", "github.io", "github.dev", "githubusercontent.com",
-    "ngrok.io", "ngrok.app", "ngrok-free.app", "trycloudflare.com", "workers.dev", "pages.dev", "r2.dev",
-    "vercel.app", "netlify.app", "herokuapp.com", "fly.dev", "onrender.com", "web.app", "firebaseapp.com",
+    "ngrok.io", "ngrok.app", "ngrok.dev", "ngrok-free.app", "ngrok-free.dev", "trycloudflare.com", "workers.dev",
+    "pages.dev", "r2.dev", "vercel.app", "netlify.app", "herokuapp.com", "fly.dev", "onrender.com", "web.app",
+    "firebaseapp.com", "run.app",
+    # Tunnels and out-of-band catchers the PSL does not list.
+    "devtunnels.ms", "webhook.site", "pipedream.net", "oastify.com", "burpcollaborator.net", "interact.sh",
+    "oast.fun", "oast.pro", "oast.live", "oast.site", "oast.online", "oast.me", "loca.lt", "localtunnel.me",
+    "serveo.net", "serveousercontent.com", "localhost.run", "lhr.life", "requestcatcher.com", "beeceptor.com",
+    "requestbin.net", "requestrepo.com", "pinggy.link", "pinggy.online", "pinggy.net", "bore.pub", "playit.gg",
+    "ply.gg", "zrok.io", "loophole.site", "smee.io", "dnslog.cn", "ceye.io", "gitpod.io", "codesandbox.io",
+    "azurecontainerapps.io",
 })
+
+
+@functools.lru_cache(maxsize=1)
+def _public_suffixes() -> Any:
+    """The bundled Public Suffix List, parsed once on first use (~30 ms), never at
+    import. Only names the list itself holds are public (accept_unknown=False): a
+    single-label host of the operator's table is not one."""
+    from publicsuffixlist import PublicSuffixList
+    return PublicSuffixList(accept_unknown=False)
+
+
+def is_public_suffix(name: str) -> bool:
+    """Whether anyone can register names directly under `name` (normalized): a suffix of
+    the Public Suffix List (ICANN or private section) or of SHARED_SUFFIXES."""
+    return name in SHARED_SUFFIXES or bool(_public_suffixes().is_public(name))
 
 
 def parse_ip(host: str) -> IPAddress | None:
@@ -83,8 +101,9 @@ def is_hostname(name: str) -> bool:
 
 def normalize_pattern(pattern: str) -> str:
     """An allowDomains entry in its canonical form, or ValueError saying why not:
-    an exact host name, `*.suffix` with a suffix of at least two labels that is not a
-    shared public suffix, or an exact IP literal."""
+    an exact host name that is not a public suffix, `*.suffix` with a suffix of at
+    least two labels that is neither a public suffix nor on or below a SHARED_PARENT,
+    or an exact IP literal."""
     p = pattern.strip()
     if not p:
         raise ValueError("empty pattern")
@@ -106,16 +125,19 @@ def normalize_pattern(pattern: str) -> str:
             raise ValueError(f"{suffix!r} is not a valid host name")
         if "." not in suffix:
             raise ValueError(f"'*.{suffix}' would admit a whole top-level domain")
-        if suffix in SHARED_SUFFIXES:
-            raise ValueError(f"'{suffix}' is a public suffix: '*.{suffix}' would admit anyone's names")
+        if is_public_suffix(suffix):
+            raise ValueError(f"'{suffix}' is a public suffix (Public Suffix List): '*.{suffix}' would admit "
+                             "anyone's names")
         for parent in SHARED_PARENTS:
-            if suffix.endswith("." + parent):
+            if suffix == parent or suffix.endswith("." + parent):
                 raise ValueError(f"names below '{parent}' belong to anyone: list exact names, not '*.{suffix}'")
         return p
     if "*" in p:
         raise ValueError("a wildcard is only allowed as a leading '*.'")
     if not is_hostname(p):
         raise ValueError(f"{p!r} is not a valid host name")
+    if "." in p and is_public_suffix(p):
+        raise ValueError(f"'{p}' is a public suffix (Public Suffix List), not one owner's host: name a host below it")
     return p
 
 
@@ -131,15 +153,42 @@ def match_host(host: str, patterns: Iterable[str]) -> str | None:
     return None
 
 
-def forbidden_reason(ip: IPAddress, *, deny_private: bool, own_addresses: frozenset[IPAddress] = frozenset(),
-                     exempt: tuple[IPNetwork, ...] = ()) -> str | None:
-    """Why a sandbox may not reach `ip`, or None. Loopback, link-local, metadata,
-    multicast, unspecified, tunnelling prefixes and the daemon host's own addresses are
-    refused whatever the policy or the operator's exemptions say; with deny_private,
-    every other address that is not globally routable is, unless the operator exempts
-    its network (an internal mirror)."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+
+
+def embedded_ipv4(ip: IPAddress) -> list[tuple[str, ipaddress.IPv4Address]]:
+    """The IPv4 addresses an IPv6 address carries, with the form that carries each:
+    ipv4-mapped (::ffff:a.b.c.d), siit (::ffff:0:a.b.c.d), ipv4-compatible (::a.b.c.d),
+    nat64 (64:ff9b::/96; in 64:ff9b:1::/48 at every RFC 6052 prefix length, since the
+    operator's is unknown), 6to4 (2002:AABB:CCDD::) and teredo (the client address, its
+    bits complemented). Empty for an IPv4 address or an IPv6 address with none."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return []
+    n = int(ip)
+    low = ipaddress.IPv4Address(n & 0xFFFFFFFF)
+    top96 = n >> 32
+    if top96 == 0xFFFF:
+        return [("ipv4-mapped", low)]
+    if top96 == 0xFFFF0000:
+        return [("siit", low)]
+    if top96 == 0 and n > 1:  # not :: nor ::1, which are IPv6's own
+        return [("ipv4-compatible", low)]
+    if top96 == 0x64FF9B << 64:
+        return [("nat64", low)]
+    if ip in _NAT64_LOCAL:
+        # RFC 6052 2.2: 32 bits after the prefix, skipping bits 64-71 (the u octet).
+        b = n.to_bytes(16, "big")
+        spans = (b[12:16], b[9:13], b[7:8] + b[9:12], b[6:8] + b[9:11])  # /96, /64, /56, /48
+        return [("nat64", ipaddress.IPv4Address(x)) for x in spans]
+    if ip.sixtofour is not None:
+        return [("6to4", ip.sixtofour)]
+    if ip.teredo is not None:
+        return [("teredo", ip.teredo[1])]
+    return []
+
+
+def _plain_reason(ip: IPAddress, *, deny_private: bool, own_addresses: frozenset[IPAddress],
+                  exempt: tuple[IPNetwork, ...]) -> str | None:
     if ip.is_loopback:
         return "loopback"
     if ip.is_unspecified:
@@ -154,6 +203,32 @@ def forbidden_reason(ip: IPAddress, *, deny_private: bool, own_addresses: frozen
     if deny_private and not ip.is_global and not any(ip in net for net in exempt):
         return "private"
     return None
+
+
+def forbidden_reason(ip: IPAddress, *, deny_private: bool, own_addresses: frozenset[IPAddress] = frozenset(),
+                     exempt: tuple[IPNetwork, ...] = ()) -> str | None:
+    """Why a sandbox may not reach `ip`, or None. Loopback, link-local, metadata,
+    multicast, unspecified, tunnelling prefixes and the daemon host's own addresses are
+    refused whatever the policy or the operator's exemptions say; with deny_private,
+    every other address that is not globally routable is, unless the operator exempts
+    its network (an internal mirror). An IPv4-mapped address is the IPv4 address it
+    carries; every other form that embeds one (embedded_ipv4) is refused whole, and
+    when the IPv4 address inside would be refused too the reason says so."""
+    kw = {"deny_private": deny_private, "own_addresses": own_addresses, "exempt": exempt}
+    embedded = embedded_ipv4(ip)
+    if embedded and embedded[0][0] == "ipv4-mapped":
+        return _plain_reason(embedded[0][1], **kw)
+    # Scope ids (fe80::1%eth0) play no part in which address it is.
+    if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id:
+        ip = ipaddress.IPv6Address(int(ip))
+    own = _plain_reason(ip, **kw)
+    for kind, v4 in embedded:
+        inner = _plain_reason(v4, **kw)
+        if inner is not None:
+            return f"{kind} (embeds {v4}, {inner})"
+    if own is None and embedded:  # fail closed: a form with no prefix entry of its own
+        return embedded[0][0]
+    return own
 
 
 @dataclass(frozen=True)
@@ -197,7 +272,8 @@ def decide_address(ip: IPAddress, rules: EgressRules) -> Decision:
     if reason is None:
         return Decision(True, "address-allowed")
     rule = "deny-private-networks" if reason == "private" else "never-reachable"
-    return Decision(False, rule, f"{ip}, a {reason} address")
+    article = "an" if reason[0] in "aeiou" else "a"
+    return Decision(False, rule, f"{ip}, {article} {reason} address")
 
 
 # ---------------------------------------------------------------- the host's own addresses

@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import pytest
 
-from sandboxd.redact import MIN_ENCODED_LENGTH, Redactor, encodings
+from sandboxd.redact import MIN_ENCODED_LENGTH, SEPARATORS, Redactor, encodings
 
 STDOUT, STDERR = 1, 2
 
@@ -23,25 +23,37 @@ def marker(binding: str) -> bytes:
 
 
 def reference(secrets: dict[str, bytes], data: bytes) -> bytes:
-    """Independent, naive model of the whole-input result: scanning left to right, at
-    each position the longest form that starts there is replaced and skipped over."""
+    """Independent, naive model of the whole-input result. Matching sees the input in
+    lower case without SEPARATORS (so do the forms); scanning that left to right, at each
+    position the longest form that starts there is replaced (from its first byte to its
+    last in the input) and skipped over."""
+    def visible(b: int) -> bool:
+        return b not in SEPARATORS
+
     table: dict[bytes, bytes] = {}
     for binding, value in sorted(secrets.items()):
         for form in encodings(value):
-            table.setdefault(form, marker(binding))
+            sk = bytes(b for b in form.lower() if visible(b))
+            if sk:
+                table.setdefault(sk, marker(binding))
     forms = sorted(table, key=len, reverse=True)
+    low = data.lower()
+    where = [i for i, b in enumerate(low) if visible(b)]  # input offset of each skeleton byte
+    sk = bytes(low[i] for i in where)
     out = bytearray()
-    i = 0
-    while i < len(data):
+    copied = 0
+    j = 0
+    while j < len(sk):
         for form in forms:
-            if data.startswith(form, i):
-                out += table[form]
-                i += len(form)
+            if sk.startswith(form, j):
+                start, end = where[j], where[j + len(form) - 1] + 1
+                out += data[copied:start] + table[form]
+                copied = end
+                j += len(form)
                 break
         else:
-            out.append(data[i])
-            i += 1
-    return bytes(out)
+            j += 1
+    return bytes(out + data[copied:])
 
 
 def run(red: Redactor, chunks, stream: int = STDOUT) -> bytes:
@@ -97,6 +109,8 @@ class TestEncodings:
         assert encodings(b"abcdefgh") == {
             b"abcdefgh",
             b"6162636465666768",  # hex; its upper-case form is the same
+            b"\\x61\\x62\\x63\\x64\\x65\\x66\\x67\\x68",  # C escapes
+            b"0x610x620x630x640x650x660x670x68",  # 0x bytes (", " between them is dropped)
             b"YWJjZGVmZ2",  # base64, aligned
             b"hYmNkZWZna",  # after 1 byte
             b"FiY2RlZmdo",  # after 2 bytes
@@ -129,10 +143,12 @@ class TestEncodings:
         assert b"-_-_-_-_-_-_" in forms
 
     def test_short_values_keep_only_raw_and_long_enough_forms(self):
-        assert encodings(b"abc") == {b"abc"}  # hex "616263" is 6 chars: too short
-        assert encodings(b"abcd") == {b"abcd", b"61626364"}
+        # hex "616263" is 6 chars: too short; its escapes are long enough.
+        assert encodings(b"abc") == {b"abc", b"\\x61\\x62\\x63", b"0x610x620x63"}
+        assert encodings(b"abcd") == {b"abcd", b"61626364", b"\\x61\\x62\\x63\\x64", b"0x610x620x630x64"}
         # 6 bytes: only the aligned base64 core is 8 characters long.
-        assert encodings(b"abcdef") == {b"abcdef", b"616263646566", b"YWJjZGVm"}
+        assert encodings(b"abcdef") == {b"abcdef", b"616263646566", b"YWJjZGVm", b"\\x61\\x62\\x63\\x64\\x65\\x66",
+                                        b"0x610x620x630x640x650x66"}
         for n in range(1, 12):
             value = os.urandom(n)
             for form in encodings(value):
@@ -199,14 +215,22 @@ class TestBasics:
     def test_near_misses_pass_untouched(self):
         secret = b"hunter2-secret"
         red = Redactor({"k": secret})
-        data = b"hunter2-secreT hunter2_secret hunter2-secre hunter2 -secret\n"
+        data = b"hunter2_secret hunter2-secre; hunter2+secret hunter3-secret\n"
         assert run(red, [data]) == data
+
+    def test_case_and_separators_do_not_hide_the_value(self):
+        secret = b"hunter2-secret"
+        for text in (b"hunter2-secreT", b"HUNTER2-SECRET", b"hunter2 -secret", b"hunter2\n-secret", b"hunter2secret",
+                     b"h:u:n:t:e:r:2:s:e:c:r:e:t"):
+            assert run(Redactor({"k": secret}), [b"<" + text + b">"]) == b"<[REDACTED:k]>", text
 
 
 # -- streaming: live output, held tails ----------------------------------------------------
 
 class TestStreaming:
     SECRET = b"hunter2-secret"
+    HARMLESS = bytes(sorted(set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;\n")
+                            - {f[0] for f in encodings(SECRET)} - {f[0] for f in map(bytes.upper, encodings(SECRET))}))
 
     def test_output_that_cannot_start_a_secret_is_passed_on_at_once(self):
         red = Redactor({"k": self.SECRET})
@@ -220,7 +244,8 @@ class TestStreaming:
         red = Redactor({"k": self.SECRET})
         rng = random.Random(3)
         for _ in range(200):
-            chunk = bytes(rng.choice(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;\n") for _ in range(rng.randint(1, 300)))
+            # No letter that begins a form, in either case (forms are matched case-blind).
+            chunk = bytes(rng.choice(self.HARMLESS) for _ in range(rng.randint(1, 300)))
             assert red.feed(STDOUT, chunk) == chunk
 
     def test_a_tail_that_begins_a_secret_is_held_and_released_by_flush(self):
@@ -300,8 +325,9 @@ class TestStreamsAreIndependent:
         assert red.feed(STDOUT, b"hunter2") == b""
         assert red.feed(STDERR, b"hunter2") == b""
         assert red.flush(STDERR) == b"hunter2"
-        assert red.feed(STDOUT, b"-secret") == b""
-        assert red.flush(STDOUT) == b"[REDACTED:k]"
+        # Whole, and no longer form begins with it: struck at once.
+        assert red.feed(STDOUT, b"-secret") == b"[REDACTED:k]"
+        assert red.flush(STDOUT) == b""
 
 
 # -- every way of chunking ------------------------------------------------------------------
@@ -545,7 +571,10 @@ def test_two_megabytes_with_secrets_sprinkled_are_redacted_quickly():
         binding = rng.choice(sorted(secrets))
         form = rng.choice(forms[binding])
         parts += [noise, form]
-        want += [noise, marker(binding)]
+        # Separators at a form's edges are not part of the match: they stay.
+        lead = len(form) - len(form.lower().lstrip(SEPARATORS))
+        trail = len(form) - len(form.lower().rstrip(SEPARATORS))
+        want += [noise, form[:lead] + marker(binding) + form[len(form) - trail:]]
         size += len(noise) + len(form)
         inserted += 1
     data = b"".join(parts)
