@@ -3,10 +3,11 @@ is told: a DockerSpec. No engine, no filesystem; golden tests pin the output."""
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from .policy import WORKSPACE, EffectivePolicy
+from .policy import WORKSPACE, EffectivePolicy, is_within
 from .preflight import HostPlan
 
 LABEL_PREFIX = "sandboxd."
@@ -56,8 +57,20 @@ class StagedBind:
 
 
 @dataclass(frozen=True)
+class StagedMask:
+    """A blocked path inside a staged root: masked there, on the inode preflight found,
+    before the engine is called (a mount point cannot be renamed away after)."""
+
+    bind_index: int
+    relative_path: str
+    kind: str  # "file" | "dir"
+    dev: int
+    ino: int
+
+
+@dataclass(frozen=True)
 class Staging:
-    """What a sandbox's staging needs: the workspace as checked, and each root."""
+    """What a sandbox's staging needs: the workspace as checked, each root, each mask."""
 
     directory: str
     gid: int
@@ -65,15 +78,25 @@ class Staging:
     workspace_dev: int
     workspace_ino: int
     binds: tuple[StagedBind, ...]
+    masks: tuple[StagedMask, ...] = ()
+    mask_file: str = ""
 
 
-def staging_for(plan: HostPlan) -> Staging | None:
-    """The roots of `plan` bound under its staging directory, in the plan's order."""
+def staging_for(plan: HostPlan, mask_file: str) -> Staging | None:
+    """The roots of `plan` bound under its staging directory, in the plan's order, and
+    each mask in the deepest root that holds it (the one the sandbox sees there)."""
     if not plan.staging_dir or not plan.binds:
         return None
+    masks = []
+    for m in plan.masks:
+        holders = [i for i, b in enumerate(plan.binds) if is_within(m.sandbox_path, b.sandbox_path)]
+        if holders:
+            i = max(holders, key=lambda k: len(plan.binds[k].sandbox_path))
+            rel = posixpath.relpath(m.sandbox_path, plan.binds[i].sandbox_path)
+            masks.append(StagedMask(i, rel, m.kind, m.dev, m.ino))
     return Staging(plan.staging_dir, plan.gid, plan.workspace, plan.workspace_dev, plan.workspace_ino,
                    tuple(StagedBind(b.host_path, b.dev, b.ino, f"{plan.staging_dir}/{i}")
-                         for i, b in enumerate(plan.binds)))
+                         for i, b in enumerate(plan.binds)), tuple(masks), mask_file)
 
 
 def bind_source(plan: HostPlan, index: int) -> str:
@@ -338,6 +361,6 @@ def compile_docker(
         max_stderr_bytes=policy.max_stderr_bytes,
         seccomp_profile=seccomp_profile,
         stdio_host_dir=attachments.stdio_host_dir,
-        staging=staging_for(plan),
+        staging=staging_for(plan, mask_file),
     )
 

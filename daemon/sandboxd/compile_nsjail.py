@@ -283,7 +283,7 @@ def compile_nsjail(
         timeout_ms=policy.timeout_ms,
         max_stdout_bytes=policy.max_stdout_bytes,
         max_stderr_bytes=policy.max_stderr_bytes,
-        staging=staging_for(plan),
+        staging=staging_for(plan, mask_file),
     )
 
 

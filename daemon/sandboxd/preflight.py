@@ -33,6 +33,9 @@ class Bind:
 class Mask:
     sandbox_path: str
     kind: str  # "file" | "dir"
+    # The inode preflight found there: the mask is placed only on it (backends/staging.py).
+    dev: int = 0
+    ino: int = 0
 
 
 @dataclass(frozen=True)
@@ -254,6 +257,7 @@ def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSetti
                     f"{p} has a hard link elsewhere ({os.path.relpath(linked, workspace)}); "
                     "its content would stay visible under the other name", field=where)
             if all(m.sandbox_path != target for m in masks):
-                masks.append(Mask(target, "dir" if os.path.isdir(host) else "file"))
+                st = os.lstat(host)
+                masks.append(Mask(target, "dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_dev, st.st_ino))
     return HostPlan(workspace=workspace, uid=uid, gid=gid, binds=tuple(binds), masks=tuple(masks), notes=tuple(notes),
                     workspace_dev=ws_stat.st_dev, workspace_ino=ws_stat.st_ino)

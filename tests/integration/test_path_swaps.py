@@ -108,3 +108,45 @@ def test_a_swapped_write_root_never_writes_where_it_was_swapped_for(daemon, clie
     assert not list(target.glob("planted-*")), "a call wrote into the directory outside the workspace"
     assert any(b"mine.txt" in r.stdout for r in outputs), "no call ran: the test proves nothing"
     assert len(list((ws / "data").glob("planted-*"))) == sum(r.result.exit_code == 0 for r in outputs)
+
+
+class NameSwapper(Swapper):
+    """Swaps a blocked file's name with a decoy's: after a swap the blocked content
+    sits under the decoy's name, which no mask covers."""
+
+    def __init__(self, workspace: Path, a: str, b: str):
+        super().__init__(workspace)
+        self._a, self._b = a, b
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            _exchange(self._fd, self._a, self._b)
+            self._stop.wait(0.0005)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if (Path(f"/proc/self/fd/{self._fd}") / self._a).read_text() != "BLOCKED\n":
+            _exchange(self._fd, self._a, self._b)
+        os.close(self._fd)
+
+
+def test_a_blocked_file_swapped_with_a_decoy_stays_masked(daemon, client):
+    ws = daemon.new_workspace({"secret.txt": "BLOCKED\n", "decoy.txt": "decoy\n"})
+    policy = {"filesystem": {"readRoots": ["/workspace"], "blockedPaths": ["secret.txt"]}}
+    argv = sh("cat /workspace/decoy.txt /workspace/secret.txt 2>/dev/null; true")
+    shown, refused = [], 0
+    with NameSwapper(ws, "secret.txt", "decoy.txt"):
+        for _ in range(CALLS):
+            try:
+                outcome = client.run(call(ws, argv, policy))
+            except errors.FailedPrecondition:
+                refused += 1
+                continue
+            if "changed after it was checked" in outcome.result.error.message:
+                refused += 1
+            else:
+                shown.append(outcome.stdout)
+    assert not [s for s in shown if b"BLOCKED" in s], "a call read the blocked file under the decoy's name"
+    assert shown, "no call ran: the test proves nothing"
+    assert not list(Path(daemon.base, "runtime", "mounts").glob("*")), "staged mounts left behind"

@@ -15,6 +15,10 @@ from sandboxd.settings import DaemonSettings
 from .conftest import WORKSPACE_GID, WORKSPACE_UID, resolve
 
 
+def _shapes(masks) -> tuple:
+    return tuple((m.sandbox_path, m.kind) for m in masks)
+
+
 def _bind(sandbox_path: str, host, read_only: bool) -> Bind:
     """A bind as preflight makes it: with the inode it checked, which staging compares."""
     st = os.lstat(host)
@@ -47,7 +51,7 @@ def test_plain_workspace(host):
     assert plan.workspace == str(host.ws)
     assert (plan.uid, plan.gid) == (WORKSPACE_UID, WORKSPACE_GID)
     assert plan.binds == (_bind("/workspace", host.ws, read_only=True),)
-    assert plan.masks == () and plan.notes == ()
+    assert _shapes(plan.masks) == () and plan.notes == ()
 
 
 def test_workspace_outside_roots(host):
@@ -147,7 +151,7 @@ def test_write_roots_in_custom_temp_dir_produce_no_bind(host):
 
 def test_empty_roots_give_no_binds(host):
     plan = plan_for(host, {})
-    assert plan.binds == () and plan.masks == ()
+    assert plan.binds == () and _shapes(plan.masks) == ()
 
 
 def test_missing_read_root(host):
@@ -217,19 +221,21 @@ def test_file_root_is_a_bind_of_the_file(host):
 def test_blocked_file_is_masked_as_file(host):
     mkfile(host.ws / ".env", "SECRET=1")
     plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": [".env"]})
-    assert plan.masks == (Mask("/workspace/.env", "file"),)
+    assert _shapes(plan.masks) == (("/workspace/.env", "file"),)
     assert plan.notes == ()
+    st = os.lstat(host.ws / ".env")  # the inode staging masks, and only it
+    assert (plan.masks[0].dev, plan.masks[0].ino) == (st.st_dev, st.st_ino)
 
 
 def test_blocked_dir_is_masked_as_dir(host):
     mkfile(host.ws / ".git" / "config")
     plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["/workspace/.git"]})
-    assert plan.masks == (Mask("/workspace/.git", "dir"),)
+    assert _shapes(plan.masks) == (("/workspace/.git", "dir"),)
 
 
 def test_missing_blocked_path_is_a_note(host):
     plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["/workspace/nothing"]})
-    assert plan.masks == ()
+    assert _shapes(plan.masks) == ()
     assert len(plan.notes) == 1 and "/workspace/nothing" in plan.notes[0]
 
 
@@ -237,14 +243,14 @@ def test_blocked_path_not_under_any_root_is_a_note(host):
     (host.ws / "src").mkdir()
     mkfile(host.ws / "secret" / "key")
     plan = plan_for(host, {"readRoots": ["src"], "blockedPaths": ["secret"]})
-    assert plan.masks == ()
+    assert _shapes(plan.masks) == ()
     assert len(plan.notes) == 1 and "/workspace/secret" in plan.notes[0]
 
 
 def test_blocked_path_only_in_temp_dir_write_root_is_a_note(host):
     mkfile(host.ws / "secret")
     plan = plan_for(host, {"writeRoots": ["/tmp/x"], "blockedPaths": ["secret"]})
-    assert plan.masks == () and len(plan.notes) == 1
+    assert _shapes(plan.masks) == () and len(plan.notes) == 1
 
 
 def test_blocked_dangling_symlink_is_a_note(host):
@@ -253,14 +259,14 @@ def test_blocked_dangling_symlink_is_a_note(host):
     # (which the service turns into INTERNAL).
     (host.ws / ".env").symlink_to("secrets/.env.local")
     plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": [".env"]})
-    assert plan.masks == ()
+    assert _shapes(plan.masks) == ()
     assert len(plan.notes) == 1 and ".env" in plan.notes[0]
 
 
 def test_blocked_symlink_out_of_workspace_is_a_note(host):
     (host.ws / "leak").symlink_to(host.outside / "secret.txt")
     plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["leak"]})
-    assert plan.masks == ()
+    assert _shapes(plan.masks) == ()
     assert len(plan.notes) == 1 and "outside" in plan.notes[0]
 
 
@@ -284,14 +290,14 @@ def test_hard_link_check_skipped_when_invisible(host):
     secret = mkfile(host.ws / "secret.key")
     os.link(secret, host.ws / "copy")
     plan = plan_for(host, {"readRoots": ["src"], "blockedPaths": ["secret.key"]})
-    assert plan.masks == () and len(plan.notes) == 1
+    assert _shapes(plan.masks) == () and len(plan.notes) == 1
 
 
 def test_symlink_to_blocked_file_masks_the_target(host):
     mkfile(host.ws / "real" / "secret.txt")
     (host.ws / "alias.txt").symlink_to("real/secret.txt")
     plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["alias.txt"]})
-    assert plan.masks == (Mask("/workspace/real/secret.txt", "file"),)
+    assert _shapes(plan.masks) == (("/workspace/real/secret.txt", "file"),)
 
 
 def test_blocked_absolute_sandbox_symlink_is_not_dismissed(host):
@@ -307,27 +313,27 @@ def test_blocked_absolute_sandbox_symlink_is_not_dismissed(host):
         plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["/workspace/creds"]})
     except SandboxdError:
         return
-    assert Mask("/workspace/.secrets/creds", "file") in plan.masks, plan
+    assert ("/workspace/.secrets/creds", "file") in _shapes(plan.masks), plan
 
 
 def test_blocked_path_through_symlinked_dir_masks_the_target(host):
     mkfile(host.ws / "real" / "secret.txt")
     (host.ws / "linkdir").symlink_to(host.ws / "real")
     plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["linkdir/secret.txt"]})
-    assert plan.masks == (Mask("/workspace/real/secret.txt", "file"),)
+    assert _shapes(plan.masks) == (("/workspace/real/secret.txt", "file"),)
 
 
 def test_aliases_of_one_blocked_path_give_one_mask(host):
     mkfile(host.ws / "real" / "secret.txt")
     (host.ws / "alias.txt").symlink_to(host.ws / "real" / "secret.txt")
     plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["real/secret.txt", "alias.txt"]})
-    assert plan.masks == (Mask("/workspace/real/secret.txt", "file"),)
+    assert _shapes(plan.masks) == (("/workspace/real/secret.txt", "file"),)
 
 
 def test_masks_under_a_write_root(host):
     mkfile(host.ws / "out" / "token")
     plan = plan_for(host, {"readRoots": [], "writeRoots": ["out"], "blockedPaths": ["out/token"]})
-    assert plan.masks == (Mask("/workspace/out/token", "file"),)
+    assert _shapes(plan.masks) == (("/workspace/out/token", "file"),)
 
 
 def test_blocked_symlink_aliasing_a_read_root_is_not_exposed(host):
@@ -376,7 +382,7 @@ def test_blocked_dir_at_scan_limit_is_masked(host, monkeypatch):
     monkeypatch.setattr(preflight_module, "MAX_BLOCKED_SCAN_ENTRIES", 3)
     for i in range(3):
         mkfile(host.ws / "big" / f"f{i}")
-    assert plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["big"]}).masks == (Mask("/workspace/big", "dir"),)
+    assert _shapes(plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["big"]}).masks) == (("/workspace/big", "dir"),)
 
 
 def test_blocked_path_inside_a_blocked_dir_adds_no_nested_mask(host):
@@ -385,7 +391,7 @@ def test_blocked_path_inside_a_blocked_dir_adds_no_nested_mask(host):
     # sandbox fails to start. The nested path is already invisible.
     mkfile(host.ws / "secrets" / "key")
     plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["secrets", "secrets/key"]})
-    assert plan.masks == (Mask("/workspace/secrets", "dir"),)
+    assert _shapes(plan.masks) == (("/workspace/secrets", "dir"),)
 
 
 def test_preflight_does_not_modify_the_workspace(host):

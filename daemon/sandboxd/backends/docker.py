@@ -8,14 +8,11 @@ hands over. Docker SDK exceptions are translated here and nowhere else."""
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import glob
 import json
 import logging
 import os
-import select
-import shutil
 import signal as signal_module
 import socket
 import subprocess
@@ -28,16 +25,19 @@ import requests
 
 from ..compile import LABEL_PREFIX, Attachments, DockerSpec, SandboxIdentity, cgroup_parent_for, compile_docker
 from ..errors import BackendUnavailable, FailedPrecondition, InternalError
-from ..output import STDERR, STDOUT, OutputSpool
+from ..output import OutputSpool
 from . import CGROUP_ROOT, ExitStatus, ResourceUsage, SandboxHandle
 from . import backstop, staging
 from .cgroups import cgroup_usage
+from .docker_output import (WRITER_GRACE_S, frame_size_needed, make_stdio_fifos, open_stdio_fifos, parse_frames,
+                            pump_fifos, remove_stdio_fifos)
+
+__all__ = ["DockerBackend", "WRITER_GRACE_S", "create_args", "frame_size_needed", "host_config_args",
+           "load_seccomp_profile", "make_stdio_fifos", "open_stdio_fifos", "parse_frames", "pump_fifos",
+           "remove_stdio_fifos"]
 
 log = logging.getLogger("sandboxd.docker")
 _RECV_BYTES = 4 << 20
-_FIFO_READ_BYTES = 1 << 20
-# How long output FIFOs stay open after their container has ended (pump_fifos).
-WRITER_GRACE_S = 0.5
 
 
 def create_args(spec: DockerSpec) -> dict[str, Any]:
@@ -85,36 +85,6 @@ def host_config_args(spec: DockerSpec, seccomp_json: str) -> dict[str, Any]:
     }
 
 
-def parse_frames(buf: bytes | bytearray | memoryview, sink: OutputSpool) -> int:
-    """Writes every complete multiplexed frame of `buf` into `sink`; returns the number
-    of bytes consumed. Frame: 1 byte stream, 3 zero bytes, 4 bytes big-endian size.
-    Consecutive frames of one stream go to the sink as one write."""
-    view = memoryview(buf)
-    pos, end = 0, len(view)
-    run_stream, run_parts = 0, []
-    while end - pos >= 8:
-        size = int.from_bytes(view[pos + 4:pos + 8], "big")
-        if end - pos - 8 < size:
-            break
-        stream = STDERR if view[pos] == 2 else STDOUT
-        if stream != run_stream and run_parts:
-            sink.write_parts(run_stream, run_parts)
-            run_parts = []
-        run_stream = stream
-        run_parts.append(view[pos + 8:pos + 8 + size])
-        pos += 8 + size
-    if run_parts:
-        sink.write_parts(run_stream, run_parts)
-    return pos
-
-
-def frame_size_needed(buf: bytes | bytearray | memoryview) -> int:
-    """Bytes the frame at the start of `buf` needs in all (0 if its header is incomplete)."""
-    if len(buf) < 8:
-        return 0
-    return 8 + int.from_bytes(bytes(buf[4:8]), "big")
-
-
 def _signal_name(exit_code: int) -> str:
     # Docker reports 128+N when the init's child died of signal N.
     if 128 < exit_code < 128 + 65:
@@ -153,6 +123,10 @@ def _engine_errors_are_unavailable(method):
     return wrapper
 
 
+# How often removals dockerd did not answer are tried again.
+REMOVAL_RETRY_S = 1.0
+
+
 class DockerBackend:
     name = "docker"
 
@@ -171,6 +145,9 @@ class DockerBackend:
         self._errors = docker.errors
         self._docker_host = docker_host
         self._backstop: subprocess.Popen | None = None
+        self._pending_lock = threading.Lock()
+        self._pending_removals: set[str] = set()
+        self._remover: threading.Thread | None = None
         self._seccomp_name = os.path.basename(seccomp_path)
         self._seccomp_json = load_seccomp_profile(seccomp_path)
         self._mask_file = mask_file
@@ -353,9 +330,38 @@ class DockerBackend:
         return status, cgroup_usage(handle.spec.cgroup_parent)
 
     def destroy(self, handle: SandboxHandle) -> None:
-        self._force_remove(handle.engine_id)
+        if not self._force_remove(handle.engine_id):
+            self._remove_later(handle.engine_id)
         remove_cgroup(handle.spec.cgroup_parent)
         self._release_host_parts(handle.spec)
+
+    def _remove_later(self, engine_id: str) -> None:
+        """dockerd did not answer (restarting): the container is removed once it does,
+        by a thread that asks every REMOVAL_RETRY_S, not at the daemon's next start."""
+        with self._pending_lock:
+            self._pending_removals.add(engine_id)
+            if self._remover is not None and self._remover.is_alive():
+                return
+            self._remover = threading.Thread(target=self._retry_removals, name="docker-removals", daemon=True)
+            self._remover.start()
+
+    def _retry_removals(self) -> None:
+        while True:
+            time.sleep(REMOVAL_RETRY_S)
+            with self._pending_lock:
+                pending = list(self._pending_removals)
+            done = {engine_id for engine_id in pending if self._force_remove(engine_id)}
+            with self._pending_lock:
+                self._pending_removals -= done
+                if not self._pending_removals:
+                    self._remover = None
+                    return
+            if done:
+                log.info("removed %d sandboxes once dockerd answered again", len(done))
+
+    def pending_removals(self) -> int:
+        with self._pending_lock:
+            return len(self._pending_removals)
 
     @staticmethod
     def _release_host_parts(spec: DockerSpec) -> None:
@@ -363,7 +369,8 @@ class DockerBackend:
         if spec.staging is not None:
             staging.release(spec.staging.directory)
 
-    def _force_remove(self, ref: str) -> None:
+    def _force_remove(self, ref: str) -> bool:
+        """Whether the container is gone (or going); False when dockerd did not answer."""
         try:
             self._api.remove_container(ref, force=True, v=True)
         except self._errors.NotFound:
@@ -371,6 +378,12 @@ class DockerBackend:
         except self._errors.APIError as exc:
             if exc.status_code != 409:  # removal already in progress
                 log.error("could not remove container %s: %s", ref, exc.explanation)
+                return exc.status_code is None or exc.status_code < 500
+        except (requests.exceptions.RequestException, ConnectionError) as exc:
+            log.warning("dockerd did not answer the removal of %s (%s): retried until it does", ref,
+                        type(exc).__name__)
+            return False
+        return True
 
     def has_sandbox(self, sandbox_id: str) -> bool:
         """Whether any container of that sandbox exists (True when dockerd cannot say)."""
@@ -389,109 +402,6 @@ class DockerBackend:
             if sandbox_id:
                 remove_cgroup(cgroup_parent_for(sandbox_id))
         return len(containers)
-
-
-def make_stdio_fifos(directory: str, uid: int, gid: int) -> None:
-    """A sandbox's stdout and stderr FIFOs, which its user can write and not read. The directory is
-    bound read-only into the sandbox, so they cannot be replaced or re-moded from it."""
-    remove_stdio_fifos(directory)
-    os.mkdir(directory, 0o711)
-    for name in ("stdout", "stderr"):
-        path = os.path.join(directory, name)
-        os.mkfifo(path, 0o200)  # write-only: a command cannot read (steal) its own record
-        os.chown(path, uid, gid)
-
-
-def remove_stdio_fifos(directory: str) -> None:
-    if directory:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def open_stdio_fifos(directory: str) -> dict[int, int]:
-    """{stream: read end}, non-blocking (an open for reading would wait for a writer),
-    with a 1 MiB pipe where the kernel allows it (fewer wake-ups per megabyte)."""
-    fds: dict[int, int] = {}
-    try:
-        for stream, name in ((STDOUT, "stdout"), (STDERR, "stderr")):
-            fds[stream] = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            try:
-                fcntl.fcntl(fds[stream], fcntl.F_SETPIPE_SZ, _FIFO_READ_BYTES)
-            except OSError:
-                pass
-    except OSError as exc:
-        for fd in fds.values():
-            os.close(fd)
-        raise InternalError(f"the sandbox's output pipes could not be opened: {exc.strerror}") from None
-    return fds
-
-
-def pump_fifos(fifos: dict[int, int], wake_fd: int, sink: OutputSpool, handle: SandboxHandle,
-               grace_s: float = WRITER_GRACE_S) -> None:
-    """Reads the output FIFOs into `sink` until every writer is gone and the container
-    has ended (EOF on `wake_fd`, from the attach pump), then closes the output.
-
-    A FIFO read returns 0 whenever no process holds a write end: before the shim opened
-    it, and after the command and all its children closed it. poll() reports a hang-up
-    only for the second, so a stream ends at a 0 read after poll said it was ready. Once
-    the container has ended, what is left ends `grace_s` later whatever holds it: a
-    stream no process ever opened, or one a process outside the container holds open
-    (through /proc/<pid>/fd of the command, as the same uid): the call never waits on it."""
-    streams = {fd: stream for stream, fd in fifos.items()}
-    poller = select.poll()
-    for fd in streams:
-        poller.register(fd, select.POLLIN)
-    poller.register(wake_fd, select.POLLIN)
-    unstored = False  # a write to the spool failed (said once)
-
-    def drain(fd: int) -> bool:
-        """Reads what is there; True when the stream is over."""
-        nonlocal unstored
-        while True:
-            try:
-                data = os.read(fd, _FIFO_READ_BYTES)
-            except BlockingIOError:
-                return False  # a writer is still there
-            except OSError as exc:
-                log.warning("output pipe of %s broke: %s", handle.sandbox_id, exc)
-                return True
-            if not data:
-                return True
-            try:
-                sink.write(streams[fd], data)
-            except OSError as exc:  # e.g. the spool's disk is full: read on, never block the command
-                if not unstored:
-                    log.error("output of %s could not be stored: %s", handle.sandbox_id, exc)
-                unstored = True
-
-    def end(fd: int) -> None:
-        poller.unregister(fd)
-        os.close(fd)
-        del streams[fd]
-
-    try:
-        deadline: float | None = None  # set once the container has ended
-        while streams or deadline is None:
-            if deadline is None:
-                ready = poller.poll()
-            else:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    for fd in list(streams):
-                        drain(fd)
-                        end(fd)
-                    break
-                ready = poller.poll(left * 1000)
-            for fd, _ in ready:
-                if fd == wake_fd:
-                    deadline = time.monotonic() + grace_s
-                    poller.unregister(wake_fd)
-                elif fd in streams and drain(fd):
-                    end(fd)
-    finally:
-        for fd in streams:
-            os.close(fd)
-        os.close(wake_fd)
-        handle.output_closed.set()
 
 
 def load_seccomp_profile(path: str) -> str:

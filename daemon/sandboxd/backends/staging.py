@@ -18,7 +18,7 @@ import logging
 import os
 import stat
 
-from ..compile import StagedBind, Staging
+from ..compile import StagedBind, StagedMask, Staging
 from ..errors import FailedPrecondition
 
 log = logging.getLogger("sandboxd.staging")
@@ -27,6 +27,11 @@ _SYS_OPENAT2 = 437  # the same number on every architecture (the unified syscall
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
+_MS_RDONLY = 0x1
+_MS_NOSUID = 0x2
+_MS_NODEV = 0x4
+_MS_NOEXEC = 0x8
+_MS_REMOUNT = 0x20
 _MS_BIND = 0x1000
 _MNT_DETACH = 0x2
 _O_PATH = os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -85,12 +90,49 @@ def _open_root(ws_fd: int, staging: Staging, bind: StagedBind) -> int:
     return fd
 
 
-def _bind_mount(source_fd: int, target: str) -> None:
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     libc = _libc()
-    if libc.mount(os.fsencode(f"/proc/self/fd/{source_fd}"), os.fsencode(target), None,
-                  ctypes.c_ulong(_MS_BIND), None) != 0:
+    if libc.mount(os.fsencode(source) if source else None, os.fsencode(target),
+                  os.fsencode(fstype) if fstype else None, ctypes.c_ulong(flags),
+                  os.fsencode(data) if data else None) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"binding into {target}: {os.strerror(err)}")
+        raise OSError(err, f"mounting on {target}: {os.strerror(err)}")
+
+
+def _bind_mount(source_fd: int, target: str) -> None:
+    _mount(f"/proc/self/fd/{source_fd}", target, None, _MS_BIND)
+
+
+def _place_mask(staging: Staging, mask: StagedMask) -> None:
+    """Covers the blocked inode inside its staged root, reached with no symlink, by the
+    same kind of mask the engine places (a read-only empty tmpfs, or the mask file). A
+    mount point cannot be renamed: the owner can no longer move the blocked content
+    out from under the mask before the engine mounts the root."""
+    root = staging.binds[mask.bind_index]
+    root_fd = os.open(root.staged_path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fd = openat2(root_fd, mask.relative_path, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+        except OSError:
+            raise _changed(os.path.join(root.host_path, mask.relative_path)) from None
+    finally:
+        os.close(root_fd)
+    try:
+        st = os.fstat(fd)
+        where = os.path.join(root.host_path, mask.relative_path)
+        if (st.st_dev, st.st_ino) != (mask.dev, mask.ino):
+            raise _changed(where)
+        if mask.kind == "file" and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1):
+            raise FailedPrecondition(f"{where} was linked elsewhere after it was checked; nothing was mounted",
+                                     field="policy.filesystem.blockedPaths")
+        target = f"/proc/self/fd/{fd}"
+        if mask.kind == "dir":
+            _mount("tmpfs", target, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,mode=0500")
+        else:
+            _mount(staging.mask_file, target, None, _MS_BIND)
+            _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    finally:
+        os.close(fd)
 
 
 def _unmount(target: str) -> None:
@@ -129,6 +171,8 @@ def stage(staging: Staging) -> None:
                     _bind_mount(fd, bind.staged_path)
                 finally:
                     os.close(fd)
+            for mask in staging.masks:
+                _place_mask(staging, mask)
         finally:
             os.close(ws_fd)
     except BaseException:
