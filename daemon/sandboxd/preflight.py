@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from .policy import WORKSPACE, EffectivePolicy, is_within
+from .safe_open import AT_FDCWD, RESOLVE_BENEATH, RESOLVE_NO_SYMLINKS, openat2
 from .settings import DOCKER_SOCKET, DaemonSettings
 
 # A blocked directory with more entries than this is refused rather than half-checked.
@@ -130,22 +131,44 @@ def _check_root(workspace: str, sandbox_path: str, where: str, read_only: bool) 
     return Bind(sandbox_path, host, read_only, st.st_dev, st.st_ino)
 
 
-def _hard_linked(path: str, where: str) -> str | None:
-    """A file under `path` whose content is also reachable under another name."""
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        return path if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 else None
+def _hard_linked(workspace: str, path: str, where: str) -> str | None:
+    """A file under `path` whose content is also reachable under another name. Walked
+    through descriptors from the workspace, never through a symlink: a directory swapped
+    for a link to somewhere else (as root!) is not walked, and names nothing of there."""
+    try:
+        ws_fd = openat2(AT_FDCWD, workspace, RESOLVE_NO_SYMLINKS)
+    except OSError:
+        raise FailedPrecondition(f"{workspace} changed while it was checked", field="workspace") from None
+    try:
+        rel = os.path.relpath(path, workspace)
+        try:
+            fd = openat2(ws_fd, rel, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
+        except OSError:
+            raise FailedPrecondition(f"{rel} changed while it was checked", field=where) from None
+    finally:
+        os.close(ws_fd)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):  # (O_PATH opens a trailing symlink itself)
+            raise FailedPrecondition(f"{rel} changed while it was checked", field=where)
+        if not stat.S_ISDIR(st.st_mode):
+            return path if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 else None
+        dir_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
     seen = 0
-    for dirpath, _dirnames, filenames in os.walk(path):
-        for name in filenames:
-            seen += 1
-            if seen > MAX_BLOCKED_SCAN_ENTRIES:
-                raise FailedPrecondition(f"holds more than {MAX_BLOCKED_SCAN_ENTRIES} files to check for hard links",
-                                         field=where)
-            full = os.path.join(dirpath, name)
-            fst = os.lstat(full)
-            if stat.S_ISREG(fst.st_mode) and fst.st_nlink > 1:
-                return full
+    try:
+        for dirpath, _dirnames, filenames, parent_fd in os.fwalk(".", dir_fd=dir_fd):
+            for name in filenames:
+                seen += 1
+                if seen > MAX_BLOCKED_SCAN_ENTRIES:
+                    raise FailedPrecondition(f"holds more than {MAX_BLOCKED_SCAN_ENTRIES} files to check for hard "
+                                             "links", field=where)
+                fst = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+                if stat.S_ISREG(fst.st_mode) and fst.st_nlink > 1:
+                    return os.path.normpath(os.path.join(path, dirpath, name))
+    finally:
+        os.close(dir_fd)
     return None
 
 
@@ -251,7 +274,7 @@ def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSetti
                 continue
             if any(m.kind == "dir" and is_within(target, m.sandbox_path) for m in masks):
                 continue
-            linked = _hard_linked(host, where)
+            linked = _hard_linked(workspace, host, where)
             if linked:
                 raise FailedPrecondition(
                     f"{p} has a hard link elsewhere ({os.path.relpath(linked, workspace)}); "

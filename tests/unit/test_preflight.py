@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from sandboxd.errors import FailedPrecondition, InvalidArgument, PermissionDenied, SandboxdError
-from sandboxd.preflight import Bind, Mask, preflight, resolve_workspace, sandbox_owner
+from sandboxd.preflight import Bind, Mask, _hard_linked, preflight, resolve_workspace, sandbox_owner
 from sandboxd.settings import DaemonSettings
 
 from .conftest import WORKSPACE_GID, WORKSPACE_UID, resolve
@@ -414,3 +414,20 @@ def test_the_daemons_own_directories_are_never_a_workspace(host, place):
     below.mkdir()
     os.chown(below, WORKSPACE_UID, WORKSPACE_GID)
     refused(PermissionDenied, resolve_workspace, str(below), settings)
+
+
+def test_the_hard_link_walk_never_goes_through_a_symlink(host, tmp_path):
+    """The walk runs as root: a blocked directory swapped for a link to a place its owner
+    cannot read must not be walked (its file names would come back in the refusal)."""
+    outside = tmp_path / "root-only"
+    outside.mkdir(mode=0o700)
+    (outside / "payroll.csv").write_text("x")
+    os.link(outside / "payroll.csv", outside / "payroll-copy.csv")
+    os.symlink(outside, host.ws / "blocked")
+    with pytest.raises(FailedPrecondition) as exc:
+        _hard_linked(str(host.ws), str(host.ws / "blocked"), "policy.filesystem.blockedPaths[0]")
+    assert "payroll" not in exc.value.message and exc.value.field == "policy.filesystem.blockedPaths[0]"
+    (host.ws / "real").mkdir()
+    (host.ws / "real" / "a").write_text("a")
+    os.link(host.ws / "real" / "a", host.ws / "b")
+    assert _hard_linked(str(host.ws), str(host.ws / "real"), "f") == str(host.ws / "real" / "a")

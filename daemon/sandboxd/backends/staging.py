@@ -19,14 +19,11 @@ import os
 import stat
 
 from ..compile import StagedBind, StagedMask, Staging
+from ..safe_open import AT_FDCWD, RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
 from ..errors import FailedPrecondition
 
 log = logging.getLogger("sandboxd.staging")
 
-_SYS_OPENAT2 = 437  # the same number on every architecture (the unified syscall table)
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_NO_SYMLINKS = 0x04
-_RESOLVE_BENEATH = 0x08
 _MS_RDONLY = 0x1
 _MS_NOSUID = 0x2
 _MS_NODEV = 0x4
@@ -34,27 +31,10 @@ _MS_NOEXEC = 0x8
 _MS_REMOUNT = 0x20
 _MS_BIND = 0x1000
 _MNT_DETACH = 0x2
-_O_PATH = os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
-
-
-def openat2(dir_fd: int, path: str, resolve: int) -> int:
-    how = _OpenHow(_O_PATH, 0, resolve)
-    libc = _libc()
-    libc.syscall.restype = ctypes.c_long
-    fd = libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
-                      ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return int(fd)
 
 
 def _same(fd: int, dev: int, ino: int) -> bool:
@@ -69,7 +49,7 @@ def _changed(path: str) -> FailedPrecondition:
 
 def _open_workspace(staging: Staging) -> int:
     try:
-        fd = openat2(-100, staging.workspace, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)  # AT_FDCWD
+        fd = openat2(AT_FDCWD, staging.workspace, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)  # AT_FDCWD
     except OSError:
         raise _changed(staging.workspace) from None
     if not _same(fd, staging.workspace_dev, staging.workspace_ino):
@@ -81,7 +61,7 @@ def _open_workspace(staging: Staging) -> int:
 def _open_root(ws_fd: int, staging: Staging, bind: StagedBind) -> int:
     rel = os.path.relpath(bind.host_path, staging.workspace)
     try:
-        fd = openat2(ws_fd, rel, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+        fd = openat2(ws_fd, rel, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
     except OSError:
         raise _changed(bind.host_path) from None
     if not _same(fd, bind.dev, bind.ino):
@@ -112,7 +92,7 @@ def _place_mask(staging: Staging, mask: StagedMask) -> None:
     root_fd = os.open(root.staged_path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         try:
-            fd = openat2(root_fd, mask.relative_path, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+            fd = openat2(root_fd, mask.relative_path, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
         except OSError:
             raise _changed(os.path.join(root.host_path, mask.relative_path)) from None
     finally:
