@@ -10,10 +10,10 @@ or the engine's container config; the output redactor gets them to strike from o
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import posixpath
 import re
-import shutil
 import stat
 import subprocess
 from collections.abc import Mapping
@@ -22,9 +22,11 @@ from pathlib import Path
 
 from .compile import SECRETS_DIR, SecretMount
 from .errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from .hostdirs import ensure_private_dir, require_memory_filesystem, same_inode
 from .policy import EffectivePolicy, PreparedToolCall, is_within
 from .settings import CredentialBinding
 
+log = logging.getLogger(__name__)
 MAX_SECRET_BYTES = 64 * 1024
 COMMAND_TIMEOUT_S = 10.0
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -47,9 +49,21 @@ class ResolvedSecret:
 
 class CredentialBroker:
     def __init__(self, bindings: Mapping[str, CredentialBinding], secrets_dir: Path,
-                 environment: Mapping[str, str] | None = None):
+                 environment: Mapping[str, str] | None = None, *, dir_fd: int | None = None,
+                 require_memory_fs: bool = False):
+        """`dir_fd`: the secrets dir as hostdirs.check_daemon_dirs opened it (the broker
+        keeps it); without it the broker checks and opens the dir itself, so a planted
+        one refuses the daemon's start-up. `require_memory_fs`: refuse a dir whose files
+        would land on a disk."""
         self._bindings = dict(bindings)
-        self._dir = secrets_dir
+        self._dir = Path(secrets_dir)
+        self._fd = ensure_private_dir(self._dir, 0o711, setting="secrets_dir") if dir_fd is None else dir_fd
+        if require_memory_fs:
+            try:
+                require_memory_filesystem(self._fd, self._dir, setting="secrets_dir")
+            except BaseException:
+                self.close()
+                raise
         # The daemon's environment as it started: an env source reads from here only.
         self._environment = dict(os.environ if environment is None else environment)
 
@@ -146,8 +160,12 @@ class CredentialBroker:
         return value
 
     # -- the sandbox's files ----------------------------------------------------------
+    # Everything below goes through the secrets dir's descriptor, which the broker holds
+    # from start-up (checked by hostdirs: root's, 0711, no symlink on the way). Only the
+    # engines get paths (SecretMount.host_path): safe because nobody but root can write
+    # in the secrets dir or in a sandbox's directory, so no name there can be swapped.
     def sandbox_dir(self, sandbox_id: str) -> Path:
-        return self._dir / sandbox_id
+        return self._dir / _checked_name(sandbox_id)
 
     def mounts(self, sandbox_id: str, secrets: tuple[ResolvedSecret, ...]) -> tuple[SecretMount, ...]:
         """Where each secret will be: pure, so the spec can be compiled before any file exists."""
@@ -157,26 +175,160 @@ class CredentialBroker:
                      for i, s in enumerate(secrets))
 
     def materialize(self, sandbox_id: str, secrets: tuple[ResolvedSecret, ...], uid: int, gid: int) -> None:
-        """Writes the files `mounts` promised: readable by the sandbox's user only."""
-        self._dir.mkdir(parents=True, exist_ok=True, mode=0o711)
-        os.chmod(self._dir, 0o711)
-        base = self.sandbox_dir(sandbox_id)
-        base.mkdir(mode=0o711)
-        os.chmod(base, 0o711)  # whatever the daemon's umask: the sandbox user must traverse it
-        for i, s in enumerate(secrets):
-            path = base / str(i)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+        """Writes the files `mounts` promised: readable by the sandbox's user only. On any
+        failure nothing of them is left."""
+        name = _checked_name(sandbox_id)
+        self._check_dir_still_named()
+        os.mkdir(name, 0o700, dir_fd=self._fd)  # an existing one (even ours) is never reused
+        try:
+            sfd = os.open(name, _DIR_FLAGS, dir_fd=self._fd)
+        except BaseException:
+            _remove_logged(self._fd, name, sandbox_id)
+            raise
+        try:
+            held = os.fstat(sfd)
+            if held.st_uid != os.geteuid() or stat.S_IMODE(held.st_mode) != 0o700:
+                # Not what was just made: never written to, nor emptied (not ours).
+                raise FailedPrecondition(f"the secrets directory of {sandbox_id} was replaced while it was made")
             try:
-                os.write(fd, s.value)
-                os.fchown(fd, uid, gid)
-            finally:
-                os.close(fd)
+                for i, s in enumerate(secrets):
+                    _write_secret(sfd, str(i), s.value, uid, gid)
+                os.fchmod(sfd, 0o711)  # traversable only once complete, whatever the umask
+                # The engines bind by path: that path must still name the directory written.
+                if not same_inode(os.stat(name, dir_fd=self._fd, follow_symlinks=False), held):
+                    raise FailedPrecondition(f"the secrets directory of {sandbox_id} was replaced while it was "
+                                             "written")
+            except BaseException:
+                _empty_dir(sfd, sandbox_id)
+                _remove_if_same(self._fd, name, held, sandbox_id)
+                raise
+        finally:
+            os.close(sfd)
 
     def release(self, sandbox_id: str) -> None:
-        shutil.rmtree(self.sandbox_dir(sandbox_id), ignore_errors=True)
+        """Removes (first truncates) the sandbox's secret files: logs, never raises."""
+        try:
+            name = _checked_name(sandbox_id)
+        except ValueError as exc:
+            log.error("not removing secrets: %s", exc)
+            return
+        _remove_logged(self._fd, name, sandbox_id)
 
     def purge(self) -> None:
         """At start-up: whatever a crashed run left behind."""
-        if self._dir.is_dir():
-            for child in self._dir.iterdir():
-                shutil.rmtree(child, ignore_errors=True)
+        try:
+            names = os.listdir(self._fd)
+        except OSError as exc:
+            log.error("cannot list the secrets dir %s: %s", self._dir, exc.strerror)
+            return
+        for name in names:
+            _remove_logged(self._fd, name, name)
+        if names:
+            log.warning("removed the secrets of %d sandboxes an earlier run left", len(names))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _check_dir_still_named(self) -> None:
+        try:
+            named = os.stat(self._dir, follow_symlinks=False)
+        except OSError:
+            named = None
+        if named is None or not same_inode(named, os.fstat(self._fd)):
+            raise FailedPrecondition(f"the secrets dir {self._dir} was removed or replaced since the daemon started")
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _checked_name(sandbox_id: str) -> str:
+    if not _NAME_RE.fullmatch(sandbox_id) or sandbox_id in (".", ".."):
+        raise ValueError(f"{sandbox_id!r} is not a sandbox id")
+    return sandbox_id
+
+
+def _write_secret(dir_fd: int, name: str, value: bytes, uid: int, gid: int) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400, dir_fd=dir_fd)
+    try:
+        view = memoryview(value)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, 0o400)
+    finally:
+        os.close(fd)
+
+
+def _wipe(dir_fd: int, name: str) -> None:
+    """Truncates a secret file before it is unlinked: a descriptor or a bind mount that
+    still holds its inode then finds nothing in it."""
+    fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def _remove(dir_fd: int, name: str, errors: list[str]) -> None:
+    """Removes `name` under `dir_fd`, a directory tree through descriptors only (never a
+    path someone could swap), wiping each regular file first; what fails is noted."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        errors.append(f"{name}: {exc.strerror}")
+        return
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            try:
+                for child in os.listdir(fd):
+                    _remove(fd, child, errors)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=dir_fd)
+            return
+        if stat.S_ISREG(st.st_mode):
+            _wipe(dir_fd, name)
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        errors.append(f"{name}: {exc.strerror}")
+
+
+def _remove_logged(dir_fd: int, name: str, sandbox_id: str) -> None:
+    errors: list[str] = []
+    _remove(dir_fd, name, errors)
+    if errors:
+        log.error("removing the secrets of %s failed: %s", sandbox_id, "; ".join(errors[:5]))
+
+
+def _empty_dir(fd: int, sandbox_id: str) -> None:
+    """Everything in the directory `fd` holds (which its name may no longer reach)."""
+    errors: list[str] = []
+    try:
+        names = os.listdir(fd)
+    except OSError as exc:
+        names, errors = [], [exc.strerror or "cannot list"]
+    for child in names:
+        _remove(fd, child, errors)
+    if errors:
+        log.error("removing the secrets of %s failed: %s", sandbox_id, "; ".join(errors[:5]))
+
+
+def _remove_if_same(dir_fd: int, name: str, held: os.stat_result, sandbox_id: str) -> None:
+    """Removes the (emptied) directory `name` if it is still the one the daemon made."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if same_inode(st, held):
+            os.rmdir(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.error("removing the secrets directory of %s failed: %s", sandbox_id, exc.strerror)

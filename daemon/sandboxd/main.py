@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from sandboxd_client.pb import sandboxd_pb2 as pb
 from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 
-from . import audit, filewatch
+from . import audit, filewatch, hostdirs
 from .artifacts import FileArtifactStore
 from .backends import daemon_running, hold_daemon_lock, remove_stale_cgroups
 from .backends.docker import DockerBackend
@@ -178,16 +178,14 @@ def _remove_stale_cgroups(daemon_id: str, docker_backend) -> None:
 
 def _install_shim(settings: DaemonSettings) -> tuple[str, str]:
     """The sandbox shim copied into the runtime dir (root's, traversable: nsjail binds it
-    as the sandbox user), or why not: calls that need it are then refused."""
+    as the sandbox user; checked by hostdirs.check_daemon_dirs), or why not: calls that
+    need it are then refused."""
     source = settings.shim_binary
     if not os.access(source, os.X_OK):
         reason = f"the sandbox shim {source} is missing (build it with `make native`)"
         log.error("%s", reason)
         return "", reason
     runtime = settings.runtime_dir
-    runtime.mkdir(parents=True, exist_ok=True, mode=0o711)
-    os.chown(runtime, os.geteuid(), os.getegid())
-    os.chmod(runtime, 0o711)
     target, tmp = runtime / "sandbox-shim", runtime / ".sandbox-shim.tmp"
     shutil.copyfile(source, tmp)
     os.chmod(tmp, 0o755)
@@ -218,8 +216,10 @@ def _raise_open_file_limit() -> None:
 
 def build_daemon(settings: DaemonSettings) -> Daemon:
     _raise_open_file_limit()
-    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(settings.state_dir, 0o700)
+    # First, before anything is made in them or started: each directory the daemon owns
+    # is its own, closed to others and reached through no symlink, or start-up is refused
+    # (another local user may have made one first under /tmp or /dev/shm).
+    dirs = hostdirs.check_daemon_dirs(settings)
     daemon_id = _daemon_id(settings)
     hold_daemon_lock(daemon_id)  # its descriptor stays open, and locked, while the process lives
     shim, no_shim_reason = _install_shim(settings)  # before the backends: every jail starts with it
@@ -244,7 +244,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     audit_index.start()
     artifacts = FileArtifactStore(settings.blob_dir, db)
     proxy, no_proxy_reason = _start_egress(settings)
-    broker = CredentialBroker(settings.credentials, settings.secrets_dir)
+    broker = CredentialBroker(settings.credentials, settings.secrets_dir, dir_fd=dirs["secrets_dir"])
     broker.purge()
     executor = CallExecutor(settings, db, events, artifacts, backends, daemon_id, unavailable,
                             proxy=proxy, no_proxy_reason=no_proxy_reason, checkpoints=checkpoints,

@@ -61,8 +61,36 @@ def secret_file(tmp_path: Path, content: bytes, mode: int = 0o600, name: str = "
     return path
 
 
+_BROKERS: list[CredentialBroker] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_brokers():
+    # Each broker holds its secrets dir's descriptor, as the daemon's does for its life.
+    yield
+    while _BROKERS:
+        _BROKERS.pop().close()
+
+
 def broker(tmp_path: Path, bindings: dict, environment: dict | None = None) -> CredentialBroker:
-    return CredentialBroker(bindings, tmp_path / "secrets", environment={} if environment is None else environment)
+    b = CredentialBroker(bindings, tmp_path / "secrets", environment={} if environment is None else environment)
+    _BROKERS.append(b)
+    return b
+
+
+def after_mkdir(monkeypatch, name: str, action) -> None:
+    """Runs action(path) right after a directory named `name` is first made (by path or
+    under a descriptor): where an attacker would strike."""
+    real_mkdir = os.mkdir
+    done = []
+
+    def mkdir(path, *args, **kw):
+        real_mkdir(path, *args, **kw)
+        if os.path.basename(os.fspath(path)) == name and not done:
+            done.append(path)
+            action(path)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
 
 
 def resolve_one(b: CredentialBroker, ref: dict, policy: dict | None = None, principal: str = PRINCIPAL,
@@ -595,7 +623,7 @@ class TestMounts:
     def test_mounts_are_pure(self, tmp_path):
         b = broker(tmp_path, {})
         b.mounts("sbx-1", SECRETS)
-        assert not (tmp_path / "secrets").exists()
+        assert list((tmp_path / "secrets").iterdir()) == []
 
     def test_no_value_in_a_mount(self, tmp_path):
         for m in broker(tmp_path, {}).mounts("sbx-1", SECRETS):
@@ -662,25 +690,23 @@ class TestMaterialize:
         if not dangling:
             victim.write_bytes(b"original")
         base = tmp_path / "secrets" / "sbx-1"
-        real_mkdir = Path.mkdir
+        b = broker(tmp_path, {})
 
-        def mkdir_then_plant(self, *args, **kw):
+        def plant(_path):
             # Someone plants a symlink at the first secret's path right after the
             # sandbox's directory appears.
-            real_mkdir(self, *args, **kw)
-            if self == base:
-                (base / "0").symlink_to(victim)
+            (base / "0").symlink_to(victim)
 
-        monkeypatch.setattr(Path, "mkdir", mkdir_then_plant)
+        after_mkdir(monkeypatch, "sbx-1", plant)
         with pytest.raises(OSError):
-            broker(tmp_path, {}).materialize("sbx-1", SECRETS, SANDBOX_UID, SANDBOX_GID)
+            b.materialize("sbx-1", SECRETS, SANDBOX_UID, SANDBOX_GID)
         if dangling:
             assert not victim.exists()
         else:
             assert victim.read_bytes() == b"original"
             st = victim.stat()
             assert (st.st_uid, stat.S_IMODE(st.st_mode)) != (SANDBOX_UID, 0o400)
-        assert (base / "0").is_symlink()
+        assert not os.path.lexists(base)  # the failed sandbox's directory is gone
 
     def test_release_removes_the_sandbox_dir_only(self, tmp_path):
         b = broker(tmp_path, {})
@@ -718,9 +744,9 @@ class TestMaterialize:
         broker(tmp_path, {}).purge()
         assert (outside / "keep.txt").read_bytes() == b"keep"
 
-    def test_purge_without_a_secrets_dir(self, tmp_path):
+    def test_purge_of_a_fresh_secrets_dir(self, tmp_path):
         broker(tmp_path, {}).purge()
-        assert not (tmp_path / "secrets").exists()
+        assert list((tmp_path / "secrets").iterdir()) == []
 
 
 # -- end to end: resolve, lay out, write ------------------------------------------------------------
