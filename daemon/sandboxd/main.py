@@ -40,11 +40,12 @@ from .metrics import MetricsServer, render
 from .pools import PoolManager
 from .proxy import EgressProxy
 from .retention import RetentionSweeper
+from .rpc_limits import LimitInterceptor, StreamWatchdog, worker_count
 from .service import (ArtifactServicer, AuditServicer, Authenticator, ErrorInterceptor, ExecutionServicer, PoolServicer,
                       TraceServicer, add_execution_service)
 from .settings import DaemonSettings, load_settings
 from .store import Database
-from .transport import PeerCredentialRelay
+from .transport import ConnectionLimits, PeerCredentialRelay
 
 log = logging.getLogger("sandboxd")
 SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[n].full_name
@@ -95,6 +96,7 @@ class Daemon:
     metrics: MetricsServer | None = None
     retention: RetentionSweeper | None = None
     audit_index: audit.AuditIndex | None = None
+    watchdog: StreamWatchdog | None = None
 
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.grace_period_s if grace_s is None else grace_s
@@ -106,6 +108,8 @@ class Daemon:
         if self.executor.pools is not None:
             self.executor.pools.shutdown()
         self.server.stop(grace=1).wait()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.proxy is not None:
             self.proxy.stop()
         if self.metrics is not None:
@@ -214,6 +218,39 @@ def _raise_open_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
 
 
+def _grpc_server(settings: DaemonSettings, executor: CallExecutor, artifacts: FileArtifactStore, events: EventLog,
+                 checkpoints: CheckpointFile, audit_index: audit.AuditIndex) -> tuple[grpc.Server, LimitInterceptor]:
+    """The servicers behind the caps of rpc_limits.py, on a worker for every slot there
+    is: one caller's load never leaves another's RPCs waiting for a thread."""
+    rpc = settings.rpc_limits
+    authenticate = Authenticator(settings)
+    execution = ExecutionServicer(executor, authenticate)
+    limits = LimitInterceptor(settings, authenticate, refused=execution.refused)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=worker_count(settings), thread_name_prefix="rpc"),
+        interceptors=[limits, ErrorInterceptor()],  # the caps first: nothing runs before them
+        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                 ("grpc.http2.max_frame_size", 4 * 1024 * 1024),
+                 ("grpc.max_connection_idle_ms", int(rpc.connection_idle_timeout_s * 1000)),
+                 # gRPC core cancels what arrives past its queue of RPCs not yet handed to
+                 # Python (1,000 by default) before any handler sees it: none on the log.
+                 ("grpc.server.max_pending_requests", rpc.max_pending_rpcs),
+                 ("grpc.server.max_pending_requests_hard_limit", 2 * rpc.max_pending_rpcs)],
+    )
+    add_execution_service(execution, server)
+    pb_grpc.add_ArtifactServiceServicer_to_server(ArtifactServicer(artifacts, executor, authenticate), server)
+    pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events, executor, authenticate, checkpoints), server)
+    pb_grpc.add_AuditServiceServicer_to_server(AuditServicer(audit_index, authenticate), server)
+    pb_grpc.add_PoolServiceServicer_to_server(PoolServicer(executor, authenticate), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("",) + SERVICE_NAMES:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return server, limits
+
+
 def build_daemon(settings: DaemonSettings) -> Daemon:
     _raise_open_file_limit()
     # First, before anything is made in them or started: each directory the daemon owns
@@ -257,24 +294,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     retention = RetentionSweeper(settings.retention, db, events, artifacts, audit_index,
                                  on_swept=lambda: checkpoints.checkpoint(force=True))
 
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=settings.max_concurrent_calls * 2 + 8, thread_name_prefix="rpc"),
-        interceptors=[ErrorInterceptor()],
-        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                 ("grpc.http2.max_frame_size", 4 * 1024 * 1024)],
-    )
-    authenticate = Authenticator(settings)
-    add_execution_service(ExecutionServicer(executor, authenticate), server)
-    pb_grpc.add_ArtifactServiceServicer_to_server(ArtifactServicer(artifacts, executor, authenticate), server)
-    pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events, executor, authenticate, checkpoints), server)
-    pb_grpc.add_AuditServiceServicer_to_server(AuditServicer(audit_index, authenticate), server)
-    pb_grpc.add_PoolServiceServicer_to_server(PoolServicer(executor, authenticate), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("",) + SERVICE_NAMES:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    server, limits = _grpc_server(settings, executor, artifacts, events, checkpoints, audit_index)
 
     # gRPC listens privately; the public socket is the peer-credential relay in front.
     internal = settings.internal_dir
@@ -296,7 +316,7 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
     gc.freeze()
     server.start()
     relay = PeerCredentialRelay(settings.socket_path, internal_socket, internal, settings.socket_mode,
-                                settings.socket_ownership())
+                                settings.socket_ownership(), limits=ConnectionLimits.from_settings(settings))
     relay.start()
     log.info("serving on %s (daemon %s, state %s)", settings.socket_path, daemon_id, settings.state_dir)
     metrics = None
@@ -304,7 +324,8 @@ def build_daemon(settings: DaemonSettings) -> Daemon:
         metrics = MetricsServer(settings.metrics_address, lambda: _metrics_text(executor, audit_index, retention))
         metrics.start()
     retention.start()  # serving first: a backlog of expired calls never delays start-up
-    return Daemon(settings, server, executor, db, daemon_id, relay, proxy, metrics, retention, audit_index)
+    return Daemon(settings, server, executor, db, daemon_id, relay, proxy, metrics, retention, audit_index,
+                  watchdog=limits.watchdog)
 
 
 def _metrics_text(executor: CallExecutor, audit_index: audit.AuditIndex, retention: RetentionSweeper) -> str:

@@ -15,6 +15,7 @@ from sandboxd_client.pb import sandboxd_pb2 as pb
 from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
 
 from . import audit
+from . import events as ev
 from .artifacts import FileArtifactStore
 from .compile import network_plan
 from .errors import InvalidArgument, NotFound, PermissionDenied, SandboxdError, Unauthenticated
@@ -180,8 +181,20 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
         return pb.CancelResponse(cancelled=self._executor.cancel(
             request.tool_call_id, request.reason or "cancelled by the caller", caller))
 
+    def refused(self, method: str, request, caller: Principal, exc: SandboxdError) -> None:
+        """An Execute or Run refused before it reached the executor (rpc_limits: over
+        its caller's cap) is on the log all the same, under an id of its own."""
+        tool_call_id = ev.new_id("tc")
+        exc.tool_call_id = tool_call_id
+        try:
+            raw = call_to_json(request.call)
+            requested = raw.get("toolCallId") if isinstance(raw.get("toolCallId"), str) else ""
+            self._executor._reject(tool_call_id, raw, caller.name, "admission", exc, requested)
+        except Exception:  # refused all the same; the daemon's log says why it is not on record
+            log.exception("recording the refusal of %s %s failed", method, tool_call_id)
+
     def ExplainPolicy(self, request: pb.ExplainPolicyRequest, context) -> pb.ExplainPolicyResponse:
-        self._authenticate(context)
+        caller = self._authenticate(context)
         raw: dict[str, Any] = {
             "toolId": "sandboxd.explain",
             "argv": list(request.argv) or ["true"],
@@ -194,7 +207,7 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
             raw["runtime"] = message_to_json(request.runtime)
         if request.cwd:
             raw["cwd"] = request.cwd
-        prepared, notes = self._executor.explain(raw)
+        prepared, notes = self._executor.explain(raw, caller)
         return pb.ExplainPolicyResponse(
             backend=prepared.backend.name,
             image=prepared.image,

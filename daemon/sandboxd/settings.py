@@ -200,6 +200,40 @@ class QuotaSettings(BaseModel):
         return self.per_principal.get(principal, self.concurrent_calls)
 
 
+class RpcLimitSettings(BaseModel):
+    """What one caller may hold of the daemon's RPC threads and connections
+    (rpc_limits.py, transport.py): one tenant's load never starves another's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Concurrent RPCs per principal (Execute and Run count against quotas.concurrent_calls
+    # instead): streaming responses (downloads, exports, watches), and everything else.
+    streams_per_principal: int = Field(default=8, ge=1)
+    unary_calls_per_principal: int = Field(default=16, ge=1)
+    # Concurrent RPCs of all callers that are no principal together (health, reflection;
+    # the daemon's own services answer them UNAUTHENTICATED at once).
+    unauthenticated_rpcs: int = Field(default=4, ge=1)
+    # Worker threads beyond the sum of every caller's caps: refusing takes one briefly.
+    worker_headroom: int = Field(default=8, ge=1)
+    # A response message the client has not taken within this is the end of its stream
+    # (it holds a worker thread while blocked); a client stream that sends nothing as long.
+    stream_send_timeout_s: float = Field(default=30.0, gt=0)
+    stream_idle_timeout_s: float = Field(default=60.0, gt=0)
+    # RPCs arrived but not yet on a worker (a burst; refusing over a cap takes a moment).
+    # Past it gRPC itself cancels them before any handler, so nothing records them.
+    max_pending_rpcs: int = Field(default=20_000, ge=1000)
+    # A connection with no RPC for this long is closed (the client reconnects when it needs to).
+    connection_idle_timeout_s: float = Field(default=300.0, gt=0)
+    # The public socket's relay (two threads and seven descriptors per connection):
+    # connections at once per principal's uid, of all other uids together, and overall.
+    connections_per_principal: int = Field(default=64, ge=1)
+    unauthenticated_connections: int = Field(default=8, ge=1)
+    max_connections: int = Field(default=1024, ge=1)
+    # A connection from a uid that is no principal is closed once it has sent nothing
+    # for this long (it can only ever be told UNAUTHENTICATED).
+    unauthenticated_idle_timeout_s: float = Field(default=5.0, gt=0)
+
+
 class TcpSettings(BaseModel):
     """A TCP listener, only ever with mutual TLS: there is no way to configure plain TCP."""
 
@@ -261,6 +295,7 @@ class DaemonSettings(BaseModel):
     runtime_dir: Path = Path("/var/lib/sandboxd-runtime")
     quotas: QuotaSettings = Field(default_factory=QuotaSettings)
     pools: PoolSettings = Field(default_factory=PoolSettings)
+    rpc_limits: RpcLimitSettings = Field(default_factory=RpcLimitSettings)
     # Record file accesses (fanotify) of calls whose audit.recordFileAccess is true.
     file_watch: bool = True
     # FID mode (filewatch.FileWatch.fid): events name a directory handle and a file name

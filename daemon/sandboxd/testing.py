@@ -116,7 +116,10 @@ def make_daemon(base: Path, env: dict[str, str] | None = None, **settings) -> Da
     os.chmod(root, 0o755)
     d = DaemonProcess(base=base, socket=base / "run" / "sandboxd.sock", state_dir=base / "state",
                       workspace_root=root, config=base / "sandboxd.yaml",
-                      env=env or {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"})
+                      env=dict(env or {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}))
+    # The daemon's code from another tree (checking that a test fails on older code).
+    if os.environ.get("SANDBOXD_TEST_DAEMON_PYTHONPATH"):
+        d.env["PYTHONPATH"] = os.environ["SANDBOXD_TEST_DAEMON_PYTHONPATH"]
     config = {
         "socket_path": str(d.socket),
         "state_dir": str(d.state_dir),

@@ -126,3 +126,115 @@ def test_a_daemon_without_the_built_pump_is_refused_with_the_way_to_build_it(mon
     with pytest.raises(FailedPrecondition, match="make native"):
         transport.PeerCredentialRelay(tmp_path / "public.sock", tmp_path / "internal.sock", tmp_path, 0o660)
     assert not (tmp_path / "public.sock").exists()
+
+
+def pair_relayed(idle_ms: int = 0, counters=(None, None)):
+    client, a = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    b, server = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    relayed = {f"socket:[{os.fstat(s.fileno()).st_ino}]" for s in (a, b)}
+    relay(a, b, idle_ms, counters)
+    return client, server, relayed
+
+
+def test_a_client_silent_past_the_idle_time_is_ended_both_ways():
+    client, server, relayed = pair_relayed(idle_ms=300)
+    try:
+        server.sendall(b"SETTINGS")  # the server talking does not keep a silent client
+        assert recv_exactly(client, 8) == b"SETTINGS"
+        t = time.monotonic()
+        client.settimeout(5)
+        assert client.recv(1) == b""
+        assert 0.25 < time.monotonic() - t < 2
+        server.settimeout(5)
+        assert server.recv(1) == b""
+        assert wait_for(lambda: not relayed & open_sockets())
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_client_that_talks_is_never_idle():
+    client, server, _ = pair_relayed(idle_ms=300)
+    try:
+        for i in range(8):
+            client.sendall(b"%d" % i)
+            assert recv_exactly(server, 1) == b"%d" % i
+            time.sleep(0.1)  # 0.8 s in all, never 0.3 s silent
+        server.sendall(b"still here")
+        assert recv_exactly(client, 10) == b"still here"
+    finally:
+        client.close()
+        server.close()
+
+
+def test_counters_go_down_when_the_connection_has_ended():
+    from sandboxd.transport import ConnectionCounter
+
+    mine, total = ConnectionCounter(), ConnectionCounter()
+    links = []
+    for _ in range(3):
+        mine.add(1)
+        total.add(1)
+        links.append(pair_relayed(counters=(mine, total)))
+    assert (mine.value, total.value) == (3, 3)
+    client, server, _ = links.pop()
+    client.close()
+    server.close()
+    assert wait_for(lambda: (mine.value, total.value) == (2, 2))
+    for client, server, _ in links:
+        client.close()
+        server.close()
+    assert wait_for(lambda: (mine.value, total.value) == (0, 0))
+
+
+def test_the_public_socket_refuses_connections_over_its_caps(tmp_path):
+    """uid 0 is a principal here (at most 2 connections); the 3rd is closed at once;
+    one ended makes room."""
+    from sandboxd.transport import ConnectionLimits, PeerCredentialRelay
+
+    internal_dir = tmp_path / "rpc"
+    internal_dir.mkdir()
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    upstream.bind(str(internal_dir / "grpc.sock"))
+    upstream.listen(16)
+
+    def serve():  # a server that ends each connection once its client has ended it
+        while True:
+            try:
+                conn, _ = upstream.accept()
+            except OSError:
+                return
+            threading.Thread(target=lambda c=conn: (c.recv(1), c.close()), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    relay_ = PeerCredentialRelay(tmp_path / "public.sock", internal_dir / "grpc.sock", internal_dir, 0o600,
+                                 limits=ConnectionLimits(frozenset({os.geteuid()}), per_principal=2,
+                                                         unauthenticated=1, total=10))
+    relay_.start()
+    try:
+        def connect():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(tmp_path / "public.sock"))
+            s.settimeout(0.3)
+            return s
+
+        def ended(s) -> bool:
+            try:
+                return s.recv(1) == b""
+            except socket.timeout:
+                return False
+
+        first, second, third = connect(), connect(), connect()
+        assert not ended(first) and not ended(second)
+        assert ended(third)
+        assert wait_for(lambda: relay_.connections(os.geteuid()) == 2)
+        first.close()
+        assert wait_for(lambda: relay_.connections() == 1)
+        fourth = connect()
+        assert not ended(fourth)
+        for s in (second, third, fourth):
+            s.close()
+    finally:
+        relay_.close()
+        upstream.shutdown(socket.SHUT_RDWR)
+        upstream.close()

@@ -185,3 +185,22 @@ def test_caps_below_their_minimum_or_unknown_are_refused(field, value):
 def test_a_checkpoint_interval_that_is_not_positive_is_refused(tmp_path, interval):
     with pytest.raises(ValueError, match="checkpoint_interval_s"):
         make(tmp_path, checkpoint_interval_s=interval)
+
+
+def test_rpc_limits_have_bounded_defaults():
+    rpc = DaemonSettings().rpc_limits
+    assert rpc.streams_per_principal >= 1 and rpc.unary_calls_per_principal >= 1
+    assert 0 < rpc.stream_send_timeout_s <= 60 and 0 < rpc.unauthenticated_idle_timeout_s <= 30
+    assert rpc.unauthenticated_connections < rpc.connections_per_principal < rpc.max_connections
+    assert rpc.max_pending_rpcs > 1000, "gRPC's own 1,000 cancels a burst unrecorded"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("streams_per_principal", 0), ("unary_calls_per_principal", 0), ("unauthenticated_rpcs", 0),
+    ("stream_send_timeout_s", 0), ("stream_idle_timeout_s", -1), ("connections_per_principal", 0),
+    ("unauthenticated_connections", 0), ("max_connections", 0), ("unauthenticated_idle_timeout_s", 0),
+    ("max_pending_rpcs", 10), ("no_such_limit", 1),
+])
+def test_rpc_limits_refuse_what_would_disable_them(field, value):
+    with pytest.raises(ValueError, match=field):
+        DaemonSettings(rpc_limits={field: value})
