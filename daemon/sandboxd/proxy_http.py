@@ -11,7 +11,9 @@ leniently than we do never sees bytes we did not read as the same request. A pla
 proxy request is one request per connection: bytes past its end are dropped and
 counted. Inside a CONNECT tunnel that carries plain HTTP, every request is framed the
 same way and each one's Host is checked (`TunnelRequests`); anything it cannot read
-ends the tunnel."""
+ends the tunnel. What goes upstream is a function of the client's bytes alone, never
+of how they were cut into reads: a refusal carries (`ProxyRefusal.forward`) whatever
+was checked before the refused input in the same read."""
 
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ class ProxyRefusal(Exception):
     def __init__(self, status: int, rule: str, reason: str, decision: str = "denied"):
         super().__init__(reason)
         self.status, self.rule, self.reason, self.decision = status, rule, reason, decision
+        # What a framer had checked, in the same read, before the refused input: it goes
+        # upstream before the cut, so what the destination gets never depends on where
+        # the client's stream happened to be split into reads.
+        self.forward = b""
 
 
 def _bad(reason: str) -> ProxyRefusal:
@@ -321,8 +327,10 @@ class BodyFramer:
                 event = self._parser.next_event()
             except h11.RemoteProtocolError as exc:
                 # The destination was allowed and has the request's start: an error, not a denial.
-                raise ProxyRefusal(400, "bad-request", f"malformed request body: {str(exc)[:120]}",
-                                   decision="allowed") from None
+                refusal = ProxyRefusal(400, "bad-request", f"malformed request body: {str(exc)[:120]}",
+                                       decision="allowed")
+                refusal.forward = b"".join(out)
+                raise refusal from None
             if isinstance(event, h11.Data):
                 if self._chunked and event.data:
                     out.append(b"%x\r\n%s\r\n" % (len(event.data), bytes(event.data)))
@@ -342,7 +350,7 @@ class TunnelRequests:
     """Plain HTTP inside a CONNECT tunnel to host:port: every request parsed, its Host
     checked, its head and body re-serialized. `feed` returns what may go upstream and
     raises ProxyRefusal (status 0: the tunnel is closed) at the first request it cannot
-    read or that names another host."""
+    read or that names another host, its `forward` what was checked before it."""
 
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
@@ -351,8 +359,16 @@ class TunnelRequests:
         self._body: BodyFramer | None = None
 
     def feed(self, data: bytes) -> bytes:
+        out: list[bytes] = []
+        try:
+            self._feed(data, out)
+        except ProxyRefusal as refusal:
+            refusal.forward = b"".join(out)
+            raise
+        return b"".join(out)
+
+    def _feed(self, data: bytes, out: list[bytes]) -> None:
         self._buf += data
-        out = []
         while True:
             if self._body is not None:
                 if not self._body.done:
@@ -361,6 +377,7 @@ class TunnelRequests:
                     try:
                         out.append(self._body.feed(data))
                     except ProxyRefusal as exc:
+                        out.append(exc.forward)  # the body's chunks before the malformed one
                         raise ProxyRefusal(0, "unreadable-first-bytes", exc.reason) from None
                     if not self._body.done:
                         break
@@ -387,7 +404,6 @@ class TunnelRequests:
             self.checked += 1
             out.append(tunnel_request_head(req))
             self._body = BodyFramer(req)
-        return b"".join(out)
 
     def feed_eof(self) -> None:
         pass  # a request cut short inside a tunnel is the origin's to refuse: nothing more is sent

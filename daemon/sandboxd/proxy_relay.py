@@ -2,8 +2,9 @@
 small protocols that write what one side receives straight into the other (no stream
 buffers), with back-pressure from each side's write buffer to the other's reading.
 The upstream direction may go through a framer (proxy_http.BodyFramer or
-TunnelRequests): only what it returns is forwarded, and a refusal it raises cuts the
-upstream connection at once."""
+TunnelRequests): only what it returns is forwarded, and a refusal it raises ends the
+upstream connection at once, after what the framer had checked before it (so the
+destination gets the same bytes however the client's stream was cut into reads)."""
 
 from __future__ import annotations
 
@@ -74,11 +75,18 @@ class _Pipe:
             self._end()
 
     def _refuse(self, refusal: ProxyRefusal) -> None:
-        """Nothing more of this connection reaches the destination: cut it (the client
-        side stays open, for an answer if none was relayed yet)."""
+        """Nothing more of this connection reaches the destination: what was checked
+        before the refused input goes, then the connection is closed and no longer read
+        (the client side stays open, for an answer if none was relayed yet)."""
         self.refusal = refusal
         self.source.pause_reading()
-        self.sink.abort()
+        if refusal.forward and not self.sink.is_closing():
+            self.rec.bytes_up += len(refusal.forward)
+            self.sink.write(refusal.forward)
+        # close, not abort: an abort would drop the checked bytes still buffered, and what
+        # the destination got would then depend on timing. Nothing writes to it again
+        # (this pipe ignores its source from now on); close_soon bounds the flush.
+        close_soon(self.sink)
         self.finished = self.peer.finished = True
         self._end()
 

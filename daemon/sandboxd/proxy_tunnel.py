@@ -100,9 +100,18 @@ async def check_first_bytes(rec: ConnectionRecord, reader: asyncio.StreamReader,
         rec.bytes_up += len(first)
         return None
     requests = TunnelRequests(rec.host, rec.port)
-    out = requests.feed(first)
-    while not requests.checked:
-        out += requests.feed(await more("an HTTP request head that never ends"))
+    out = b""
+    try:
+        out += requests.feed(first)
+        while not requests.checked:
+            out += requests.feed(await more("an HTTP request head that never ends"))
+    except ProxyRefusal as refusal:
+        # What was checked before it goes, as it would have had it come in a read of its own.
+        out += refusal.forward
+        if out:
+            upstream.write(out)
+            rec.bytes_up += len(out)
+        raise
     upstream.write(out)
     rec.bytes_up += len(out)
     return requests

@@ -1,14 +1,19 @@
 """The egress proxy's framing, end to end through a real EgressProxy endpoint: request
 smuggling (CL+TE, transfer codings other than chunked, bytes after a chunked body, a
 pipelined second request, obsolete line folding), heads inside a CONNECT tunnel that
-are not HTTP this proxy can read, a Host that changes inside a plain-HTTP tunnel, and
-inputs that once raised inside the handler (fuzzed: every attempt gets an answer and
-a record, and no exception escapes).
+are not HTTP this proxy can read, a Host that changes inside a plain-HTTP tunnel, that
+what is checked is what goes (however the stream is cut into reads; Host against the
+URL, userinfo, HTTP/1.0 keep-alive, Expect, Upgrade, CONNECT targets), and inputs that
+once raised inside the handler (fuzzed: every attempt gets an answer and a record, and
+no exception escapes).
 
 The one seam: `_connect` goes to an in-process origin on a Unix socket instead of a
 resolved address (the address rules are egress.py's and tested there; the proxy
 refuses every loopback address by design). The origin keeps every byte it is sent, so
-each test states exactly what reached it."""
+each test states exactly what reached it. Nothing waits by sleeping: the origin is read
+once every connection the proxy opened to it has ended (`Origin.requests`), and a
+piece sent "later" goes once the origin holds what the proxy made of the pieces before
+it (so the proxy read them apart)."""
 
 from __future__ import annotations
 
@@ -16,30 +21,37 @@ import asyncio
 import random
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import h11
 import pytest
 
 from sandboxd.egress import EgressRules, decide_host
 from sandboxd.proxy import EgressProxy, ProxyRefusal
+from sandboxd.proxy_http import BodyFramer, TunnelRequests, parse_request
 
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
 
 
 class Origin:
     """A lenient origin in this process: each connection is read to its end (EOF or a
-    reset), kept whole, then answered once."""
+    reset), kept as it arrives, then answered once."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.received: list[bytes] = []
-        self._lock = threading.Lock()
+        self._streams: list[bytearray] = []  # one per connection, in the order they came
+        self._ended = 0
+        self._opened = 0  # counted by the proxy as it connects (ToOrigin._connect)
+        self._cond = threading.Condition()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(str(path))
         self._sock.listen(256)
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def opening(self) -> None:
+        with self._cond:
+            self._opened += 1
 
     def _accept(self) -> None:
         while True:
@@ -47,25 +59,43 @@ class Origin:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            stream = bytearray()
+            with self._cond:
+                self._streams.append(stream)
+            threading.Thread(target=self._serve, args=(conn, stream), daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        data = b""
+    def _serve(self, conn: socket.socket, stream: bytearray) -> None:
         conn.settimeout(10)
         try:
             while chunk := conn.recv(65536):
-                data += chunk
+                with self._cond:
+                    stream += chunk
+                    self._cond.notify_all()
             conn.sendall(ANSWER)
         except OSError:
             pass
         finally:
             conn.close()
-            with self._lock:
-                self.received.append(data)
+            with self._cond:
+                self._ended += 1
+                self._cond.notify_all()
+
+    def _wait(self, condition, what: str) -> None:
+        with self._cond:
+            assert self._cond.wait_for(condition, timeout=15), f"the origin never {what}"
+
+    def requests(self) -> list[bytes]:
+        """What each connection brought, once every connection the proxy opened has ended."""
+        self._wait(lambda: self._ended >= self._opened, "saw the end of every connection")
+        with self._cond:
+            return [bytes(s) for s in self._streams]
 
     def everything(self) -> bytes:
-        with self._lock:
-            return b"".join(self.received)
+        return b"".join(self.requests())
+
+    def wait_for(self, data: bytes) -> None:
+        """Until the origin has received `data` (on any connection)."""
+        self._wait(lambda: any(data in s for s in self._streams), f"received {data!r}")
 
     def close(self) -> None:
         self._sock.close()
@@ -74,14 +104,15 @@ class Origin:
 class ToOrigin(EgressProxy):
     """The real proxy; only where a checked host's connection goes is the test's."""
 
-    origin: Path
+    origin: Origin
 
     async def _connect(self, ep, rec):
         decision = decide_host(rec.host, ep.rules)
         if not decision.allowed:
             raise ProxyRefusal(403, decision.rule, decision.reason)
         rec.rule, rec.address = decision.rule, "origin"
-        reader, writer = await asyncio.open_unix_connection(str(self.origin))
+        self.origin.opening()  # before any byte can reach it: the test waits for its end
+        reader, writer = await asyncio.open_unix_connection(str(self.origin.path))
         ep.transports.add(writer.transport)
         return reader, writer
 
@@ -90,17 +121,19 @@ class Harness:
     def __init__(self, tmp: Path):
         self.origin = Origin(tmp / "origin.sock")
         self.proxy = ToOrigin(socket_dir=tmp / "egress", host_overrides={}, system_dns=False)
-        self.proxy.origin = self.origin.path
+        self.proxy.origin = self.origin
         self.loop_errors: list[dict] = []
         self.proxy._loop.set_exception_handler(lambda _loop, ctx: self.loop_errors.append(ctx))
         self.proxy.start()
         rules = EgressRules(("allowed.test", "*.allowed.test"), True)
         self.ep = self.proxy.open_endpoint("sbx-test", rules, uid=0, gid=0)
 
-    def send(self, data: bytes, *, pause_after: bytes = b"", then: tuple[bytes, ...] = (),
+    def send(self, data: bytes, *, pause_after: bytes = b"", then: tuple[tuple[bytes, bytes], ...] = (),
              timeout_s: float = 10.0) -> bytes:
-        """One connection: `data` (then, once answered, `pause_after`, and each of
-        `then` a moment apart), half-closed; everything the proxy answered until it closed."""
+        """One connection: `data` (then, once answered, `pause_after`, and each `(seen,
+        piece)` of `then` once the origin has received `seen`, so that the proxy has read
+        what came before apart from it), half-closed; everything the proxy answered until
+        it closed."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(timeout_s)
         s.connect(str(self.ep.socket_path))
@@ -112,8 +145,8 @@ class Harness:
                 while b"\r\n\r\n" not in out and (chunk := s.recv(65536)):
                     out += chunk
                 s.sendall(pause_after)
-            for piece in then:
-                time.sleep(0.2)
+            for seen, piece in then:
+                self.origin.wait_for(seen)
                 s.sendall(piece)
             s.shutdown(socket.SHUT_WR)
             while chunk := s.recv(65536):
@@ -143,6 +176,24 @@ def h(tmp_path):
 
 def status_line(answer: bytes) -> str:
     return answer.split(b"\r\n", 1)[0].decode("iso-8859-1")
+
+
+def as_origin_reads(stream: bytes) -> list[tuple[str, str, bytes]]:
+    """(method, target, body) of each request in what an origin received, read by a
+    strict parser (h11), which must find the stream to end exactly after the last one:
+    two chunkings of one body compare equal."""
+    out, rest = [], stream
+    while rest:
+        conn = h11.Connection(h11.SERVER)
+        conn.receive_data(rest)
+        req, body = conn.next_event(), b""
+        assert isinstance(req, h11.Request), (req, rest[:80])
+        while isinstance(event := conn.next_event(), h11.Data):
+            body += event.data
+        assert isinstance(event, h11.EndOfMessage), (event, rest[:80])
+        out.append((req.method.decode(), req.target.decode(), body))
+        rest = conn.trailing_data[0]
+    return out
 
 
 # ------------------------------------------------------------------ plain proxy requests
@@ -183,7 +234,7 @@ def test_a_chunked_body_is_read_to_its_end_and_what_follows_never_reaches_the_or
                     b"5;name=value\r\nhello\r\n000\r\nX-Trailer: t\r\n\r\n" + SMUGGLED)
     assert answer == ANSWER
     # Re-serialized: the chunk extension and the trailer are gone, and nothing follows the last chunk.
-    assert h.origin.received == [b"POST /up HTTP/1.1\r\nHost: allowed.test\r\nTransfer-Encoding: chunked\r\n"
+    assert h.origin.requests() == [b"POST /up HTTP/1.1\r\nHost: allowed.test\r\nTransfer-Encoding: chunked\r\n"
                                  b"Connection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n"]
     [rec] = h.records()[0]
     assert (rec.decision, rec.status) == ("allowed", 200)
@@ -203,9 +254,8 @@ def test_a_chunked_body_split_anywhere_is_framed_the_same(h):
         answer += chunk
     s.close()
     assert answer == ANSWER
-    got = h.origin.everything()
-    assert got.endswith(b"\r\n0\r\n\r\n") and b"smuggled" not in got
-    assert got.split(b"\r\n\r\n", 1)[1].replace(b"\r\n", b"").count(b"wiki") == 1
+    # The proxy streams: how the body is re-chunked depends on its reads, the body never.
+    assert as_origin_reads(h.origin.everything()) == [("POST", "/", b"wikipedia")]
 
 
 def test_a_malformed_chunk_cuts_the_upstream_connection(h):
@@ -213,7 +263,9 @@ def test_a_malformed_chunk_cuts_the_upstream_connection(h):
                     b"5\r\nhelloXX" + SMUGGLED)
     [rec] = h.records()[0]
     assert rec.rule == "bad-request" and "malformed request body" in rec.reason
-    assert b"smuggled" not in h.origin.everything()
+    # The chunk before the malformed one went (as it would have in a read of its own), then the end.
+    assert h.origin.everything() == (b"POST / HTTP/1.1\r\nHost: allowed.test\r\nTransfer-Encoding: chunked\r\n"
+                                     b"Connection: close\r\n\r\n5\r\nhello\r\n")
     assert status_line(answer) in ("HTTP/1.1 400 Bad Request", "")
 
 
@@ -221,7 +273,7 @@ def test_a_pipelined_second_request_is_dropped_and_counted(h):
     first = b"POST http://allowed.test/a HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 3\r\n\r\nabc"
     answer = h.send(first + SMUGGLED)
     assert answer == ANSWER
-    assert h.origin.received == [b"POST /a HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 3\r\n"
+    assert h.origin.requests() == [b"POST /a HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 3\r\n"
                                  b"Connection: close\r\n\r\nabc"]
     [rec] = h.records()[0]
     assert f"{len(SMUGGLED)} bytes after the end of the request were not forwarded" in rec.error
@@ -230,7 +282,7 @@ def test_a_pipelined_second_request_is_dropped_and_counted(h):
 def test_a_get_without_a_body_forwards_nothing_after_its_head(h):
     answer = h.send(b"GET http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n" + SMUGGLED)
     assert answer == ANSWER
-    assert h.origin.received == [b"GET / HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n"]
+    assert h.origin.requests() == [b"GET / HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n"]
 
 
 @pytest.mark.parametrize("folded", [b"X-A: 1\r\n Host: other.test", b"X-A: 1\r\n\tx", b"Host: allowed.test\r\n  other"])
@@ -245,7 +297,8 @@ def test_obsolete_line_folding_is_refused(h, folded):
 # ------------------------------------------------------------------ inside a CONNECT tunnel
 
 
-def tunnel(h: Harness, inside: bytes, target: bytes = b"allowed.test:80", then: tuple[bytes, ...] = ()) -> bytes:
+def tunnel(h: Harness, inside: bytes, target: bytes = b"allowed.test:80",
+           then: tuple[tuple[bytes, bytes], ...] = ()) -> bytes:
     return h.send(b"CONNECT " + target + b" HTTP/1.1\r\nHost: " + target + b"\r\n\r\n", pause_after=inside,
                   then=then)
 
@@ -283,7 +336,7 @@ def test_a_21_letter_method_is_parsed_and_its_host_checked(h):
 
 def test_a_host_change_inside_a_plain_http_tunnel_closes_it(h):
     first = b"GET /one HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
-    answer = tunnel(h, first, then=(SMUGGLED, b"GET /three HTTP/1.1\r\nHost: allowed.test\r\n\r\n"))
+    answer = tunnel(h, first, then=((first, SMUGGLED + b"GET /three HTTP/1.1\r\nHost: allowed.test\r\n\r\n"),))
     assert answer.startswith(b"HTTP/1.1 200 Connection established\r\n\r\n")
     assert h.origin.everything() == first
     [rec] = h.records()[0]
@@ -292,20 +345,26 @@ def test_a_host_change_inside_a_plain_http_tunnel_closes_it(h):
     assert rec.bytes_up == len(first)
 
 
-def test_a_bad_request_read_with_a_good_one_stops_both(h):
-    # Nothing of a read that holds a refused request is forwarded.
-    tunnel(h, b"GET /one HTTP/1.1\r\nHost: allowed.test\r\n\r\n" + SMUGGLED)
-    assert h.origin.everything() == b""
-    assert h.records()[0][0].rule == "host-mismatch"
+def test_a_good_request_read_with_a_bad_one_goes_alone(h):
+    # As if each had come in a read of its own: the checked one goes, nothing from the refused one on.
+    first = b"GET /one HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    tunnel(h, first + SMUGGLED + first)
+    assert h.origin.everything() == first
+    [rec] = h.records()[0]
+    assert (rec.rule, rec.bytes_up) == ("host-mismatch", len(first))
 
 
-def test_a_second_request_smuggled_in_a_tunnel_body_is_checked_too(h):
+@pytest.mark.parametrize("split", [False, True])
+def test_a_second_request_smuggled_in_a_tunnel_body_is_checked_too(h, split):
     # The first request's body ends where its framing says: what follows is a request, checked.
     first = b"POST /one HTTP/1.1\r\nHost: allowed.test\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
     cut = first.index(b"\r\n\r\n") + 9  # inside the body
-    tunnel(h, first[:cut], then=(first[cut:] + SMUGGLED,))
-    # What was read before the refusal went on (re-chunked); the read that held it did not.
-    assert h.origin.everything() == first[:cut - 5] + b"2\r\nab\r\n"
+    if split:  # the rest once the proxy has read (and forwarded, re-chunked) the body's start
+        tunnel(h, first[:cut], then=((first[:cut - 5] + b"2\r\nab\r\n", first[cut:] + SMUGGLED),))
+    else:
+        tunnel(h, first + SMUGGLED)
+    # However it was read, the first request whole and nothing of the second.
+    assert as_origin_reads(h.origin.everything()) == [("POST", "/one", b"abc")]
     assert h.records()[0][0].rule == "host-mismatch"
 
 
@@ -328,6 +387,156 @@ def test_pipelined_requests_to_the_tunnels_own_host_all_pass(h):
 def test_an_ssh_banner_is_relayed_on_port_22_only(h):
     tunnel(h, b"SSH-2.0-OpenSSH_9.6\r\n", b"allowed.test:22")
     assert h.origin.everything() == b"SSH-2.0-OpenSSH_9.6\r\n"
+
+
+# ------------------------------------------------------------------ what is checked is what goes
+
+
+GOOD = b"GET /g HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+CHUNKED = b"POST /c HTTP/1.1\r\nHost: allowed.test\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+
+
+def tunnel_forwards(stream: bytes, cut: int) -> bytes:
+    """What a tunnel to allowed.test:80 lets through of `stream` read in two pieces."""
+    t, out = TunnelRequests("allowed.test", 80), b""
+    try:
+        for piece in (stream[:cut], stream[cut:]):
+            out += t.feed(piece)
+    except ProxyRefusal as refusal:
+        assert refusal.rule == "host-mismatch"
+        out += refusal.forward
+    return out
+
+
+def test_a_tunnel_forwards_the_same_however_its_stream_is_cut():
+    stream = GOOD + CHUNKED + SMUGGLED + GOOD
+    for cut in range(1, len(stream) + 1):
+        assert as_origin_reads(tunnel_forwards(stream, cut)) == [("GET", "/g", b""), ("POST", "/c", b"abc")], cut
+
+
+def test_a_proxy_requests_body_is_framed_the_same_however_it_is_cut():
+    head = b"POST http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\nTransfer-Encoding: chunked"
+    body = b"4;x=1\r\nwiki\r\n5\r\npedia\r\n0\r\nT: 1\r\n\r\n" + SMUGGLED
+    for cut in range(len(body) + 1):
+        framer = BodyFramer(parse_request(head))
+        out = framer.feed(body[:cut]) + framer.feed(body[cut:])
+        assert as_origin_reads(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n" + out) == [
+            ("POST", "/", b"wikipedia")], cut
+        assert (framer.done, framer.extra) == (True, len(SMUGGLED)), cut
+
+
+@pytest.mark.parametrize("rest", [b"0\r\n\r\n", b"\r\n\r\n", b"\r\n", b""])
+def test_a_request_after_a_chunked_body_cut_at_its_last_chunk_is_checked(h, rest):
+    cut = len(CHUNKED) - len(rest)
+    seen = TunnelRequests("allowed.test", 80).feed(CHUNKED[:cut])  # what the first read forwards
+    tunnel(h, CHUNKED[:cut], then=((seen, CHUNKED[cut:] + SMUGGLED),))
+    assert as_origin_reads(h.origin.everything()) == [("POST", "/c", b"abc")]
+    assert h.records()[0][0].rule == "host-mismatch"
+
+
+def test_a_proxy_request_after_a_chunked_body_cut_at_its_last_chunk_is_dropped(h):
+    head = b"POST http://allowed.test/c HTTP/1.1\r\nHost: allowed.test\r\nTransfer-Encoding: chunked\r\n\r\n"
+    assert h.send(head + b"3\r\nabc\r\n0\r\n", then=((b"3\r\nabc\r\n", b"\r\n" + SMUGGLED),)) == ANSWER
+    assert as_origin_reads(h.origin.everything()) == [("POST", "/c", b"abc")]
+    assert f"{len(SMUGGLED)} bytes after the end" in h.records()[0][0].error
+
+
+@pytest.mark.parametrize("target, host, rule", [
+    (b"http://allowed.test/", b"other.test", "host-mismatch"),
+    (b"http://allowed.test/", b"allowed.test.other.test", "host-mismatch"),
+    (b"http://allowed.test/", b"allowed.test:8080", "host-mismatch"),
+    (b"http://allowed.test/", b"other.test@allowed.test", "host-mismatch"),
+    (b"http://allowed.test/", b"allowed.test, other.test", "host-mismatch"),
+    (b"http://allowed.test@other.test/", b"other.test", "not-allowlisted"),  # the host is after the userinfo
+    (b"http://allowed.test\\@other.test/", b"other.test", "not-allowlisted"),
+])
+def test_an_absolute_url_and_a_host_naming_another_host_are_refused(h, target, host, rule):
+    answer = h.send(b"GET " + target + b" HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+    assert status_line(answer) == "HTTP/1.1 403 Forbidden"
+    assert h.origin.everything() == b""
+    assert h.records()[0][0].rule == rule
+
+
+@pytest.mark.parametrize("target, host, forwarded_host", [
+    (b"http://other.test@allowed.test/x", b"", b"allowed.test"),
+    (b"http://other.test\\@allowed.test/x", b"", b"allowed.test"),
+    (b"http://ALLOWED.test.:80/x", b"Allowed.Test", b"Allowed.Test"),
+    (b"http://allowed.test/x", b"allowed.test.:80", b"allowed.test.:80"),
+])
+def test_what_reaches_the_origin_names_only_the_checked_host(h, target, host, forwarded_host):
+    host_line = b"Host: " + host + b"\r\n" if host else b""
+    assert h.send(b"GET " + target + b" HTTP/1.1\r\n" + host_line + b"\r\n") == ANSWER
+    assert h.origin.requests() == [b"GET /x HTTP/1.1\r\nHost: " + forwarded_host + b"\r\nConnection: close\r\n\r\n"]
+
+
+def test_http_1_0_keep_alive_is_still_one_request_per_proxied_connection(h):
+    answer = h.send(b"GET http://allowed.test/a HTTP/1.0\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n\r\n"
+                    + SMUGGLED)
+    assert answer == ANSWER
+    assert h.origin.requests() == [b"GET /a HTTP/1.0\r\nHost: allowed.test\r\nConnection: close\r\n\r\n"]
+
+
+def test_http_1_0_keep_alive_in_a_tunnel_has_its_next_request_checked(h):
+    first = b"POST /a HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 3\r\n\r\nabc"
+    tunnel(h, first + SMUGGLED)
+    assert h.origin.everything() == first
+    assert h.records()[0][0].rule == "host-mismatch"
+
+
+def test_expect_100_continue_goes_with_its_head_and_its_body_is_framed_by_its_length(h):
+    head = (b"POST http://allowed.test/e HTTP/1.1\r\nHost: allowed.test\r\nExpect: 100-continue\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(SMUGGLED))
+    # The head reaches the origin before the body is sent (a client waits for its 100 Continue).
+    assert h.send(head, then=((b"Expect: 100-continue", SMUGGLED + SMUGGLED),)) == ANSWER
+    assert as_origin_reads(h.origin.everything()) == [("POST", "/e", SMUGGLED)]
+    assert f"{len(SMUGGLED)} bytes after the end" in h.records()[0][0].error
+
+
+def test_expect_100_continue_in_a_tunnel_frames_its_body_then_checks_the_next_request(h):
+    first = b"POST /e HTTP/1.1\r\nHost: allowed.test\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(
+        SMUGGLED)
+    tunnel(h, first, then=((first, SMUGGLED + SMUGGLED),))
+    assert as_origin_reads(h.origin.everything()) == [("POST", "/e", SMUGGLED)]
+    assert h.records()[0][0].rule == "host-mismatch"
+
+
+@pytest.mark.parametrize("upgrade", [b"Upgrade: websocket", b"Connection: Upgrade\r\nUpgrade: websocket",
+                                     b"Connection: keep-alive, upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                                     b"HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA"])
+def test_an_upgrade_never_reaches_the_origin(h, upgrade):
+    answer = h.send(b"GET http://allowed.test/ws HTTP/1.1\r\nHost: allowed.test\r\n" + upgrade + b"\r\n\r\n"
+                    b"\x81\x05hello" + SMUGGLED)
+    assert answer == ANSWER
+    assert h.origin.requests() == [b"GET /ws HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n"]
+
+
+def test_an_upgrade_inside_a_tunnel_ends_it_before_the_upgraded_bytes(h):
+    tunnel(h, GOOD + b"GET /ws HTTP/1.1\r\nHost: allowed.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+           b"\x81\x05hello" + SMUGGLED)
+    assert h.origin.everything() == GOOD
+    assert h.records()[0][0].rule == "unreadable-first-bytes"
+
+
+@pytest.mark.parametrize("target, status, rule", [
+    (b"user@allowed.test:80", 403, "bad-host"),
+    (b"other.test@allowed.test:80", 403, "bad-host"),
+    (b"allowed.test:80@other.test:80", 400, "bad-request"),
+    (b"allowed.test.other.test.:80", 403, "not-allowlisted"),
+])
+def test_a_connect_target_with_userinfo_is_refused(h, target, status, rule):
+    answer = h.send(b"CONNECT " + target + b" HTTP/1.1\r\n\r\n")
+    assert status_line(answer).split(" ")[1] == str(status)
+    assert h.origin.everything() == b""
+    assert h.records()[0][0].rule == rule
+
+
+@pytest.mark.parametrize("target", [b"allowed.test.:80", b"ALLOWED.test..:80"])
+def test_a_connect_target_with_a_trailing_dot_is_the_host_it_names(h, target):
+    inside = b"GET / HTTP/1.1\r\nHost: allowed.test.\r\n\r\n"
+    tunnel(h, inside + b"GET / HTTP/1.1\r\nHost: other.test.\r\n\r\n", target=target)
+    assert h.origin.everything() == inside
+    [rec] = h.records()[0]
+    assert (rec.host, rec.rule) == ("allowed.test", "host-mismatch")
 
 
 # ------------------------------------------------------------------ inputs that raised
