@@ -161,9 +161,15 @@ def _check_name(value: str, what: str) -> None:
 
 
 def _workspace_mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str) -> list[NsjailMount]:
-    """compile_docker's mounts, in its order (parents before children), said to nsjail."""
+    """compile_docker's mounts, in its order (parents before children), said to nsjail.
+    Masks placed in the staged roots (staging.py) come in with them (nsjail's binds are
+    recursive) and are not mounted again: nsjail, as the sandbox user, cannot even open
+    a mode-000 mask file to mount over it."""
     out: list[NsjailMount] = []
+    staged_masks = {m.sandbox_path for m in plan.masks} if plan.staging_dir else set()
     for m in _mounts(policy, plan, mask_file, Attachments()):
+        if m.target in staged_masks and (m.source == mask_file or (m.type == "tmpfs" and m.read_only)):
+            continue
         if m.type == "bind":
             # A blocked file is the mask file bound read-only; other binds are the
             # workspace's, file or directory as the host has them.

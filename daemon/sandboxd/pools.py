@@ -384,6 +384,12 @@ class PoolManager:
             ws.busy = ""
             if not healthy:
                 ws.dead = True
+                lease = ws.lease
+                if lease is not None and lease.pool is not None:
+                    # Removed now, not when its lease ends (a client may hold a lease for
+                    # hours): the lease answers "its sandbox is gone" from here on.
+                    lease.pool.leased.pop(lease.lease_id, None)
+                    self._destroy_later(lease.pool, ws)
             if ws.dead and ws.lease is None:
                 # Its lease ended while it ran (_end_lease retired it): counted in its own
                 # pool since, not in whatever pool holds its key now.

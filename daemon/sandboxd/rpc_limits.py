@@ -205,7 +205,7 @@ class LimitInterceptor(grpc.ServerInterceptor):
             return key
         who = "callers that are no principal" if principal is None else principal.name
         exc = ResourceExhausted(f"{who} already hold{'' if principal is None else 's'} {limit} {kind}, "
-                                f"the most at once")
+                                f"the most at once (its quota)")
         if kind == CALL and self._refused is not None:
             self._refused(method, request, principal, exc)  # sets exc.tool_call_id
         if exc.tool_call_id:

@@ -41,7 +41,9 @@ def granted(ws, argv, policy=None, *, expires_at=None, key=TOOL_MANAGER, key_id=
 def rejection(client, tool_call_id: str) -> dict:
     trace = client.get_trace(tool_call_id)
     assert [e.type for e in trace] == ["ToolCallRequested", "ToolCallRejected"]
-    return json.loads(trace[-1].payload_json)
+    rejected = json.loads(trace[-1].payload_json)
+    assert rejected["requestedToolCallId"] == json.loads(trace[0].payload_json).get("toolCallId", "")
+    return rejected
 
 
 def test_a_signed_grant_runs_and_its_verification_is_recorded(strict):
@@ -64,7 +66,7 @@ def test_a_call_approved_for_one_argv_is_refused_with_another(strict):
         with pytest.raises(errors.PermissionDenied) as exc:
             c.run(tampered)
         assert "authorization.approvalDigest" in exc.value.message and "differs from what was approved" in exc.value.message
-        refused = rejection(c, "tc_tampered_argv_0001")
+        refused = rejection(c, exc.value.tool_call_id)  # (never the id asked for: a refusal reserves none)
         assert refused["code"] == "PERMISSION_DENIED" and refused["field"] == "authorization.approvalDigest"
 
 
@@ -94,7 +96,7 @@ def test_expired_unknown_key_and_forged_grants_are_refused(strict):
             with pytest.raises(errors.PermissionDenied) as exc:
                 c.run(bad)
             assert field in exc.value.message, (name, exc.value.message)
-            assert rejection(c, bad["toolCallId"])["field"] == field, name
+            assert rejection(c, exc.value.tool_call_id)["field"] == field, name
 
 
 def test_a_grant_runs_one_call(strict):
@@ -107,7 +109,7 @@ def test_a_grant_runs_one_call(strict):
         with pytest.raises(errors.PermissionDenied) as exc:
             c.run(again)
         assert "authorization.grantId" in exc.value.message and "already used" in exc.value.message
-        assert rejection(c, "tc_grant_replayed_0001")["field"] == "authorization.grantId"
+        assert rejection(c, exc.value.tool_call_id)["field"] == "authorization.grantId"
 
 
 def test_unsigned_calls_run_only_for_tools_the_daemon_lets(spare_daemon):

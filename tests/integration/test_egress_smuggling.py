@@ -72,13 +72,25 @@ def send(*pieces, tunnel=None):
         s.sendall(b"CONNECT " + tunnel + b" HTTP/1.1\\r\\nHost: " + tunnel + b"\\r\\n\\r\\n")
         while b"\\r\\n\\r\\n" not in got:
             got += s.recv(1)
-    for piece in pieces:
+    for i, piece in enumerate(pieces):
+        if i:
+            time.sleep(0.3)  # a later piece: its own read, most likely (either way is framed the same)
         s.sendall(piece)
-        time.sleep(0.3)
+    # The proxy ends the connection once its one request is answered or refused: read to
+    # that end (half-closing first raced the origin's answer on a busy machine). A
+    # connection the proxy keeps waiting on (a body not yet whole) is half-closed after 5 s.
+    s.settimeout(5)
     try:
-        s.shutdown(socket.SHUT_WR)
         while chunk := s.recv(65536):
             got += chunk
+    except socket.timeout:
+        s.settimeout(20)
+        try:
+            s.shutdown(socket.SHUT_WR)
+            while chunk := s.recv(65536):
+                got += chunk
+        except OSError:
+            pass
     except OSError:
         pass
     lines = [l.decode("latin-1") for l in re.findall(rb"HTTP/1[.]1 [0-9]{3}[^\\r\\n]*", got)]

@@ -658,3 +658,22 @@ def test_a_lease_records_the_image_its_sandbox_was_made_from_after_a_retag(poole
             assert json.loads(policy_checked.payload_json)["imageDigest"] == busybox.id
     finally:
         docker_engine.images.remove(tag, noprune=True)
+
+
+def test_an_idle_warm_container_killed_outside_the_daemon_is_replaced(pooled, docker_engine):
+    """An idle sandbox can end without its supervisor's connection saying so (dockerd
+    killed or restarted around it): the upkeep asks the engine, removes it and refills."""
+    d = pooled
+    ws = d.new_workspace()
+    with d.client() as c:
+        c.release_sandbox(c.acquire_sandbox(str(ws)).lease_id)
+        assert wait_for(lambda: c.list_pools() and c.list_pools()[0].idle == 1, timeout_s=30)
+        idle = [x for x in docker_engine.api.containers(filters={"label": f"sandboxd.daemon_id={d.daemon_id}"})]
+        assert len(idle) == 1
+        docker_engine.api.kill(idle[0]["Id"])
+        gone = lambda: not [x for x in docker_engine.api.containers(  # noqa: E731
+            all=True, filters={"label": f"sandboxd.daemon_id={d.daemon_id}"}) if x["Id"] == idle[0]["Id"]]
+        assert wait_for(gone, timeout_s=20), "the dead warm sandbox was never removed"
+        assert wait_for(lambda: c.list_pools()[0].idle == 1, timeout_s=30)
+        lease = c.acquire_sandbox(str(ws))
+        assert c.run(leased(ws, lease, ["true"])).result.status == "success"

@@ -439,3 +439,21 @@ def test_memory_and_swap_are_written_in_the_order_the_kernel_accepts(monkeypatch
     higher = {"memory/memory.limit_in_bytes": "512", "memory/memory.memsw.limit_in_bytes": "512"}
     assert _limit_writes(monkeypatch, MEM, higher)[:2] == [("memory.memsw.limit_in_bytes", "1024"),
                                                            ("memory.limit_in_bytes", "1024")]
+
+
+def test_a_staged_plan_names_staging_paths_and_leaves_its_masks_to_staging():
+    """Staged roots are bound recursively with their masks already in place; nsjail,
+    as the sandbox user, could not open a mode-000 mask file to mount over it again."""
+    policy, plan, kwargs = case_partial_workspace()
+    staged = replace(plan, staging_dir="/var/lib/sandboxd-runtime/mounts/sbx-0001")
+    spec = _compile(policy, staged, **kwargs)
+    targets = {m.dst: m for m in spec.mounts}
+    assert targets["/workspace/src"].src == "/var/lib/sandboxd-runtime/mounts/sbx-0001/0"
+    assert targets["/workspace/out"].src == "/var/lib/sandboxd-runtime/mounts/sbx-0001/2"
+    assert "/workspace/src/.env" not in targets and "/workspace/src/secrets" not in targets
+    assert spec.staging is not None
+    assert [(m.bind_index, m.relative_path, m.kind) for m in spec.staging.masks] == [(0, ".env", "file"),
+                                                                                    (0, "secrets", "dir")]
+    assert spec.staging.mask_file == MASK_FILE
+    unstaged = {m.dst for m in _compile(policy, plan, **kwargs).mounts}
+    assert {"/workspace/src/.env", "/workspace/src/secrets"} <= unstaged

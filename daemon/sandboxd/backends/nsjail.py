@@ -357,6 +357,7 @@ class NsjailBackend:
         import docker
 
         image_id = None
+        info = None
         try:
             info = self._docker().inspect_image(image)
             image_id, names = info["Id"], tuple(info.get("RepoTags") or ())
@@ -374,6 +375,10 @@ class NsjailBackend:
         path = self._rootfs_path(image_id)
         if not path.is_dir():
             self._export(image, image_id)
+        elif info is not None and self._read_index().get(image) != image_id:
+            # Exported under another name of it: this name must serve without dockerd too.
+            with self._export_lock:
+                self._remember(image, image_id)
         self._images[image] = (image_id, str(path), now, names)
         return image_id, str(path)
 
@@ -398,13 +403,24 @@ class NsjailBackend:
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise
-                index = self._read_index()
-                index[image] = image_id
-                tmp_index = self._index_path().with_suffix(".tmp")
-                tmp_index.write_text(json.dumps(index, indent=1, sort_keys=True))
-                os.replace(tmp_index, self._index_path())
+                self._remember(image, image_id, locked=True)
                 log.info("exported %s (%s) to %s", image, image_id, final)
             finally:
+                os.close(lock_fd)
+
+    def _remember(self, image: str, image_id: str, locked: bool = False) -> None:
+        """Records that `image` names the export of `image_id` (what serves without dockerd)."""
+        lock_fd = -1 if locked else os.open(self._rootfs_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if lock_fd >= 0:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX)  # another daemon on the same state dir
+            index = self._read_index()
+            index[image] = image_id
+            tmp_index = self._index_path().with_suffix(f".tmp-{secrets.token_hex(4)}")
+            tmp_index.write_text(json.dumps(index, indent=1, sort_keys=True))
+            os.replace(tmp_index, self._index_path())
+        finally:
+            if lock_fd >= 0:
                 os.close(lock_fd)
 
     def prune_exports(self) -> list[str]:

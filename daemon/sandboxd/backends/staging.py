@@ -28,7 +28,6 @@ _MS_RDONLY = 0x1
 _MS_NOSUID = 0x2
 _MS_NODEV = 0x4
 _MS_NOEXEC = 0x8
-_MS_REMOUNT = 0x20
 _MS_BIND = 0x1000
 _MNT_DETACH = 0x2
 
@@ -109,8 +108,10 @@ def _place_mask(staging: Staging, mask: StagedMask) -> None:
         if mask.kind == "dir":
             _mount("tmpfs", target, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,mode=0500")
         else:
+            # The mask file is root's with mode 000: nothing a sandbox user can read or
+            # write, so it needs no read-only remount (which could only name the new
+            # mount by a path; the engine's own read-only mask goes on top as well).
             _mount(staging.mask_file, target, None, _MS_BIND)
-            _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     finally:
         os.close(fd)
 

@@ -1,0 +1,116 @@
+"""backends/staging.py on the real filesystem (as root): roots reopened and bound, masks
+placed on the inode preflight found, refusals when anything changed, nothing left."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from sandboxd.backends import staging
+from sandboxd.compile import StagedBind, StagedMask, Staging
+from sandboxd.errors import FailedPrecondition
+
+
+def _inode(path: Path) -> tuple[int, int]:
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
+
+
+def _mounted_below(directory: Path) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if line.split()[4].startswith(str(directory))]
+
+
+@pytest.fixture
+def tree(tmp_path):
+    ws = tmp_path / "ws"
+    (ws / "data").mkdir(parents=True)
+    (ws / "data" / "secret.txt").write_text("BLOCKED\n")
+    (ws / "data" / "keys").mkdir()
+    (ws / "data" / "keys" / "id").write_text("KEY\n")
+    (ws / "data" / "ok.txt").write_text("ok\n")
+    mask_file = tmp_path / "mask"
+    mask_file.touch(mode=0o000)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o711)
+    return ws, mask_file, runtime / "mounts" / "sbx-1"
+
+
+def _staging(ws: Path, mask_file: Path, directory: Path, **inodes) -> Staging:
+    data = ws / "data"
+    secret = inodes["secret"] if "secret" in inodes else _inode(data / "secret.txt")
+    keys = inodes["keys"] if "keys" in inodes else _inode(data / "keys")
+    root = inodes["data"] if "data" in inodes else _inode(data)
+    masks = (StagedMask(0, "secret.txt", "file", *secret), StagedMask(0, "keys", "dir", *keys))
+    return Staging(str(directory), 1000, str(ws), *_inode(ws), (StagedBind(str(data), *root, f"{directory}/0"),),
+                   masks, str(mask_file))
+
+
+def test_a_staged_root_is_the_checked_directory_with_its_masks_pinned(tree):
+    ws, mask_file, directory = tree
+    staging.stage(_staging(ws, mask_file, directory))
+    try:
+        staged = directory / "0"
+        assert (staged / "ok.txt").read_text() == "ok\n"
+        assert (staged / "secret.txt").read_bytes() == b""  # the mask file
+        assert not os.listdir(staged / "keys")  # an empty tmpfs
+        with pytest.raises(OSError) as exc:
+            (staged / "keys" / "x").write_text("x")
+        assert exc.value.errno == errno.EROFS
+        # The owner can no longer move the blocked content out from under the mask.
+        with pytest.raises(OSError) as exc:
+            os.rename(ws / "data" / "secret.txt", ws / "data" / "moved.txt")
+        assert exc.value.errno == errno.EBUSY
+        assert (os.stat(directory).st_mode & 0o777, os.stat(directory).st_gid) == (0o710, 1000)
+    finally:
+        staging.release(str(directory))
+    assert not directory.exists() and not _mounted_below(directory)
+    assert (ws / "data" / "secret.txt").read_text() == "BLOCKED\n", "the workspace itself is untouched"
+
+
+def test_a_blocked_file_replaced_since_preflight_is_refused_and_nothing_stays_mounted(tree):
+    ws, mask_file, directory = tree
+    checked = _inode(ws / "data" / "secret.txt")
+    os.rename(ws / "data" / "secret.txt", ws / "data" / "moved.txt")  # the content moves away...
+    (ws / "data" / "secret.txt").write_text("decoy\n")  # ...and a decoy takes its name
+    with pytest.raises(FailedPrecondition) as exc:
+        staging.stage(_staging(ws, mask_file, directory, secret=checked))
+    assert "changed after it was checked" in exc.value.message
+    assert not directory.exists() and not _mounted_below(directory)
+
+
+def test_a_blocked_file_linked_elsewhere_since_preflight_is_refused(tree):
+    ws, mask_file, directory = tree
+    os.link(ws / "data" / "secret.txt", ws / "data" / "second-name")
+    with pytest.raises(FailedPrecondition) as exc:
+        staging.stage(_staging(ws, mask_file, directory))
+    assert "linked elsewhere" in exc.value.message and not _mounted_below(directory)
+
+
+@pytest.mark.parametrize("swap", ["symlink", "other directory"])
+def test_a_root_swapped_since_preflight_is_refused(tree, tmp_path, swap):
+    ws, mask_file, directory = tree
+    checked = _inode(ws / "data")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.rename(ws / "data", ws / "data.orig")
+    if swap == "symlink":
+        os.symlink(elsewhere, ws / "data")
+    else:
+        os.rename(elsewhere, ws / "data")
+    with pytest.raises(FailedPrecondition) as exc:
+        staging.stage(_staging(ws, mask_file, directory, data=checked, secret=(0, 0), keys=(0, 0)))
+    assert "changed after it was checked" in exc.value.message
+    assert not directory.exists() and not _mounted_below(directory)
+
+
+def test_reap_unmounts_what_a_killed_run_left(tree):
+    ws, mask_file, directory = tree
+    staging.stage(_staging(ws, mask_file, directory))
+    assert _mounted_below(directory)
+    assert staging.reap(str(directory.parent)) == 1
+    assert not _mounted_below(directory) and not directory.exists()
+    assert (ws / "data" / "keys" / "id").read_text() == "KEY\n"
