@@ -35,7 +35,7 @@ from .compile_nsjail import NSJAIL_CGROUP_ROOT
 from .errors import BackendUnavailable, SandboxdError
 from .credentials import CredentialBroker
 from .events import CheckpointFile, EventLog
-from .executor import CallExecutor, clean_spool
+from .executor import STAGING_SUBDIR, CallExecutor, clean_spool
 from .metrics import MetricsServer, render
 from .pools import PoolManager
 from .proxy import EgressProxy
@@ -137,7 +137,8 @@ def _start_backends(settings: DaemonSettings, daemon_id: str, shim: str = "") ->
         reaped = docker_backend.reap_orphans(daemon_id)
         if reaped:
             log.warning("removed %d containers left by an earlier run of this daemon", reaped)
-        docker_backend.start_backstop(daemon_id)  # its containers' deadlines hold without this process
+        # Its containers' deadlines hold without this process, and its staged roots go.
+        docker_backend.start_backstop(daemon_id, str(settings.runtime_dir / STAGING_SUBDIR))
         backends["docker"] = docker_backend
     except SandboxdError as exc:
         unavailable["docker"] = exc.message

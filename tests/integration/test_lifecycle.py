@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -73,6 +74,12 @@ def test_a_dead_daemons_docker_sandbox_still_ends_at_its_deadline(spare_daemon, 
         filters={"label": f"sandboxd.daemon_id={d.daemon_id}", "status": "running"})]
     assert running(), "the container outlives its daemon"
     assert wait_for(lambda: not running(), timeout_s=20), "the container ran past its deadline without its daemon"
+    # Once none is left, nothing of the dead daemon stays mounted either.
+    staged = d.base / "runtime" / "mounts"
+    mounted = lambda: [line for line in Path("/proc/self/mountinfo").read_text().splitlines()  # noqa: E731
+                       if f" {staged}/" in line]
+    assert wait_for(lambda: not mounted(), timeout_s=20), mounted()
+    assert not docker_engine.api.containers(all=True, filters={"label": f"sandboxd.daemon_id={d.daemon_id}"})
     c.close()
     d.start()  # and the restart removes what is left
     assert not leftover_sandboxes(docker_engine, d)

@@ -11,7 +11,7 @@ def container(cid: str, created: float, deadline: str | None, state: str = "runn
     return {"Id": cid, "Created": created, "State": state, "Labels": labels}
 
 
-def test_only_running_containers_past_their_own_deadline_are_killed():
+def test_ended_containers_and_running_ones_past_their_own_deadline_go():
     now = 1_000.0
     containers = [
         container("past", now - 30, "20"),
@@ -21,4 +21,4 @@ def test_only_running_containers_past_their_own_deadline_are_killed():
         container("unlabelled", now - 10_000, None),  # an older daemon's: left to its reaping
         container("garbled", now - 10_000, "20s"),
     ]
-    assert overdue(containers, now) == ["past", "at"]
+    assert overdue(containers, now) == ["past", "at", "exited"]

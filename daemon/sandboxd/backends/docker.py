@@ -157,10 +157,11 @@ class DockerBackend:
         except docker.errors.DockerException as exc:
             raise BackendUnavailable(f"cannot reach dockerd: {exc}") from None
 
-    def start_backstop(self, daemon_id: str) -> None:
+    def start_backstop(self, daemon_id: str, staging_root: str) -> None:
         """Starts the watcher that enforces this daemon's containers' deadlines once the
-        daemon is gone (backstop.py). Its pipe is held, never written, until the end."""
-        self._backstop = backstop.spawn(daemon_id, self._docker_host)
+        daemon is gone, then unmounts its staged roots (backstop.py). Its pipe is held,
+        never written, until the end."""
+        self._backstop = backstop.spawn(daemon_id, staging_root, self._docker_host)
 
     def check(self) -> None:
         try:
