@@ -230,7 +230,10 @@ def _grpc_server(settings: DaemonSettings, executor: CallExecutor, artifacts: Fi
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=worker_count(settings), thread_name_prefix="rpc"),
         interceptors=[limits, ErrorInterceptor()],  # the caps first: nothing runs before them
-        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        # The largest request a call may make (its stdin and argv) and room for the rest:
+        # what a stalled request may make grpc buffer before any check.
+        options=[("grpc.max_receive_message_length",
+                  settings.limits.max_stdin_bytes + settings.limits.max_argv_bytes + 4 * 1024 * 1024),
                  ("grpc.max_send_message_length", 64 * 1024 * 1024),
                  ("grpc.http2.max_frame_size", 4 * 1024 * 1024),
                  ("grpc.max_connection_idle_ms", int(rpc.connection_idle_timeout_s * 1000)),

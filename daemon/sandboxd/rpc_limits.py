@@ -26,6 +26,8 @@ from .transport import Principal
 
 log = logging.getLogger("sandboxd.limits")
 SANDBOXD_PREFIX = "/sandboxd.v1."
+# How long a refused call's request message is waited for, to record what was refused.
+REFUSED_READ_S = 5.0
 CALL_METHODS = frozenset({"/sandboxd.v1.ExecutionService/Execute", "/sandboxd.v1.ExecutionService/Run"})
 CALL, STREAM, UNARY, ANONYMOUS = "calls", "streams", "unary calls", "unauthenticated"
 
@@ -190,8 +192,13 @@ class LimitInterceptor(grpc.ServerInterceptor):
             return min(self._settings.quotas.concurrent_calls_for(principal.name), self._settings.max_concurrent_calls)
         return rpc.streams_per_principal if kind == STREAM else rpc.unary_calls_per_principal
 
-    def _take(self, method: str, streaming: bool, request, context) -> tuple[str, str]:
-        """The slot taken for this RPC; aborts the RPC when there is none."""
+    def _take(self, method: str, streaming: bool, request, context,
+              read_request: Callable[[], Any] | None = None) -> tuple[str, str]:
+        """The slot taken for this RPC; aborts the RPC when there is none. Taken before
+        the request's message is read (`read_request` reads it, for the record of a
+        refused call, under a short timeout): grpc reads a unary request on the worker
+        thread, so a client that never finished its message held a worker before any
+        slot was taken."""
         try:
             principal: Principal | None = self._authenticate(context)
         except Unauthenticated as exc:
@@ -207,6 +214,8 @@ class LimitInterceptor(grpc.ServerInterceptor):
         exc = ResourceExhausted(f"{who} already hold{'' if principal is None else 's'} {limit} {kind}, "
                                 f"the most at once (its quota)")
         if kind == CALL and self._refused is not None:
+            if request is None and read_request is not None:
+                request = read_request()
             self._refused(method, request, principal, exc)  # sets exc.tool_call_id
         if exc.tool_call_id:
             context.set_trailing_metadata((("sandboxd-tool-call-id", exc.tool_call_id),))
@@ -222,19 +231,33 @@ class LimitInterceptor(grpc.ServerInterceptor):
         rpc = self._settings.rpc_limits
         take, give, dog = self._take, self.slots.give, self.watchdog
 
+        def read_one(requests, context, timeout_s: float):
+            """A unary method's one request message, read after its slot is taken, under
+            the client-stream idle timeout (a client that never finishes it is cut off)."""
+            request = next(iter(dog.requests(requests, context, timeout_s)), None)
+            if request is None:
+                context.abort(grpc.StatusCode.CANCELLED, "the client sent no request message")
+            return request
+
         def unary_in(behavior, streaming):
+            # Served as client-streaming (the wire is the same): grpc reads nothing before
+            # the slot is taken, and the one message then comes under the idle timeout.
+            def refused_request(requests, context):
+                return lambda: next(iter(dog.requests(requests, context, REFUSED_READ_S)), None)
+
             if not streaming:
-                def unary_unary(request, context):
-                    key = take(method, False, request, context)
+                def unary_unary(requests, context):
+                    key = take(method, False, None, context, refused_request(requests, context))
                     try:
-                        return behavior(request, context)
+                        return behavior(read_one(requests, context, rpc.stream_idle_timeout_s), context)
                     finally:
                         give(key)
                 return unary_unary
 
-            def unary_stream(request, context):
-                key = take(method, True, request, context)
+            def unary_stream(requests, context):
+                key = take(method, True, None, context, refused_request(requests, context))
                 try:
+                    request = read_one(requests, context, rpc.stream_idle_timeout_s)
                     yield from dog.responses(behavior(request, context), context, rpc.stream_send_timeout_s)
                 finally:
                     give(key)
@@ -263,9 +286,9 @@ class LimitInterceptor(grpc.ServerInterceptor):
         kw = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary_in(handler.unary_unary, False), **kw)
+            return grpc.stream_unary_rpc_method_handler(unary_in(handler.unary_unary, False), **kw)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(unary_in(handler.unary_stream, True), **kw)
+            return grpc.stream_stream_rpc_method_handler(unary_in(handler.unary_stream, True), **kw)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(stream_in(handler.stream_unary, False), **kw)
         return grpc.stream_stream_rpc_method_handler(stream_in(handler.stream_stream, True), **kw)

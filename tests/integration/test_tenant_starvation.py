@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 import time
 from contextlib import contextmanager
 
@@ -272,3 +273,34 @@ def test_retries_attached_to_a_running_call_count_against_the_call_cap(spare_dae
         assert '"code":"RESOURCE_EXHAUSTED"' in trace.events[1].payload_json.replace(" ", "")
         first.cancel()
         again.cancel()
+
+
+def test_requests_that_never_finish_their_message_hold_no_worker_past_the_cap(spare_daemon):
+    """grpc reads a unary request's message on a worker thread: a client that sends the
+    headers and never the message held a worker before any cap applied. Now the slot is
+    taken first, the rest are refused at once, and the message comes under the idle
+    timeout."""
+    d = spare_daemon(principals=PRINCIPALS, socket_mode=0o666,
+                     rpc_limits={"unary_calls_per_principal": 4, "stream_idle_timeout_s": 3}).start()
+    bob_ws = d.new_workspace(uid=BOB)
+    never = threading.Event()
+
+    def no_message():
+        never.wait()  # the request message never comes
+        yield from ()
+
+    with channel_as(d, ALICE) as a, channel_as(d, BOB) as b:
+        mine = pb_grpc.ExecutionServiceStub(b).Run(pb.RunRequest(call=a_call(bob_ws, ["true"])), timeout=60)
+        stalled = [a.stream_unary("/sandboxd.v1.AuditService/QueryCalls", request_serializer=lambda m: m,
+                                  response_deserializer=pb.QueryCallsResponse.FromString).future(no_message(),
+                                                                                                 timeout=30)
+                   for _ in range(200)]
+        time.sleep(1)
+        audit, traces = pb_grpc.AuditServiceStub(b), pb_grpc.TraceServiceStub(b)
+        for _ in range(3):
+            answers_within(lambda t: audit.QueryCalls(pb.QueryCallsRequest(), timeout=t))
+            answers_within(lambda t: traces.GetTrace(pb.GetTraceRequest(tool_call_id=mine.tool_call_id), timeout=t))
+        codes = [f.exception(timeout=30).code() for f in stalled]
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 196, "four hold a slot, the rest are refused"
+        assert codes.count(grpc.StatusCode.CANCELLED) == 4, "the four are cut off after the idle timeout"
+        never.set()
