@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sandboxd import testing
+from sandboxd.backends import staging
 from sandboxd.backends.cgroups import LAYOUT
 from sandboxd.testing import TEST_BACKENDS, WORKSPACE_UID, DaemonProcess, make_daemon, prepared_call
 from sandboxd_client import SandboxdClient
@@ -168,6 +169,9 @@ def spare_daemon(docker_engine):
                 quiet = 0 if found else quiet + 1
                 time.sleep(0.3)
             kill_nsjail_leftovers(d)
+        # A killed daemon's staged roots are binds of its workspaces: unmounted before
+        # anything is removed (a removal through them would reach the workspaces).
+        staging.reap(str(d.base / "runtime" / "mounts"))
     shutil.rmtree(base, ignore_errors=True)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,31 @@ def test_reap_unmounts_what_a_killed_run_left(tree):
     assert staging.reap(str(directory.parent)) == 1
     assert not _mounted_below(directory) and not directory.exists()
     assert (ws / "data" / "keys" / "id").read_text() == "KEY\n"
+
+
+PROPAGATION_PROBE = """
+import os, subprocess, sys
+sys.path[:0] = sys.argv[4:]
+from sandboxd.backends import staging
+from sandboxd.compile import StagedBind, StagedMask, Staging
+ws, mask_file, directory = sys.argv[1:4]
+subprocess.run(["mount", "--bind", ws, ws], check=True)
+subprocess.run(["mount", "--make-shared", ws], check=True)  # as systemd makes /
+st = lambda p: (os.lstat(p).st_dev, os.lstat(p).st_ino)
+data = os.path.join(ws, "data")
+masks = (StagedMask(0, "secret.txt", "file", *st(os.path.join(data, "secret.txt"))),
+         StagedMask(0, "keys", "dir", *st(os.path.join(data, "keys"))))
+staging.stage(Staging(directory, 1000, ws, *st(ws), (StagedBind(data, *st(data), directory + "/0"),), masks, mask_file))
+print(open(os.path.join(data, "secret.txt")).read().strip(), sorted(os.listdir(os.path.join(data, "keys"))))
+"""
+
+
+def test_masks_never_propagate_back_to_the_owners_workspace(tree):
+    """On a shared mount a bind is the source's peer: a mask placed on the staged root
+    would cover the owner's own file on the host. Run in a mount namespace of its own."""
+    ws, mask_file, directory = tree
+    paths = [str(Path(staging.__file__).resolve().parents[2]), *sys.path]
+    out = subprocess.run(["unshare", "-m", "--propagation", "unchanged", sys.executable, "-c", PROPAGATION_PROBE,
+                          str(ws), str(mask_file), str(directory), *paths], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["BLOCKED", "['id']"], "a mask appeared on the workspace itself"

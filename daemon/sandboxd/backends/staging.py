@@ -29,6 +29,7 @@ _MS_NOSUID = 0x2
 _MS_NODEV = 0x4
 _MS_NOEXEC = 0x8
 _MS_BIND = 0x1000
+_MS_PRIVATE = 0x40000
 _MNT_DETACH = 0x2
 
 
@@ -80,6 +81,10 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
 
 def _bind_mount(source_fd: int, target: str) -> None:
     _mount(f"/proc/self/fd/{source_fd}", target, None, _MS_BIND)
+    # Private, before any mask goes on it: a bind of a shared mount (systemd makes / shared)
+    # is the source's peer, and a mask placed on it would appear on the owner's own
+    # workspace too, and stay there if the daemon died. (The target is the daemon's path.)
+    _mount(None, target, None, _MS_PRIVATE)
 
 
 def _place_mask(staging: Staging, mask: StagedMask) -> None:
