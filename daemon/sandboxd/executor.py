@@ -53,6 +53,8 @@ MAX_EFFECT_PATHS = 1000
 # Per FileAccessObserved event: entries (writes, creations, ...), or plain reads.
 FILE_ENTRIES_PER_EVENT = 500
 FILE_READS_PER_EVENT = 2000
+# A cancellation's reason is kept in the call's recorded result.
+MAX_CANCEL_REASON_CHARS = 1024
 # Below the runtime directory: each sandbox's staged workspace roots (backends/staging.py).
 STAGING_SUBDIR = "mounts"
 # A write root's snapshot is brought up to date this long after a change reaches it.
@@ -1340,6 +1342,8 @@ class CallExecutor:
             return self._runs.get(tool_call_id)
 
     def cancel(self, tool_call_id: str, reason: str, caller: Principal) -> bool:
+        if len(reason) > MAX_CANCEL_REASON_CHARS or "\x00" in reason:  # it goes into the recorded result
+            raise InvalidArgument(f"at most {MAX_CANCEL_REASON_CHARS} characters, no NUL", field="reason")
         self.check_access(tool_call_id, caller)
         run = self.get_run(tool_call_id)
         if run is None:

@@ -32,6 +32,8 @@ MAX_FIELD_CHARS = 4096
 MAX_ARG_CHARS = 128 * 1024
 MAX_ENV_VALUE_CHARS = 32 * 1024
 _LONG_FIELDS = {"argv": MAX_ARG_CHARS, "policy.environment.injectedEnv": MAX_ENV_VALUE_CHARS}
+# All injected names and values together (what one exec's environment may hold, with room).
+MAX_ENV_TOTAL_CHARS = 128 * 1024
 # Sandbox paths where a tmpfs or a bind would hide the kernel's own views.
 _FORBIDDEN_MOUNT_PARENTS = ("/proc", "/sys", "/dev")
 
@@ -228,8 +230,20 @@ def check_strings(value: Any, path: str = "") -> None:
             check_strings(item, f"{path}[{i}]")
 
 
+def _check_env_total(data: Mapping[str, Any]) -> None:
+    policy = data.get("policy")
+    env = policy.get("environment") if isinstance(policy, Mapping) else None
+    injected = env.get("injectedEnv") if isinstance(env, Mapping) else None
+    if isinstance(injected, Mapping):
+        total = sum(len(str(k)) + len(v) + 2 for k, v in injected.items() if isinstance(v, str))
+        if total > MAX_ENV_TOTAL_CHARS:
+            raise InvalidArgument(f"{total} characters together exceed the maximum of {MAX_ENV_TOTAL_CHARS}",
+                                  field="policy.environment.injectedEnv")
+
+
 def parse_call(data: Mapping[str, Any]) -> PreparedToolCall:
     check_strings(data)
+    _check_env_total(data)
     try:
         return PreparedToolCall.model_validate(data)
     except ValidationError as exc:

@@ -397,6 +397,15 @@ def test_nul_bytes_are_invalid_arguments_naming_the_field(client, workspace, pat
     assert exc.value.message.startswith(f"{field}:") and "NUL" in exc.value.message
 
 
+def test_a_cancel_reason_is_bounded(client):
+    """The reason goes into the call's recorded result: it has a maximum."""
+    with pytest.raises(errors.InvalidArgument) as exc:
+        client.cancel("tc-whatever", "x" * 1025)
+    assert exc.value.message.startswith("reason:")
+    with pytest.raises(errors.NotFound):
+        client.cancel("tc-whatever", "x" * 1024)
+
+
 def test_malformed_calls_are_refused(client, workspace):
     cases = [(call(workspace, []), "argv"), ({**call(workspace, ["true"]), "toolId": ""}, "toolId"),
              (call(workspace, ["true"], toolCallId="bad id with spaces"), "toolCallId")]

@@ -490,3 +490,42 @@ def test_the_shim_hands_the_command_the_fifos_even_with_stdio_closed(tmp_path):
     finally:
         for fd in fifos.values():
             os.close(fd)
+
+
+def test_a_removal_dockerd_does_not_answer_is_retried_until_it_does_or_given_up(monkeypatch):
+    import threading
+
+    import requests
+
+    import sandboxd.backends.docker as docker_module
+    from sandboxd.backends.docker import DockerBackend
+
+    class Engine:
+        """dockerd down for a while (refused connections), then up; one container never goes."""
+        def __init__(self):
+            self.down = True
+            self.removed = []
+
+        def remove_container(self, ref, force, v):
+            if self.down:
+                raise requests.exceptions.ConnectionError("refused")
+            if ref == "stuck":
+                raise requests.exceptions.ConnectionError("still refused for this one")
+            self.removed.append(ref)
+
+    monkeypatch.setattr(docker_module, "REMOVAL_RETRY_S", 0.01)
+    monkeypatch.setattr(docker_module, "REMOVAL_GIVE_UP_S", 0.3)
+    backend = object.__new__(DockerBackend)
+    backend._api, backend._errors = Engine(), __import__("docker").errors
+    backend._pending_lock, backend._pending_removals, backend._remover = threading.Lock(), {}, None
+    assert not backend._force_remove("c1")
+    backend._remove_later("c1")
+    backend._remove_later("stuck")
+    time.sleep(0.1)
+    assert backend.pending_removals() == 2 and backend._api.removed == []
+    backend._api.down = False
+    deadline = time.monotonic() + 5
+    while backend.pending_removals() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert backend._api.removed == ["c1"] and backend.pending_removals() == 0, "c1 removed, 'stuck' given up"
+    assert backend._remover is None

@@ -719,3 +719,17 @@ def test_every_string_has_a_maximum_length(patch, field, limit):
     if field == "argv[1]":
         at_limit["argv"] = ["echo", "a" * MAX_ARG_CHARS]
         assert parse_call(at_limit).argv[1] == "a" * MAX_ARG_CHARS
+
+
+def test_the_injected_environment_has_a_total_maximum():
+    from sandboxd.policy import MAX_ENV_TOTAL_CHARS
+
+    value = "v" * (MAX_ENV_VALUE_CHARS - 16)
+    count = MAX_ENV_TOTAL_CHARS // len(value) + 1
+    raw = {"toolId": "t", "argv": ["true"], "workspace": "/srv/ws",
+           "policy": {"environment": {"injectedEnv": {f"V{i}": value for i in range(count)}}}}
+    with pytest.raises(InvalidArgument) as exc:
+        parse_call(raw)
+    assert exc.value.field == "policy.environment.injectedEnv" and str(MAX_ENV_TOTAL_CHARS) in exc.value.reason
+    raw["policy"]["environment"]["injectedEnv"] = {f"V{i}": value for i in range(count - 1)}
+    assert len(parse_call(raw).policy.environment.injected_env) == count - 1

@@ -30,11 +30,14 @@ POLL_S = 1.0
 def spawn(daemon_id: str, staging_root: str, docker_host: str | None) -> subprocess.Popen:
     """The watcher of this daemon's containers; the daemon keeps the returned process's
     stdin open for as long as it lives (and never writes to it)."""
-    argv = [sys.executable, "-m", "sandboxd.backends.backstop", daemon_id, staging_root] + (
+    # -P and cwd "/": nothing of the directory the daemon was started from is importable
+    # (the watcher imports the Docker SDK only once the daemon is gone, as root).
+    argv = [sys.executable, "-P", "-m", "sandboxd.backends.backstop", daemon_id, staging_root] + (
         [docker_host] if docker_host else [])
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": os.pathsep.join(sys.path)}
+    path = [p for p in sys.path if os.path.isabs(p)]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": os.pathsep.join(path)}
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=env, start_new_session=True, close_fds=True)
+                            env=env, cwd="/", start_new_session=True, close_fds=True)
 
 
 def overdue(containers: list[dict], now: float) -> list[str]:

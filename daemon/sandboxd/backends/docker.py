@@ -123,8 +123,9 @@ def _engine_errors_are_unavailable(method):
     return wrapper
 
 
-# How often removals dockerd did not answer are tried again.
+# How often removals dockerd did not answer are tried again, and for how long.
 REMOVAL_RETRY_S = 1.0
+REMOVAL_GIVE_UP_S = 600.0
 
 
 class DockerBackend:
@@ -146,7 +147,7 @@ class DockerBackend:
         self._docker_host = docker_host
         self._backstop: subprocess.Popen | None = None
         self._pending_lock = threading.Lock()
-        self._pending_removals: set[str] = set()
+        self._pending_removals: dict[str, float] = {}  # engine id -> when it was first tried
         self._remover: threading.Thread | None = None
         self._seccomp_name = os.path.basename(seccomp_path)
         self._seccomp_json = load_seccomp_profile(seccomp_path)
@@ -182,6 +183,7 @@ class DockerBackend:
     def image_digest(self, image: str) -> str:
         return self.resolve_image(image)[0]
 
+    @_engine_errors_are_unavailable
     def resolve_image(self, image: str) -> tuple[str, tuple[str, ...]]:
         try:
             info = self._api.inspect_image(image)
@@ -340,7 +342,7 @@ class DockerBackend:
         """dockerd did not answer (restarting): the container is removed once it does,
         by a thread that asks every REMOVAL_RETRY_S, not at the daemon's next start."""
         with self._pending_lock:
-            self._pending_removals.add(engine_id)
+            self._pending_removals.setdefault(engine_id, time.monotonic())
             if self._remover is not None and self._remover.is_alive():
                 return
             self._remover = threading.Thread(target=self._retry_removals, name="docker-removals", daemon=True)
@@ -350,10 +352,15 @@ class DockerBackend:
         while True:
             time.sleep(REMOVAL_RETRY_S)
             with self._pending_lock:
-                pending = list(self._pending_removals)
-            done = {engine_id for engine_id in pending if self._force_remove(engine_id)}
+                pending = dict(self._pending_removals)
+            done = {engine_id for engine_id in pending if self._force_remove(engine_id, quiet=True)}
+            given_up = {engine_id for engine_id, since in pending.items()
+                        if engine_id not in done and time.monotonic() - since > REMOVAL_GIVE_UP_S}
+            for engine_id in given_up:  # the daemon's next start, or its backstop, removes it
+                log.error("gave up removing container %s after %.0f s", engine_id, REMOVAL_GIVE_UP_S)
             with self._pending_lock:
-                self._pending_removals -= done
+                for engine_id in done | given_up:
+                    self._pending_removals.pop(engine_id, None)
                 if not self._pending_removals:
                     self._remover = None
                     return
@@ -370,19 +377,22 @@ class DockerBackend:
         if spec.staging is not None:
             staging.release(spec.staging.directory)
 
-    def _force_remove(self, ref: str) -> bool:
-        """Whether the container is gone (or going); False when dockerd did not answer."""
+    def _force_remove(self, ref: str, quiet: bool = False) -> bool:
+        """Whether the container is gone (or going); False when dockerd did not answer
+        (`quiet`: a retry, already said)."""
         try:
             self._api.remove_container(ref, force=True, v=True)
         except self._errors.NotFound:
             pass
         except self._errors.APIError as exc:
             if exc.status_code != 409:  # removal already in progress
-                log.error("could not remove container %s: %s", ref, exc.explanation)
+                if not quiet:
+                    log.error("could not remove container %s: %s", ref, exc.explanation)
                 return exc.status_code is None or exc.status_code < 500
         except (requests.exceptions.RequestException, ConnectionError) as exc:
-            log.warning("dockerd did not answer the removal of %s (%s): retried until it does", ref,
-                        type(exc).__name__)
+            if not quiet:
+                log.warning("dockerd did not answer the removal of %s (%s): retried until it does", ref,
+                            type(exc).__name__)
             return False
         return True
 
