@@ -233,6 +233,20 @@ def _not_callers(workspace_raw: str, owner_uid: int | None) -> PermissionDenied:
                             "use workspaces its own uid owns", field="workspace")
 
 
+def _exists(path: str, where: str) -> bool:
+    """Whether a blocked path is there: only "no such file" means absent. Anything else
+    (root refused on a FUSE or root-squashed NFS workspace) is a refusal, never a mask
+    left out."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as exc:
+        raise FailedPrecondition(f"cannot tell whether it exists ({exc.strerror}); it would not be masked",
+                                 field=where) from None
+    return True
+
+
 def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSettings,
               owner_uid: int | None = None) -> HostPlan:
     """`owner_uid`: the caller's uid, unless the caller is an admin (who may use any
@@ -264,7 +278,7 @@ def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSetti
             notes.append(f"blocked path {p} resolves outside the workspace, which is not mounted")
         for target in targets:
             host = _host_path(workspace, target)
-            if not os.path.lexists(host):
+            if not _exists(host, where):
                 notes.append(f"blocked path {p} ({target}) does not exist; nothing to mask")
                 continue
             if any(is_within(v, target) for v in visible):

@@ -431,3 +431,24 @@ def test_the_hard_link_walk_never_goes_through_a_symlink(host, tmp_path):
     (host.ws / "real" / "a").write_text("a")
     os.link(host.ws / "real" / "a", host.ws / "b")
     assert _hard_linked(str(host.ws), str(host.ws / "real"), "f") == str(host.ws / "real" / "a")
+
+
+def test_a_blocked_path_that_cannot_be_looked_at_is_refused_not_left_unmasked(host, monkeypatch):
+    """os.path.lexists says False on EACCES too (root on a FUSE or root-squashed NFS
+    workspace): that was a blocked path silently left visible."""
+    import errno as errno_module
+
+    import sandboxd.preflight as preflight_module
+
+    mkfile(host.ws / "secret.txt", "s")
+    real_lstat = os.lstat
+
+    def lstat(path, *args, **kwargs):
+        if str(path).endswith("secret.txt"):
+            raise PermissionError(errno_module.EACCES, "Permission denied")
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(preflight_module.os, "lstat", lstat)
+    with pytest.raises(FailedPrecondition) as exc:
+        plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["secret.txt"]})
+    assert exc.value.field == "policy.filesystem.blockedPaths[0]"

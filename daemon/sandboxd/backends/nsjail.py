@@ -374,15 +374,15 @@ class NsjailBackend:
             names = tuple(sorted(name for name, iid in index.items() if iid == image_id))
         path = self._rootfs_path(image_id)
         if not path.is_dir():
-            self._export(image, image_id)
-        elif info is not None and self._read_index().get(image) != image_id:
-            # Exported under another name of it: this name must serve without dockerd too.
+            self._export(image, image_id, names)
+        elif info is not None and any(self._read_index().get(name) != image_id for name in names):
+            # Exported under another of its names: each must serve without dockerd too.
             with self._export_lock:
-                self._remember(image, image_id)
+                self._remember(names, image_id)
         self._images[image] = (image_id, str(path), now, names)
         return image_id, str(path)
 
-    def _export(self, image: str, image_id: str) -> None:
+    def _export(self, image: str, image_id: str, names: tuple[str, ...]) -> None:
         """Exports the image's filesystem into <rootfs>/<id>, atomically (temp dir + rename)."""
         with self._export_lock:
             final = self._rootfs_path(image_id)
@@ -403,19 +403,20 @@ class NsjailBackend:
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise
-                self._remember(image, image_id, locked=True)
+                self._remember(names, image_id, locked=True)
                 log.info("exported %s (%s) to %s", image, image_id, final)
             finally:
                 os.close(lock_fd)
 
-    def _remember(self, image: str, image_id: str, locked: bool = False) -> None:
-        """Records that `image` names the export of `image_id` (what serves without dockerd)."""
+    def _remember(self, names: tuple[str, ...], image_id: str, locked: bool = False) -> None:
+        """Records the names dockerd gives `image_id` (its RepoTags, never merely a name
+        that resolved to it): what serves, and is allowlisted, without dockerd."""
         lock_fd = -1 if locked else os.open(self._rootfs_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if lock_fd >= 0:
                 fcntl.flock(lock_fd, fcntl.LOCK_EX)  # another daemon on the same state dir
             index = self._read_index()
-            index[image] = image_id
+            index.update({name: image_id for name in names})
             tmp_index = self._index_path().with_suffix(f".tmp-{secrets.token_hex(4)}")
             tmp_index.write_text(json.dumps(index, indent=1, sort_keys=True))
             os.replace(tmp_index, self._index_path())
