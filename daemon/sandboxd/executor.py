@@ -83,10 +83,16 @@ class Prepared:
     secrets: tuple[ResolvedSecret, ...] = ()
     # The warm sandbox a leased call runs in.
     lease: Any = None
+    # Every secret this call's output and events are redacted of: its own, and for a
+    # leased call every one its sandbox was ever given (its tempDir outlives a command).
+    redaction: Mapping[str, bytes] = field(default_factory=dict)
 
     @property
     def egress(self) -> EgressAttachment | None:
         return self.attachments.egress
+
+    def redactor(self) -> Redactor:
+        return Redactor(dict(self.redaction) or {s.binding_id: s.value for s in self.secrets})
 
 
 class CallRun:
@@ -556,11 +562,11 @@ class CallRun:
             # The whole result is recorded, so the log alone can answer for the call.
             EventDraft(ev.RESULT_VALIDATED, {"result": result}, validated_id),
         ] + [_persisted(r) for r in records]
-        if self.prepared.secrets:
+        if self.prepared.secrets or self.prepared.redaction:
             # Before anything is hashed into the log: a sandbox can name a file, a host
             # or a method after its secret as easily as it prints it.
             drafts, result = redact_sandbox_strings(
-                drafts, result, Redactor({s.binding_id: s.value for s in self.prepared.secrets}))
+                drafts, result, self.prepared.redactor())
         with ex.db.transaction() as conn:
             for r in records:
                 ex.artifacts.insert(conn, r)
@@ -982,7 +988,7 @@ class CallExecutor:
                                ws.prepared.policy.temp_dir)
             return replace(prepared, backend=LeaseBackend(self.pools, ws, secret_env, secret_files), spec=spec,
                            sandbox_id=ws.sandbox_id, image_digest=ws.prepared.image_digest, attachments=Attachments(),
-                           lease=ws, secrets=secrets)
+                           lease=ws, secrets=secrets, redaction=ws.remember_secrets(secrets))
         except BaseException:
             self.pools.command_done(ws, True)
             raise
@@ -1091,7 +1097,7 @@ class CallExecutor:
                                                                       prepared.lease is not None),
                                 {STDOUT: prepared.policy.max_stdout_bytes, STDERR: prepared.policy.max_stderr_bytes},
                                 self.settings.limits.preview_bytes,
-                                redactor=Redactor({s.binding_id: s.value for s in prepared.secrets}))
+                                redactor=prepared.redactor())
             policy_digest = prepared.policy.digest()
             # Not fsynced here: CallRun._run flushes it before the command starts (on the
             # call's own thread, after the sandbox's creation), a leased one's as it starts.

@@ -84,11 +84,27 @@ class WarmSandbox:
     pid: int = 0
     pidfd: int = -1
     watch: Any = None  # its FileWatch, from its first recorded command until it is destroyed
+    # Every secret any command of it was given (label -> value): what each command's output
+    # and events are redacted of, since a command's tempDir (and what it wrote there) stays.
+    secrets_seen: dict[str, bytes] = field(default_factory=dict)
     # Counted in its pool's `destroying` from when its removal became due (a command may
     # still be running in it) until it is gone.
     retired: bool = False
     retired_from: "Pool | None" = None
     removing: bool = False  # its removal has begun (once)
+
+    def remember_secrets(self, secrets: tuple) -> dict[str, bytes]:
+        """Adds a command's secrets to what the sandbox was ever given; returns them all.
+        (Another value under a binding id already seen gets a label of its own.)"""
+        for s in secrets:
+            if s.value in self.secrets_seen.values():
+                continue
+            label, n = s.binding_id, 1
+            while label in self.secrets_seen:
+                n += 1
+                label = f"{s.binding_id}#{n}"
+            self.secrets_seen[label] = s.value
+        return dict(self.secrets_seen)
 
     def init_pid(self) -> int:
         """The sandbox's init while it lives; 0 once it is gone (or never came up)."""

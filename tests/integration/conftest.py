@@ -69,6 +69,19 @@ def sandbox_containers(client, daemon_id: str) -> list:
     return client.containers.list(all=True, filters={"label": f"sandboxd.daemon_id={daemon_id}"})
 
 
+def remove_container(c) -> None:
+    """Removed, or being removed by someone else (a killed daemon's backstop)."""
+    import docker
+
+    try:
+        c.remove(force=True)
+    except docker.errors.NotFound:
+        pass
+    except docker.errors.APIError as exc:
+        if exc.status_code != 409:
+            raise
+
+
 def public_tmpdir(prefix: str) -> Path:
     """A temporary directory every user may traverse: nsjail mounts as the sandbox user,
     so the workspaces' parents must be reachable by it (pytest's own are mode 0700)."""
@@ -139,7 +152,7 @@ def daemon(docker_engine) -> Iterator[DaemonProcess]:
     d.stop()
     leftovers = leftover_sandboxes(docker_engine, d)
     for c in sandbox_containers(docker_engine, d.daemon_id):
-        c.remove(force=True)
+        remove_container(c)
     shutil.rmtree(base, ignore_errors=True)
     assert not leftovers, f"sandboxes left behind: {leftovers}"
 
@@ -165,7 +178,7 @@ def spare_daemon(docker_engine):
             while quiet < 2:
                 found = sandbox_containers(docker_engine, d.daemon_id)
                 for c in found:
-                    c.remove(force=True)
+                    remove_container(c)
                 quiet = 0 if found else quiet + 1
                 time.sleep(0.3)
             kill_nsjail_leftovers(d)

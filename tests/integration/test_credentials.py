@@ -17,7 +17,7 @@ import pytest
 from sandboxd.testing import make_daemon
 from sandboxd_client import errors
 
-from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, docker_client, public_tmpdir, sandbox_containers
+from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, docker_client, public_tmpdir, remove_container, sandbox_containers
 
 FILE_SECRET = "ghp_file_secret_9f8e7d6c5b4a3210"
 ENV_SECRET = "env-secret-Zq81-p0w3r-7777"
@@ -43,7 +43,7 @@ def broker_daemon(docker_engine):
     yield d
     d.stop()
     for c in sandbox_containers(docker_engine, d.daemon_id):
-        c.remove(force=True)
+        remove_container(c)
     shutil.rmtree(base, ignore_errors=True)
 
 

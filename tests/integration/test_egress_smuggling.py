@@ -15,7 +15,7 @@ import pytest
 
 from sandboxd.testing import make_daemon
 
-from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, leftover_sandboxes, public_tmpdir, sandbox_containers
+from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, leftover_sandboxes, public_tmpdir, remove_container, sandbox_containers
 from .egress_hosts import RemoteHosts
 
 POLICY = {"network": {"egress": "allowlist", "allowDomains": ["allowed.test"]}}
@@ -40,7 +40,7 @@ def daemon(docker_engine, hosts):
     d.stop()
     leftovers = leftover_sandboxes(docker_engine, d)
     for c in sandbox_containers(docker_engine, d.daemon_id):
-        c.remove(force=True)
+        remove_container(c)
     shutil.rmtree(base, ignore_errors=True)
     assert not leftovers, f"sandboxes left behind: {leftovers}"
 

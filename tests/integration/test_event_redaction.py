@@ -14,7 +14,7 @@ import pytest
 
 from sandboxd.testing import make_daemon
 
-from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, public_tmpdir, sandbox_containers
+from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, public_tmpdir, remove_container, sandbox_containers
 
 SECRET = "tok-7f3a91c2e5b8d4a6"
 PROBE = textwrap.dedent("""
@@ -54,7 +54,7 @@ def redacting_daemon(docker_engine):
     yield d
     d.stop()
     for c in sandbox_containers(docker_engine, d.daemon_id):
-        c.remove(force=True)
+        remove_container(c)
     shutil.rmtree(base, ignore_errors=True)
 
 
@@ -89,3 +89,27 @@ def test_strings_a_sandbox_chose_are_redacted_in_every_event(redacting_daemon, b
         assert out.tool_call_id in [r.tool_call_id for r in
                                     c.query_calls(path="/workspace/out/[REDACTED:tok].txt").calls]
         assert c.verify_log().ok
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_leased_sandbox_keeps_redacting_what_an_earlier_command_was_given(redacting_daemon, backend):
+    """A leased sandbox's tempDir outlives a command: a secret one command wrote there
+    is struck from a later command's output and events, which named no credential."""
+    d = redacting_daemon
+    ws = d.new_workspace({"out/.keep": ""})
+    policy = {"filesystem": {"readRoots": ["/workspace"], "writeRoots": ["/workspace/out"]},
+              "environment": {"secretEnvAllowed": True}}
+    with AdapterClient(str(d.socket), backend) as c:
+        lease = c.acquire_sandbox(str(ws), policy, adapter=backend)
+        first = call(ws, ["sh", "-c", 'printf %s "$TOK" > /tmp/kept'], policy)
+        first["credentialRefs"] = [{"bindingId": "tok", "envName": "TOK"}]
+        first["runtime"].update({"leaseId": lease.lease_id, "adapter": backend})
+        assert c.run(first).result.status == "success"
+        later = call(ws, ["sh", "-c", 'cat /tmp/kept; echo; touch "/workspace/out/$(cat /tmp/kept).txt"'], policy)
+        later["runtime"].update({"leaseId": lease.lease_id, "adapter": backend})
+        out = c.run(later)
+        assert out.stdout == b"[REDACTED:tok]\n", out.stdout
+        text = "\n".join(e.payload_json for e in c.export_events(out.tool_call_id)).lower()
+        assert all(form not in text for form in forms(SECRET))
+        assert "/workspace/out/[redacted:tok].txt" in text
+        c.release_sandbox(lease.lease_id)

@@ -15,7 +15,7 @@ import pytest
 from sandboxd.testing import make_daemon
 from sandboxd_client.pb import sandboxd_pb2 as pb
 
-from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, public_tmpdir, sandbox_containers
+from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, public_tmpdir, remove_container, sandbox_containers
 
 SECRET = "tok-Live-9f8E7d6C5b4A3210-xyzQ"
 
@@ -45,7 +45,7 @@ def forms_daemon(docker_engine):
     yield d
     d.stop()
     for c in sandbox_containers(docker_engine, d.daemon_id):
-        c.remove(force=True)
+        remove_container(c)
     shutil.rmtree(base, ignore_errors=True)
 
 
