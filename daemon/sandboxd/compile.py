@@ -73,7 +73,7 @@ class Staging:
     """What a sandbox's staging needs: the workspace as checked, each root, each mask."""
 
     directory: str
-    gid: int
+    uid: int  # the sandbox user: the staging directory is its, searchable by it alone, once made
     workspace: str
     workspace_dev: int
     workspace_ino: int
@@ -94,7 +94,7 @@ def staging_for(plan: HostPlan, mask_file: str) -> Staging | None:
             i = max(holders, key=lambda k: len(plan.binds[k].sandbox_path))
             rel = posixpath.relpath(m.sandbox_path, plan.binds[i].sandbox_path)
             masks.append(StagedMask(i, rel, m.kind, m.dev, m.ino))
-    return Staging(plan.staging_dir, plan.gid, plan.workspace, plan.workspace_dev, plan.workspace_ino,
+    return Staging(plan.staging_dir, plan.uid, plan.workspace, plan.workspace_dev, plan.workspace_ino,
                    tuple(StagedBind(b.host_path, b.dev, b.ino, f"{plan.staging_dir}/{i}")
                          for i, b in enumerate(plan.binds)), tuple(masks), mask_file)
 

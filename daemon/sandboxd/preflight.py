@@ -72,7 +72,7 @@ def resolve_workspace(raw: str, settings: DaemonSettings, owner_uid: int | None 
     hide_host = owner_uid is not None
     if not os.path.isabs(raw):
         raise InvalidArgument("must be an absolute host path", field="workspace")
-    real = os.path.realpath(raw)
+    real = _realpath(raw, "workspace")
     if not any(_within(real, r) and real != r for r in _resolved(tuple(settings.workspace_roots))):
         shown = "" if hide_host else f" (resolved {real})"
         raise PermissionDenied(f"{raw}{shown} is not below a configured workspace root", field="workspace")
@@ -110,6 +110,15 @@ def sandbox_owner(workspace: str, settings: DaemonSettings) -> tuple[int, int]:
     return settings.root_workspace_uid, gid
 
 
+def _realpath(path: str, where: str) -> str:
+    """os.path.realpath, whose readlink fails (EINVAL) when a link it found is swapped
+    for a directory meanwhile: a refusal, never an internal error."""
+    try:
+        return os.path.realpath(path)
+    except OSError as exc:
+        raise FailedPrecondition(f"{path} changed while it was checked ({exc.strerror})", field=where) from None
+
+
 def _host_path(workspace: str, sandbox_path: str) -> str:
     rel = os.path.relpath(sandbox_path, WORKSPACE)
     return workspace if rel == "." else os.path.join(workspace, rel)
@@ -117,7 +126,7 @@ def _host_path(workspace: str, sandbox_path: str) -> str:
 
 def _check_root(workspace: str, sandbox_path: str, where: str, read_only: bool) -> Bind:
     host = _host_path(workspace, sandbox_path)
-    real = os.path.realpath(host)
+    real = _realpath(host, where)
     if not _within(real, workspace):
         raise PermissionDenied(f"{sandbox_path} resolves outside the workspace", field=where)
     if real != host:
@@ -207,14 +216,17 @@ def resolve_in_sandbox(workspace: str, sandbox_path: str) -> str | None:
     return path if is_within(path, WORKSPACE) else None
 
 
-def _blocked_targets(workspace: str, sandbox_path: str) -> list[str]:
+def _blocked_targets(workspace: str, sandbox_path: str, where: str) -> list[str]:
     """Every sandbox path a blocked name may designate: as the host resolves it and as
     the sandbox resolves it (they differ for absolute symlinks). Masking both is safe."""
     targets: list[str] = []
-    real = os.path.realpath(_host_path(workspace, sandbox_path))
+    real = _realpath(_host_path(workspace, sandbox_path), where)
     if _within(real, workspace):
         targets.append(WORKSPACE if real == workspace else f"{WORKSPACE}/{os.path.relpath(real, workspace)}")
-    inside = resolve_in_sandbox(workspace, sandbox_path)
+    try:
+        inside = resolve_in_sandbox(workspace, sandbox_path)
+    except OSError as exc:  # a link swapped for something else while it was read
+        raise FailedPrecondition(f"{sandbox_path} changed while it was checked ({exc.strerror})", field=where) from None
     if inside is not None and inside not in targets:
         targets.append(inside)
     return targets
@@ -273,7 +285,7 @@ def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSetti
     for i in order:
         p = policy.blocked_paths[i]
         where = f"{fs}.blockedPaths[{i}]"
-        targets = _blocked_targets(workspace, p)
+        targets = _blocked_targets(workspace, p, where)
         if not targets:
             notes.append(f"blocked path {p} resolves outside the workspace, which is not mounted")
         for target in targets:

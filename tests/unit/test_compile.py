@@ -91,7 +91,7 @@ def test_staged_roots_are_mounted_from_the_staging_directory_only():
     assert binds == {"/workspace/src": "/var/lib/sandboxd-runtime/mounts/sbx-0001/0",
                      "/workspace/docs": "/var/lib/sandboxd-runtime/mounts/sbx-0001/1",
                      "/workspace/out": "/var/lib/sandboxd-runtime/mounts/sbx-0001/2"}
-    assert spec.staging is not None and spec.staging.gid == 1001
+    assert spec.staging is not None and spec.staging.uid == 1000
     assert [(b.host_path, b.staged_path) for b in spec.staging.binds] == [
         (f"{WS}/src", "/var/lib/sandboxd-runtime/mounts/sbx-0001/0"),
         (f"{WS}/docs", "/var/lib/sandboxd-runtime/mounts/sbx-0001/1"),

@@ -452,3 +452,26 @@ def test_a_blocked_path_that_cannot_be_looked_at_is_refused_not_left_unmasked(ho
     with pytest.raises(FailedPrecondition) as exc:
         plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": ["secret.txt"]})
     assert exc.value.field == "policy.filesystem.blockedPaths[0]"
+
+
+def test_a_root_swapped_while_it_is_resolved_is_a_refusal_not_an_internal_error(host, monkeypatch):
+    """realpath's readlink fails (EINVAL) when the link it found was swapped for a
+    directory meanwhile (a swap loop made calls end INTERNAL)."""
+    import errno as errno_module
+
+    import sandboxd.preflight as preflight_module
+
+    (host.ws / "data").mkdir()
+    real_realpath = os.path.realpath
+
+    def racing(path, *args, **kwargs):
+        if str(path).endswith("/data"):
+            raise OSError(errno_module.EINVAL, "Invalid argument", str(path))
+        return real_realpath(path, *args, **kwargs)
+
+    monkeypatch.setattr(preflight_module.os.path, "realpath", racing)
+    for policy, field in (({"readRoots": ["/workspace/data"]}, "policy.filesystem.readRoots[0]"),
+                          ({"readRoots": ["/workspace"], "blockedPaths": ["data"]}, "policy.filesystem.blockedPaths[0]")):
+        with pytest.raises(FailedPrecondition) as exc:
+            plan_for(host, policy)
+        assert exc.value.field == field and "changed while it was checked" in exc.value.message

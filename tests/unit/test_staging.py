@@ -66,7 +66,8 @@ def test_a_staged_root_is_the_checked_directory_with_its_masks_pinned(tree):
         with pytest.raises(OSError) as exc:
             os.rename(ws / "data" / "secret.txt", ws / "data" / "moved.txt")
         assert exc.value.errno == errno.EBUSY
-        assert (os.stat(directory).st_mode & 0o777, os.stat(directory).st_gid) == (0o710, 1000)
+        # The sandbox user's alone to search (nsjail mounts as it); nobody else's, whatever groups they share.
+        assert (os.stat(directory).st_mode & 0o777, os.stat(directory).st_uid) == (0o100, 1000)
     finally:
         staging.release(str(directory))
     assert not directory.exists() and not _mounted_below(directory)
@@ -144,3 +145,21 @@ def test_masks_never_propagate_back_to_the_owners_workspace(tree):
                           str(ws), str(mask_file), str(directory), *paths], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["BLOCKED", "['id']"], "a mask appeared on the workspace itself"
+
+
+def test_release_never_follows_what_the_sandbox_user_planted(tree, tmp_path):
+    """The staging directory is the sandbox user's once made: a symlink it plants there
+    (to a mount point of the host's, say) is removed, never unmounted through."""
+    ws, mask_file, directory = tree
+    staging.stage(_staging(ws, mask_file, directory))
+    elsewhere = tmp_path / "host-mount"
+    elsewhere.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(elsewhere)], check=True)
+    try:
+        os.chmod(directory, 0o700)  # its owner may
+        os.symlink(elsewhere, directory / "planted")
+        staging.release(str(directory))
+        assert _mounted_below(elsewhere), "release unmounted the host's mount through the planted link"
+        assert not _mounted_below(directory) and not directory.exists()
+    finally:
+        subprocess.run(["umount", str(elsewhere)], check=False)

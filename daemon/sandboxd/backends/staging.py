@@ -31,6 +31,7 @@ _MS_NOEXEC = 0x8
 _MS_BIND = 0x1000
 _MS_PRIVATE = 0x40000
 _MNT_DETACH = 0x2
+_UMOUNT_NOFOLLOW = 0x8
 
 
 def _libc() -> ctypes.CDLL:
@@ -122,26 +123,25 @@ def _place_mask(staging: Staging, mask: StagedMask) -> None:
 
 
 def _unmount(target: str) -> None:
-    if _libc().umount2(os.fsencode(target), _MNT_DETACH) != 0:
+    # Never through a symlink: the directory is the sandbox user's, who may plant one.
+    if _libc().umount2(os.fsencode(target), _MNT_DETACH | _UMOUNT_NOFOLLOW) != 0:
         err = ctypes.get_errno()
         if err not in (errno.EINVAL, errno.ENOENT):  # not a mount point (never bound), or gone
             raise OSError(err, f"unmounting {target}: {os.strerror(err)}")
 
 
-def _make_directory(directory: str, gid: int) -> None:
+def _make_directory(directory: str) -> None:
     parent = os.path.dirname(directory)
     os.makedirs(parent, mode=0o711, exist_ok=True)
     st = os.lstat(parent)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
         raise FailedPrecondition(f"the staging directory {parent} is not the daemon's own")
-    os.mkdir(directory, 0o700)  # a leftover of the same name is never reused
-    os.chown(directory, os.geteuid(), gid)
-    os.chmod(directory, 0o710)
+    os.mkdir(directory, 0o700)  # a leftover of the same name is never reused; root's until all is mounted
 
 
 def stage(staging: Staging) -> None:
     """Opens, checks and binds every root; on any failure nothing stays mounted."""
-    _make_directory(staging.directory, staging.gid)
+    _make_directory(staging.directory)
     try:
         ws_fd = _open_workspace(staging)
         try:
@@ -161,6 +161,11 @@ def stage(staging: Staging) -> None:
                 _place_mask(staging, mask)
         finally:
             os.close(ws_fd)
+        # Only now the sandbox user's, and searchable by it alone (nsjail mounts as that
+        # user): every entry is a mount point, which it can neither rename nor remove,
+        # and no other user, whatever groups it shares, can reach the roots through it.
+        os.chown(staging.directory, staging.uid, -1)
+        os.chmod(staging.directory, 0o100)
     except BaseException:
         release(staging.directory)
         raise
