@@ -82,6 +82,17 @@ def remove_container(c) -> None:
             raise
 
 
+def stop_and_clean(d: DaemonProcess, docker_engine, base: Path) -> None:
+    """A module's own daemon at its end: stopped, every container of it removed, its
+    directory gone; a sandbox it left behind fails the module."""
+    d.stop()
+    leftovers = leftover_sandboxes(docker_engine, d)
+    for c in sandbox_containers(docker_engine, d.daemon_id):
+        remove_container(c)
+    shutil.rmtree(base, ignore_errors=True)
+    assert not leftovers, f"sandboxes left behind: {leftovers}"
+
+
 def public_tmpdir(prefix: str) -> Path:
     """A temporary directory every user may traverse: nsjail mounts as the sandbox user,
     so the workspaces' parents must be reachable by it (pytest's own are mode 0700)."""
@@ -149,12 +160,7 @@ def daemon(docker_engine) -> Iterator[DaemonProcess]:
     d = make_daemon(base, env=DAEMON_ENV, inheritable_env=["LANG", "TZ"],
                     limits={"max_timeout_ms": 120_000}).start()
     yield d
-    d.stop()
-    leftovers = leftover_sandboxes(docker_engine, d)
-    for c in sandbox_containers(docker_engine, d.daemon_id):
-        remove_container(c)
-    shutil.rmtree(base, ignore_errors=True)
-    assert not leftovers, f"sandboxes left behind: {leftovers}"
+    stop_and_clean(d, docker_engine, base)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import textwrap
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from sandboxd.testing import make_daemon
 from sandboxd_client import errors
 
-from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, docker_client, public_tmpdir, remove_container, sandbox_containers
+from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, docker_client, public_tmpdir, sandbox_containers, stop_and_clean
 
 FILE_SECRET = "ghp_file_secret_9f8e7d6c5b4a3210"
 ENV_SECRET = "env-secret-Zq81-p0w3r-7777"
@@ -41,10 +40,7 @@ def broker_daemon(docker_engine):
         "loose": {"file": str(loose), "principals": ["root"]},
     }).start()
     yield d
-    d.stop()
-    for c in sandbox_containers(docker_engine, d.daemon_id):
-        remove_container(c)
-    shutil.rmtree(base, ignore_errors=True)
+    stop_and_clean(d, docker_engine, base)
 
 
 @pytest.fixture(params=BACKENDS)

@@ -19,7 +19,7 @@ import pytest
 from sandboxd.testing import make_daemon
 from sandboxd_client import errors
 
-from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, leftover_sandboxes, public_tmpdir, remove_container, sandbox_containers
+from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, leftover_sandboxes, public_tmpdir, stop_and_clean
 from .egress_hosts import RemoteHosts
 
 ALLOW = ["allowed.test", "*.allowed.test", "rebind.test", "private.test", "self.test"]
@@ -40,12 +40,7 @@ def egress_daemon(docker_engine, hosts):
     d = make_daemon(base, env=DAEMON_ENV, max_concurrent_calls=64, quotas={"concurrent_calls": 64},
                     egress=hosts.daemon_egress_settings()).start()
     yield d
-    d.stop()
-    leftovers = leftover_sandboxes(docker_engine, d)
-    for c in sandbox_containers(docker_engine, d.daemon_id):
-        remove_container(c)
-    shutil.rmtree(base, ignore_errors=True)
-    assert not leftovers, f"sandboxes left behind: {leftovers}"
+    stop_and_clean(d, docker_engine, base)
 
 
 @pytest.fixture(params=BACKENDS)

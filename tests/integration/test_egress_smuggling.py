@@ -15,7 +15,7 @@ import pytest
 
 from sandboxd.testing import make_daemon
 
-from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, leftover_sandboxes, public_tmpdir, remove_container, sandbox_containers
+from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, public_tmpdir, stop_and_clean
 from .egress_hosts import RemoteHosts
 
 POLICY = {"network": {"egress": "allowlist", "allowDomains": ["allowed.test"]}}
@@ -37,12 +37,7 @@ def daemon(docker_engine, hosts):
     env = {**DAEMON_ENV, **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
     d = make_daemon(base, env=env, egress=hosts.daemon_egress_settings()).start()
     yield d
-    d.stop()
-    leftovers = leftover_sandboxes(docker_engine, d)
-    for c in sandbox_containers(docker_engine, d.daemon_id):
-        remove_container(c)
-    shutil.rmtree(base, ignore_errors=True)
-    assert not leftovers, f"sandboxes left behind: {leftovers}"
+    stop_and_clean(d, docker_engine, base)
 
 
 @pytest.fixture(params=BACKENDS)

@@ -7,14 +7,13 @@ it is hashed: the trace, the export, effectsObserved and the forensic index hold
 from __future__ import annotations
 
 import base64
-import shutil
 import textwrap
 
 import pytest
 
 from sandboxd.testing import make_daemon
 
-from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, public_tmpdir, remove_container, sandbox_containers
+from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, public_tmpdir, stop_and_clean
 
 SECRET = "tok-7f3a91c2e5b8d4a6"
 PROBE = textwrap.dedent("""
@@ -52,10 +51,7 @@ def redacting_daemon(docker_engine):
     d = make_daemon(base / "d", env={**DAEMON_ENV, "SANDBOXD_TEST_TOKEN": SECRET}, credentials={
         "tok": {"env": "SANDBOXD_TEST_TOKEN", "principals": ["root"]}}).start()
     yield d
-    d.stop()
-    for c in sandbox_containers(docker_engine, d.daemon_id):
-        remove_container(c)
-    shutil.rmtree(base, ignore_errors=True)
+    stop_and_clean(d, docker_engine, base)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import shutil
 import textwrap
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from sandboxd.testing import make_daemon
 from sandboxd_client.pb import sandboxd_pb2 as pb
 
-from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, public_tmpdir, remove_container, sandbox_containers
+from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, public_tmpdir, stop_and_clean
 
 SECRET = "tok-Live-9f8E7d6C5b4A3210-xyzQ"
 
@@ -43,10 +42,7 @@ def forms_daemon(docker_engine):
         "tok": {"env": "SANDBOXD_FORMS_TOKEN", "principals": ["root"]},
     }).start()
     yield d
-    d.stop()
-    for c in sandbox_containers(docker_engine, d.daemon_id):
-        remove_container(c)
-    shutil.rmtree(base, ignore_errors=True)
+    stop_and_clean(d, docker_engine, base)
 
 
 def leaked(data: bytes) -> list[str]:

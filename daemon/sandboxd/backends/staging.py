@@ -48,27 +48,26 @@ def _changed(path: str) -> FailedPrecondition:
                               "nothing was mounted", field="workspace")
 
 
-def _open_workspace(staging: Staging) -> int:
+def _open_checked(dir_fd: int, path: str, resolve: int, dev: int, ino: int, shown: str) -> int:
+    """`path` opened (O_PATH) with `resolve`, and still the inode (dev, ino) that was checked."""
     try:
-        fd = openat2(AT_FDCWD, staging.workspace, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)  # AT_FDCWD
+        fd = openat2(dir_fd, path, resolve)
     except OSError:
-        raise _changed(staging.workspace) from None
-    if not _same(fd, staging.workspace_dev, staging.workspace_ino):
+        raise _changed(shown) from None
+    if not _same(fd, dev, ino):
         os.close(fd)
-        raise _changed(staging.workspace)
+        raise _changed(shown)
     return fd
+
+
+def _open_workspace(staging: Staging) -> int:
+    return _open_checked(AT_FDCWD, staging.workspace, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+                         staging.workspace_dev, staging.workspace_ino, staging.workspace)
 
 
 def _open_root(ws_fd: int, staging: Staging, bind: StagedBind) -> int:
-    rel = os.path.relpath(bind.host_path, staging.workspace)
-    try:
-        fd = openat2(ws_fd, rel, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-    except OSError:
-        raise _changed(bind.host_path) from None
-    if not _same(fd, bind.dev, bind.ino):
-        os.close(fd)
-        raise _changed(bind.host_path)
-    return fd
+    return _open_checked(ws_fd, os.path.relpath(bind.host_path, staging.workspace),
+                         RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS, bind.dev, bind.ino, bind.host_path)
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
