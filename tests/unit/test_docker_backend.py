@@ -492,12 +492,11 @@ def test_the_shim_hands_the_command_the_fifos_even_with_stdio_closed(tmp_path):
             os.close(fd)
 
 
-def test_a_removal_dockerd_does_not_answer_is_retried_until_it_does_or_given_up(monkeypatch):
+def test_a_removal_dockerd_does_not_answer_is_retried_until_it_does_or_given_up():
     import threading
 
     import requests
 
-    import sandboxd.backends.docker as docker_module
     from sandboxd.backends.docker import DockerBackend
 
     class Engine:
@@ -513,9 +512,8 @@ def test_a_removal_dockerd_does_not_answer_is_retried_until_it_does_or_given_up(
                 raise requests.exceptions.ConnectionError("still refused for this one")
             self.removed.append(ref)
 
-    monkeypatch.setattr(docker_module, "REMOVAL_RETRY_S", 0.01)
-    monkeypatch.setattr(docker_module, "REMOVAL_GIVE_UP_S", 0.3)
-    backend = object.__new__(DockerBackend)
+    backend = object.__new__(DockerBackend)  # the retry's bookkeeping alone (tested with dockerd itself too)
+    backend.removal_retry_s, backend.removal_give_up_s = 0.01, 0.3
     backend._api, backend._errors = Engine(), __import__("docker").errors
     backend._pending_lock, backend._pending_removals, backend._remover = threading.Lock(), {}, None
     assert not backend._force_remove("c1")

@@ -130,6 +130,8 @@ REMOVAL_GIVE_UP_S = 600.0
 
 class DockerBackend:
     name = "docker"
+    removal_retry_s = REMOVAL_RETRY_S
+    removal_give_up_s = REMOVAL_GIVE_UP_S
 
     def __init__(self, docker_host: str | None, seccomp_path: str, mask_file: str, stdio_dir: str = ""):
         import docker  # heavy; only when this backend is used
@@ -350,14 +352,14 @@ class DockerBackend:
 
     def _retry_removals(self) -> None:
         while True:
-            time.sleep(REMOVAL_RETRY_S)
+            time.sleep(self.removal_retry_s)
             with self._pending_lock:
                 pending = dict(self._pending_removals)
             done = {engine_id for engine_id in pending if self._force_remove(engine_id, quiet=True)}
             given_up = {engine_id for engine_id, since in pending.items()
-                        if engine_id not in done and time.monotonic() - since > REMOVAL_GIVE_UP_S}
+                        if engine_id not in done and time.monotonic() - since > self.removal_give_up_s}
             for engine_id in given_up:  # the daemon's next start, or its backstop, removes it
-                log.error("gave up removing container %s after %.0f s", engine_id, REMOVAL_GIVE_UP_S)
+                log.error("gave up removing container %s after %.0f s", engine_id, self.removal_give_up_s)
             with self._pending_lock:
                 for engine_id in done | given_up:
                     self._pending_removals.pop(engine_id, None)
