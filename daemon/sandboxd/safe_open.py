@@ -5,6 +5,7 @@ O_PATH descriptor (a handle to the inode, for fstat, further openat2 and mounts)
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 AT_FDCWD = -100
@@ -19,7 +20,9 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
+    """The C library, loaded once (on first use, never at import)."""
     return ctypes.CDLL(None, use_errno=True)
 
 

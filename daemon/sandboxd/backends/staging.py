@@ -13,6 +13,7 @@ mounts as the sandbox user, can traverse it; no other local user can (a read roo
 from __future__ import annotations
 
 import ctypes
+import functools
 import errno
 import logging
 import os
@@ -34,7 +35,9 @@ _MNT_DETACH = 0x2
 _UMOUNT_NOFOLLOW = 0x8
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
+    """The C library, loaded once (on first use, never at import)."""
     return ctypes.CDLL(None, use_errno=True)
 
 
