@@ -215,7 +215,10 @@ class LimitInterceptor(grpc.ServerInterceptor):
                                 f"the most at once (its quota)")
         if kind == CALL and self._refused is not None:
             if request is None and read_request is not None:
-                request = read_request()
+                try:
+                    request = read_request()
+                except Exception:  # noqa: BLE001 - cut off while waiting: recorded without it
+                    request = None
             self._refused(method, request, principal, exc)  # sets exc.tool_call_id
         if exc.tool_call_id:
             context.set_trailing_metadata((("sandboxd-tool-call-id", exc.tool_call_id),))

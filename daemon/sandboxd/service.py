@@ -187,7 +187,9 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
         tool_call_id = ev.new_id("tc")
         exc.tool_call_id = tool_call_id
         try:
-            raw = call_to_json(request.call)
+            # A request whose message never came (within rpc_limits.REFUSED_READ_S) is on
+            # record all the same: who, when and why, with nothing of what it would have asked.
+            raw = call_to_json(request.call) if request is not None else {}
             requested = raw.get("toolCallId") if isinstance(raw.get("toolCallId"), str) else ""
             self._executor._reject(tool_call_id, raw, caller.name, "admission", exc, requested)
         except Exception:  # refused all the same; the daemon's log says why it is not on record

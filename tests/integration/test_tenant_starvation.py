@@ -304,3 +304,34 @@ def test_requests_that_never_finish_their_message_hold_no_worker_past_the_cap(sp
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 196, "four hold a slot, the rest are refused"
         assert codes.count(grpc.StatusCode.CANCELLED) == 4, "the four are cut off after the idle timeout"
         never.set()
+
+
+def test_a_call_refused_before_its_message_came_is_on_the_log_all_the_same(spare_daemon):
+    """Over its cap, a Run whose request message never comes is refused after the
+    short wait for it, and recorded: who and why, with nothing of what it asked."""
+    d = spare_daemon(principals=PRINCIPALS, socket_mode=0o666, quotas={"concurrent_calls": 1}).start()
+    ws = d.new_workspace(uid=ALICE)
+    never = threading.Event()
+
+    def no_message():
+        never.wait()
+        yield from ()
+
+    with channel_as(d, ALICE) as ch:
+        running = pb_grpc.ExecutionServiceStub(ch).Execute(pb.ExecuteRequest(call=a_call(ws, ["sleep", "30"])),
+                                                           timeout=60)
+        assert next(running).HasField("accepted")
+        stalled = ch.stream_unary("/sandboxd.v1.ExecutionService/Run", request_serializer=lambda m: m,
+                                  response_deserializer=pb.RunResponse.FromString)
+        with pytest.raises(grpc.RpcError) as exc:
+            stalled(no_message(), timeout=30)
+        never.set()
+        # Cut off once the wait for its message ran out (the watchdog cancels it).
+        assert exc.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
+        running.cancel()
+    with d.client() as root:  # an admin reads the whole log
+        events = list(root.export_events())
+    refused = [e for e in events if e.type == "ToolCallRejected" and "RESOURCE_EXHAUSTED" in e.payload_json]
+    assert len(refused) == 1, [e.type for e in events]
+    requested = [e for e in events if e.tool_call_id == refused[0].tool_call_id and e.type == "ToolCallRequested"]
+    assert '"principal":"alice"' in requested[0].payload_json.replace(" ", "")
