@@ -484,34 +484,11 @@ class CallRun:
         files = files or FileRecord()
         ex = self._executor
         out, err = self.spool.summary(STDOUT), self.spool.summary(STDERR)
-        now = ev.utc_now()
-        records: list[ArtifactRecord] = []
-        for kind, summ in (("stdout", out), ("stderr", err)):
-            if summ.stored_bytes == 0 and not summ.truncated:
-                continue  # its empty file goes with the spool, after the result is out
-            ex.artifacts.put_blob(summ.path, summ.content_hash)
-            note = f"{kind} of {self.tool_call_id}: {summ.stored_bytes} bytes"
-            if summ.truncated:
-                note += f" (truncated; the command wrote {summ.produced_bytes})"
-            records.append(ArtifactRecord(ev.new_id("art"), self.tool_call_id, ev.new_id("ev"), kind,
-                                          summ.content_hash, summ.stored_bytes, note, now))
-
+        records = _output_artifacts(ex.artifacts, self.tool_call_id, out, err)
         exit_code = status.exit_code if status else -1
         oom = bool(status and status.oom_killed)
-        if cancel_reason:
-            state, error = "cancelled", {"code": "CANCELLED", "message": cancel_reason, "retryable": False, "safeToShowUser": True}
-        elif failure is not None:
-            state, error = "error", {"code": failure.kind, "message": failure.message, "retryable": failure.retryable, "safeToShowUser": True}
-        elif timed_out:
-            state, error = "error", {"code": "TIMEOUT", "message": f"killed after the {self.prepared.policy.timeout_ms} ms timeout", "retryable": False, "safeToShowUser": True}
-        elif oom:
-            state, error = "error", {"code": "OOM_KILLED", "message": f"killed at the memory limit of {self.prepared.policy.memory_bytes // 2**20} MB", "retryable": False, "safeToShowUser": True}
-        elif exit_code != 0:
-            state, error = "error", {"code": "NONZERO_EXIT", "message": f"the command exited with {exit_code}", "retryable": False, "safeToShowUser": True}
-        elif out.truncated or err.truncated:
-            state, error = "partial", {"code": "OUTPUT_TRUNCATED", "message": "output exceeded its cap and was truncated", "retryable": False, "safeToShowUser": True}
-        else:
-            state, error = "success", None
+        state, error = _outcome(self.prepared.policy, exit_code, oom, timed_out, cancel_reason, failure,
+                                out.truncated or err.truncated)
 
         finished_id, validated_id = ev.new_id("ev"), ev.new_id("ev")
         result: dict[str, Any] = {
@@ -616,6 +593,43 @@ def redact_sandbox_strings(drafts: list[EventDraft], result: dict[str, Any],
             d = replace(d, payload={**d.payload, "result": result})
         out.append(d)
     return out, result
+
+
+def _output_artifacts(store: FileArtifactStore, tool_call_id: str, out, err) -> list[ArtifactRecord]:
+    """The call's stored stdout and stderr as artifacts (an empty, untruncated one is none)."""
+    now = ev.utc_now()
+    records: list[ArtifactRecord] = []
+    for kind, summ in (("stdout", out), ("stderr", err)):
+        if summ.stored_bytes == 0 and not summ.truncated:
+            continue  # its empty file goes with the spool, after the result is out
+        store.put_blob(summ.path, summ.content_hash)
+        note = f"{kind} of {tool_call_id}: {summ.stored_bytes} bytes"
+        if summ.truncated:
+            note += f" (truncated; the command wrote {summ.produced_bytes})"
+        records.append(ArtifactRecord(ev.new_id("art"), tool_call_id, ev.new_id("ev"), kind,
+                                      summ.content_hash, summ.stored_bytes, note, now))
+    return records
+
+
+def _outcome(policy: EffectivePolicy, exit_code: int, oom: bool, timed_out: bool, cancel_reason: str,
+             failure: SandboxdError | None, truncated: bool) -> tuple[str, dict[str, Any] | None]:
+    """The result's status and error, first cause first."""
+    def error(code: str, message: str, retryable: bool = False) -> dict[str, Any]:
+        return {"code": code, "message": message, "retryable": retryable, "safeToShowUser": True}
+
+    if cancel_reason:
+        return "cancelled", error("CANCELLED", cancel_reason)
+    if failure is not None:
+        return "error", error(failure.kind, failure.message, failure.retryable)
+    if timed_out:
+        return "error", error("TIMEOUT", f"killed after the {policy.timeout_ms} ms timeout")
+    if oom:
+        return "error", error("OOM_KILLED", f"killed at the memory limit of {policy.memory_bytes // 2**20} MB")
+    if exit_code != 0:
+        return "error", error("NONZERO_EXIT", f"the command exited with {exit_code}")
+    if truncated:
+        return "partial", error("OUTPUT_TRUNCATED", "output exceeded its cap and was truncated")
+    return "success", None
 
 
 def _spool_name(sandbox_id: str, tool_call_id: str, leased: bool) -> str:
