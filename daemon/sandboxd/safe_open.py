@@ -21,16 +21,16 @@ class _OpenHow(ctypes.Structure):
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
+def libc() -> ctypes.CDLL:
     """The C library, loaded once (on first use, never at import)."""
     return ctypes.CDLL(None, use_errno=True)
 
 
 def openat2(dir_fd: int, path: str, resolve: int) -> int:
     how = _OpenHow(_O_PATH, 0, resolve)
-    libc = _libc()
-    libc.syscall.restype = ctypes.c_long
-    fd = libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
+    lib = libc()
+    lib.syscall.restype = ctypes.c_long
+    fd = lib.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
     if fd < 0:
         err = ctypes.get_errno()

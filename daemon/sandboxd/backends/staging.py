@@ -13,14 +13,13 @@ mounts as the sandbox user, can traverse it; no other local user can (a read roo
 from __future__ import annotations
 
 import ctypes
-import functools
 import errno
 import logging
 import os
 import stat
 
 from ..compile import StagedBind, StagedMask, Staging
-from ..safe_open import AT_FDCWD, RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
+from ..safe_open import AT_FDCWD, RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, libc, openat2
 from ..errors import FailedPrecondition
 
 log = logging.getLogger("sandboxd.staging")
@@ -33,12 +32,6 @@ _MS_BIND = 0x1000
 _MS_PRIVATE = 0x40000
 _MNT_DETACH = 0x2
 _UMOUNT_NOFOLLOW = 0x8
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    """The C library, loaded once (on first use, never at import)."""
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def _same(fd: int, dev: int, ino: int) -> bool:
@@ -74,8 +67,8 @@ def _open_root(ws_fd: int, staging: Staging, bind: StagedBind) -> int:
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    libc = _libc()
-    if libc.mount(os.fsencode(source) if source else None, os.fsencode(target),
+    lib = libc()
+    if lib.mount(os.fsencode(source) if source else None, os.fsencode(target),
                   os.fsencode(fstype) if fstype else None, ctypes.c_ulong(flags),
                   os.fsencode(data) if data else None) != 0:
         err = ctypes.get_errno()
@@ -126,7 +119,7 @@ def _place_mask(staging: Staging, mask: StagedMask) -> None:
 
 def _unmount(target: str) -> None:
     # Never through a symlink: the directory is the sandbox user's, who may plant one.
-    if _libc().umount2(os.fsencode(target), _MNT_DETACH | _UMOUNT_NOFOLLOW) != 0:
+    if libc().umount2(os.fsencode(target), _MNT_DETACH | _UMOUNT_NOFOLLOW) != 0:
         err = ctypes.get_errno()
         if err not in (errno.EINVAL, errno.ENOENT):  # not a mount point (never bound), or gone
             raise OSError(err, f"unmounting {target}: {os.strerror(err)}")
