@@ -19,6 +19,9 @@ from .conftest import WORKSPACE_UID, call, sh
 
 RENAME_EXCHANGE = 2
 CALLS = 24
+MAX_CALLS = 3 * CALLS  # a slow machine may refuse every call of a run; go on until one ran
+HOLD_EVERY = 16  # after this many exchanges (an even number: `data` is itself again) ...
+HOLD_S = 0.03  # ... it stays for as long as a call's checks and mounts take, so some calls run
 
 
 def _exchange(dir_fd: int, a: str, b: str) -> None:
@@ -35,9 +38,11 @@ class Swapper:
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
+        exchanges = 0
         while not self._stop.is_set():
             _exchange(self._fd, "data", "link")
-            self._stop.wait(0.0005)
+            exchanges += 1
+            self._stop.wait(HOLD_S if exchanges % HOLD_EVERY == 0 else 0.0005)
 
     def __enter__(self) -> "Swapper":
         self._thread.start()
@@ -72,10 +77,14 @@ def swap_setup(daemon, client):
     return ws, target
 
 
+def _ran(outputs: list) -> bool:
+    return any(r.result.exit_code == 0 and b"mine" in r.stdout for r in outputs)
+
+
 def _attempts(client, ws: Path, policy: dict, argv: list[str]) -> tuple[list, int]:
     outputs, refused = [], 0
     with Swapper(ws):
-        for _ in range(CALLS):
+        while len(outputs) + refused < CALLS or (not _ran(outputs) and len(outputs) + refused < MAX_CALLS):
             try:
                 outcome = client.run(call(ws, argv, policy))
                 if "changed after it was checked" in outcome.result.error.message:
@@ -94,8 +103,8 @@ def test_a_swapped_read_root_never_mounts_what_it_was_swapped_for(daemon, client
     outputs, refused = _attempts(client, ws, {"filesystem": {"readRoots": ["/workspace/data"]}},
                                  sh("cat /workspace/data/secret.txt /workspace/data/mine.txt 2>/dev/null; true"))
     leaked = [r.stdout for r in outputs if b"OUTSIDE" in r.stdout]
-    assert not leaked, f"{len(leaked)} of {CALLS} calls read the file outside the workspace"
-    assert sum(r.stdout == b"mine\n" for r in outputs) + refused == CALLS, [
+    assert not leaked, f"{len(leaked)} of {len(outputs) + refused} calls read the file outside the workspace"
+    assert all(r.stdout == b"mine\n" for r in outputs), [
         (r.result.status, r.result.error.message, r.stdout) for r in outputs if r.stdout != b"mine\n"]
     assert any(r.stdout == b"mine\n" for r in outputs), "no call ran: the test proves nothing"
     assert not list(Path(daemon.base, "runtime", "mounts").glob("*")), "staged mounts left behind"
