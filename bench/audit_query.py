@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
 
-from sandboxd import audit  # noqa: E402
-from sandboxd import events as ev  # noqa: E402
-from sandboxd.events import EventDraft, EventLog  # noqa: E402
-from sandboxd.store import Database  # noqa: E402
+from sandboxd.ledger import audit
+from sandboxd.ledger import events as ev
+from sandboxd.ledger.events import EventDraft, EventLog  # noqa: E402
+from sandboxd.ledger.store import Database  # noqa: E402
 from sandboxd.testing import timed_ms  # noqa: E402
 
 COMMANDS = [["pytest", "-q", "tests/"], ["git", "status"], ["ls", "-la"], ["grep", "-rn", "TODO", "src"],

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "daemon")]
 
-from sandboxd.filewatch import (AT_FDCWD, FAN_CLASS_NOTIF, FAN_CLOEXEC, FAN_CLOSE_WRITE, FAN_MARK_ADD,  # noqa: E402
+from sandboxd.recording.filewatch import (AT_FDCWD, FAN_CLASS_NOTIF, FAN_CLOEXEC, FAN_CLOSE_WRITE, FAN_MARK_ADD,  # noqa: E402
                                 FAN_MARK_MOUNT, FAN_NONBLOCK, FAN_OPEN, FAN_REPORT_DFID_NAME, FAN_UNLIMITED_QUEUE,
                                 FileWatch, _libc)
 

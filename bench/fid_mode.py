@@ -23,7 +23,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon",
 
 from file_access import git_workspace  # noqa: E402  (bench/, this script's directory)
 from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
-from sandboxd_client.canonical import file_accesses  # noqa: E402
+from sandboxd_contract.canonical import file_accesses  # noqa: E402
 
 
 def cpu_ticks(pid: int) -> int:

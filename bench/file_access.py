@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
 
-from sandboxd_client.canonical import file_accesses  # noqa: E402
+from sandboxd_contract.canonical import file_accesses  # noqa: E402
 from sandboxd.testing import WORKSPACE_UID, make_daemon, prepared_call  # noqa: E402
 
 TEST_MODULE = """import unittest

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
 
 from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
-from sandboxd_client.pb import sandboxd_pb2 as pb  # noqa: E402
+from sandboxd_contract.pb import sandboxd_pb2 as pb  # noqa: E402
 
 
 def docker_cli(image: str, argv: list[str]) -> int:

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Generates the Python stubs for proto/sandboxd/v1 into client/sandboxd_client/pb.
+# Generates the Python stubs for proto/sandboxd/v1 into contract/sandboxd_contract/pb.
 # The one way to make them; `scripts/gen-proto.sh --check` fails when they are stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"
-dest=client/sandboxd_client/pb
+dest=contract/sandboxd_contract/pb
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$python" -m grpc_tools.protoc -Iproto --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
   proto/sandboxd/v1/sandboxd.proto
 # The stubs live in our own package, so their import of each other is rewritten
 # from the proto path to it.
-sed -i 's/^from sandboxd\.v1 import sandboxd_pb2/from sandboxd_client.pb import sandboxd_pb2/' \
+sed -i 's/^from sandboxd\.v1 import sandboxd_pb2/from sandboxd_contract.pb import sandboxd_pb2/' \
   "$out/sandboxd/v1/sandboxd_pb2_grpc.py"
 mkdir -p "$out/final"
 cp "$out"/sandboxd/v1/sandboxd_pb2*.py* "$out/final/"

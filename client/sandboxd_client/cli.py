@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml
 
-from .canonical import GENESIS_HASH, check_checkpoints, event_hash, file_accesses, verify_chain
+from sandboxd_contract.canonical import GENESIS_HASH, check_checkpoints, event_hash, file_accesses, verify_chain
 from .client import SandboxdClient, TlsFiles, default_socket, to_json
 from .errors import SandboxdClientError
-from .pb import sandboxd_pb2 as pb
+from sandboxd_contract.pb import sandboxd_pb2 as pb
 
 EXIT_REFUSED = 125
 EXIT_TIMEOUT = 124

@@ -15,8 +15,9 @@ import grpc
 from google.protobuf import json_format
 
 from .errors import SandboxdClientError, from_rpc_error
-from .pb import sandboxd_pb2 as pb
-from .pb import sandboxd_pb2_grpc as pb_grpc
+from sandboxd_contract.calls import build_call, to_json
+from sandboxd_contract.pb import sandboxd_pb2 as pb
+from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
 
 DEFAULT_SOCKET = "/run/sandboxd/sandboxd.sock"
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -34,25 +35,6 @@ RUN_INLINE_BYTES = 32 * 1024 * 1024
 
 def default_socket() -> str:
     return os.environ.get("SANDBOXD_SOCKET", DEFAULT_SOCKET)
-
-
-def build_call(call: dict[str, Any] | pb.PreparedToolCall) -> pb.PreparedToolCall:
-    """A PreparedToolCall from its JSON form (the seed's camelCase names). `stdin` may
-    be bytes or base64 text."""
-    if isinstance(call, pb.PreparedToolCall):
-        return call
-    data = dict(call)
-    stdin = data.pop("stdin", None)
-    message = json_format.ParseDict(data, pb.PreparedToolCall())
-    if isinstance(stdin, (bytes, bytearray)):
-        message.stdin = bytes(stdin)
-    elif isinstance(stdin, str):
-        message.stdin = base64.b64decode(stdin)
-    return message
-
-
-def to_json(message) -> dict[str, Any]:
-    return json_format.MessageToDict(message, preserving_proto_field_name=False, always_print_fields_with_no_presence=True)
 
 
 def _output_refs(result: pb.ToolResult) -> list[pb.ArtifactRef]:

@@ -22,30 +22,34 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sandboxd_client.pb import sandboxd_pb2 as pb
-from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
+from sandboxd_contract.pb import sandboxd_pb2 as pb
+from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
 
-from . import audit, filewatch, hostdirs
-from .artifacts import FileArtifactStore
-from .backends import daemon_running, hold_daemon_lock, remove_stale_cgroups
-from .backends.docker import DockerBackend
-from .backends.nsjail import NsjailBackend
-from .compile import SANDBOX_CGROUP_ROOT
-from .compile_nsjail import NSJAIL_CGROUP_ROOT
-from .errors import BackendUnavailable, SandboxdError
-from .credentials import CredentialBroker
-from .events import CheckpointFile, EventLog
-from .executor import STAGING_SUBDIR, CallExecutor, clean_spool
-from .metrics import MetricsServer, render
-from .pools import PoolManager
-from .proxy import EgressProxy
-from .retention import RetentionSweeper
-from .rpc_limits import LimitInterceptor, StreamWatchdog, worker_count
-from .service import (ArtifactServicer, AuditServicer, Authenticator, ErrorInterceptor, ExecutionServicer, PoolServicer,
+from sandboxd.ledger import audit
+from sandboxd.recording import filewatch
+from sandboxd.core import hostdirs
+from sandboxd.ledger.artifacts import FileArtifactStore
+from sandboxd.backends.hostlocks import daemon_running
+from sandboxd.backends.hostlocks import hold_daemon_lock
+from sandboxd.backends.hostlocks import remove_stale_cgroups
+from sandboxd.backends.docker.backend import DockerBackend
+from sandboxd.backends.nsjail.backend import NsjailBackend
+from sandboxd.sandbox.spec import SANDBOX_CGROUP_ROOT
+from sandboxd.backends.nsjail.compile import NSJAIL_CGROUP_ROOT
+from sandboxd.core.errors import BackendUnavailable, SandboxdError
+from sandboxd.secrets.broker import CredentialBroker
+from sandboxd.ledger.events import CheckpointFile, EventLog
+from sandboxd.calls.executor import STAGING_SUBDIR, CallExecutor, clean_spool
+from sandboxd.core.metrics import MetricsServer, render
+from sandboxd.pools.manager import PoolManager
+from sandboxd.egress.proxy import EgressProxy
+from sandboxd.ledger.retention import RetentionSweeper
+from sandboxd.api.limits import LimitInterceptor, StreamWatchdog, worker_count
+from sandboxd.api.service import (ArtifactServicer, AuditServicer, Authenticator, ErrorInterceptor, ExecutionServicer, PoolServicer,
                       TraceServicer, add_execution_service)
-from .settings import DaemonSettings, load_settings
-from .store import Database
-from .transport import ConnectionLimits, PeerCredentialRelay
+from sandboxd.core.settings import DaemonSettings, load_settings
+from sandboxd.ledger.store import Database
+from sandboxd.api.transport import ConnectionLimits, PeerCredentialRelay
 
 log = logging.getLogger("sandboxd")
 SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[n].full_name

@@ -14,7 +14,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from sandboxd_client import errors
-from sandboxd_client.approval import public_key_b64, sign_grant
+from sandboxd_contract.approval import public_key_b64, sign_grant
 
 from .conftest import BACKENDS, call, sh
 from .test_tenants import ALICE, BOB, client_as

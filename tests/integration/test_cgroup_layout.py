@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from sandboxd.backends import cgroups
-from sandboxd.compile_nsjail import NSJAIL_CGROUP_ROOT
+from sandboxd.backends.nsjail.compile import NSJAIL_CGROUP_ROOT
 
 
 @pytest.fixture

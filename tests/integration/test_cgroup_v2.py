@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.backends.nsjail import NsjailBackend
-from sandboxd.settings import DaemonSettings
+from sandboxd.backends.nsjail.backend import NsjailBackend
+from sandboxd.core.settings import DaemonSettings
 
 from .conftest import BUSYBOX_IMAGE, DEFAULT_IMAGE, public_tmpdir
 

@@ -15,9 +15,9 @@ import pytest
 
 from sandboxd_client import errors
 from sandboxd_client import client as client_module
-from sandboxd_client.client import build_call
-from sandboxd_client.canonical import event_hash
-from sandboxd_client.pb import sandboxd_pb2 as pb
+from sandboxd_contract.calls import build_call
+from sandboxd_contract.canonical import event_hash
+from sandboxd_contract.pb import sandboxd_pb2 as pb
 
 from .conftest import BUSYBOX_IMAGE, DAEMON_SECRET, WORKSPACE_UID, call, leftover_sandboxes, sh, wait_for
 

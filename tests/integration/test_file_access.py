@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from sandboxd_client.canonical import file_accesses
+from sandboxd_contract.canonical import file_accesses
 from sandboxd_client import errors
 
 from .conftest import BACKENDS, call, sh

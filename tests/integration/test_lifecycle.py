@@ -234,7 +234,7 @@ def test_checkpoints_catch_a_truncated_or_rechained_log(spare_daemon):
     hash checks out again, still fails verification against the checkpoints."""
     import sqlite3
 
-    from sandboxd_client.canonical import event_hash
+    from sandboxd_contract.canonical import event_hash
 
     d = spare_daemon().start()
     ws = d.new_workspace()

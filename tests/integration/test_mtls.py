@@ -95,8 +95,8 @@ def test_no_certificate_another_ca_or_an_unknown_subject_is_refused(tls_daemon, 
     # No client certificate: the handshake itself fails.
     channel = grpc.secure_channel(d.tcp_target, grpc.ssl_channel_credentials(
         root_certificates=Path(pki["ca"][0]).read_bytes()))
-    from sandboxd_client.pb import sandboxd_pb2 as pb
-    from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
+    from sandboxd_contract.pb import sandboxd_pb2 as pb
+    from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
 
     with pytest.raises(grpc.RpcError) as exc:
         pb_grpc.AuditServiceStub(channel).QueryCalls(pb.QueryCallsRequest(), timeout=5)

@@ -25,16 +25,18 @@ from typing import Any, Callable
 
 import pytest
 
-from sandboxd.backends import ExitStatus, ResourceUsage, SandboxHandle
+from sandboxd.sandbox.protocol import ExitStatus
+from sandboxd.sandbox.protocol import ResourceUsage
+from sandboxd.sandbox.protocol import SandboxHandle
 from sandboxd.backends.cgroups import LAYOUT
-from sandboxd.backends.nsjail import NsjailBackend
-from sandboxd.compile import SandboxIdentity
-from sandboxd.compile_nsjail import NSJAIL_CGROUP_ROOT, NsjailSpec
-from sandboxd.errors import BackendUnavailable, FailedPrecondition, InternalError
-from sandboxd.output import STDERR, STDOUT, OutputSpool
-from sandboxd.policy import parse_call, resolve_policy
-from sandboxd.preflight import preflight
-from sandboxd.settings import DaemonSettings, LimitSettings
+from sandboxd.backends.nsjail.backend import NsjailBackend
+from sandboxd.sandbox.spec import SandboxIdentity
+from sandboxd.backends.nsjail.compile import NSJAIL_CGROUP_ROOT, NsjailSpec
+from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, InternalError
+from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool
+from sandboxd.policy.models import parse_call, resolve_policy
+from sandboxd.policy.preflight import preflight
+from sandboxd.core.settings import DaemonSettings, LimitSettings
 from sandboxd.testing import TIME_SCALE
 
 from ..probes import ALLOWED, PROBE

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from sandboxd.pools import READY_TIMEOUT_S
+from sandboxd.pools.manager import READY_TIMEOUT_S
 from sandboxd.testing import TIME_SCALE
 from sandboxd_client import errors
-from sandboxd_client.canonical import file_accesses
+from sandboxd_contract.canonical import file_accesses
 
 from .conftest import BACKENDS, BUSYBOX_IMAGE, call, leftover_sandboxes, nsjail_sandbox_ids, sh, wait_for
 from .test_tenants import ALICE, BOB, client_as

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from sandboxd.testing import make_daemon
-from sandboxd_client.pb import sandboxd_pb2 as pb
+from sandboxd_contract.pb import sandboxd_pb2 as pb
 
 from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, public_tmpdir, stop_and_clean
 

@@ -17,9 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sandboxd.testing import TEST_BACKENDS, prepared_call, wait_for
 from sandboxd_client import AsyncSandboxdClient, errors
-from sandboxd_client.client import build_call
-from sandboxd_client.pb import sandboxd_pb2 as pb
-from sandboxd_client.pb import sandboxd_pb2_grpc as pb_grpc
+from sandboxd_contract.calls import build_call
+from sandboxd_contract.pb import sandboxd_pb2 as pb
+from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
 
 ALICE, BOB, STRANGER = 1000, 1001, 1002
 PRINCIPALS = {0: "root", ALICE: "alice", BOB: "bob"}

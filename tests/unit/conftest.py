@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from sandboxd.policy import parse_call, resolve_policy
-from sandboxd.settings import DaemonSettings, LimitSettings
+from sandboxd.policy.models import parse_call, resolve_policy
+from sandboxd.core.settings import DaemonSettings, LimitSettings
 
 # Explicit maxima so that nothing depends on the machine (max_cpu_millicores
 # defaults to the host's CPU count).

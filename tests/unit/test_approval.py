@@ -1,5 +1,5 @@
-"""Approval grants: the canonical approval view and digest (sandboxd_client.approval),
-the Ed25519 grant signature, and the daemon's verification of it (sandboxd.approvals)
+"""Approval grants: the canonical approval view and digest (sandboxd_contract.approval),
+the Ed25519 grant signature, and the daemon's verification of it (sandboxd.policy.approvals)
 with ApprovalSettings. Pure: no Docker, no network."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import ValidationError
 
-from sandboxd.approvals import verify_authorization
-from sandboxd.errors import InvalidArgument, PermissionDenied, SandboxdError
-from sandboxd.policy import check_admission, parse_call
-from sandboxd.service import call_to_json
-from sandboxd.settings import ApprovalSettings, DaemonSettings
-from sandboxd_client.approval import (
+from sandboxd.policy.approvals import verify_authorization
+from sandboxd.core.errors import InvalidArgument, PermissionDenied, SandboxdError
+from sandboxd.policy.models import check_admission, parse_call
+from sandboxd.api.service import call_to_json
+from sandboxd.core.settings import ApprovalSettings, DaemonSettings
+from sandboxd_contract.approval import (
     SIGNATURE_PREFIX,
     approval_body,
     approval_digest,
@@ -34,9 +34,9 @@ from sandboxd_client.approval import (
     sign_grant,
     signature_valid,
 )
-from sandboxd_client.canonical import canonical_json
-from sandboxd_client.client import build_call
-from sandboxd_client.pb import sandboxd_pb2 as pb
+from sandboxd_contract.canonical import canonical_json
+from sandboxd_contract.calls import build_call
+from sandboxd_contract.pb import sandboxd_pb2 as pb
 
 EXPIRES = "2099-01-01T00:00:00Z"
 DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")

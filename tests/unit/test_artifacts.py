@@ -1,4 +1,4 @@
-"""sandboxd.artifacts.FileArtifactStore: content-addressed blobs and their index."""
+"""sandboxd.ledger.artifacts.FileArtifactStore: content-addressed blobs and their index."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import os
 import grpc
 import pytest
 
-from sandboxd.artifacts import ArtifactRecord, FileArtifactStore
-from sandboxd.errors import NotFound
-from sandboxd.store import Database
+from sandboxd.ledger.artifacts import ArtifactRecord, FileArtifactStore
+from sandboxd.core.errors import NotFound
+from sandboxd.ledger.store import Database
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""sandboxd.audit: the forensic index, projected from the event log into a real SQLite
+"""sandboxd.ledger.audit: the forensic index, projected from the event log into a real SQLite
 database (no Docker, no network). Events are appended through EventLog with the index
 hooked in as on_append, exactly as main.build_daemon wires it, with payloads shaped like
 the ones executor.py records."""
@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 
-from sandboxd import audit, store
-from sandboxd import events as ev
-from sandboxd.events import EventDraft, EventLog
-from sandboxd.store import Database
+from sandboxd.ledger import audit
+from sandboxd.ledger import store
+from sandboxd.ledger import events as ev
+from sandboxd.ledger.events import EventDraft, EventLog
+from sandboxd.ledger.store import Database
 
 WS_ALICE = "/srv/sandboxd/workspaces/alice"
 WS_BOB = "/srv/sandboxd/workspaces/bob"

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from sandboxd.backends import remove_stale_cgroups
+from sandboxd.backends.hostlocks import remove_stale_cgroups
 
 PIDS = "/sys/fs/cgroup/pids"
 
@@ -68,14 +68,16 @@ def test_what_keep_spares_stays_whatever_its_age(root):
 def test_a_daemon_is_running_while_it_holds_its_lock():
     import fcntl
 
-    from sandboxd.backends import DAEMON_LOCK_DIR, daemon_running, hold_daemon_lock
+    from sandboxd.backends.hostlocks import DAEMON_LOCK_DIR
+    from sandboxd.backends.hostlocks import daemon_running
+    from sandboxd.backends.hostlocks import hold_daemon_lock
 
     daemon_id = f"sd-test-{secrets.token_hex(6)}"
     assert not daemon_running(daemon_id)  # never started
     fd = hold_daemon_lock(daemon_id)
     try:
         child = subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = {sys.path!r}; "
-                                "from sandboxd.backends import daemon_running; "
+                                "from sandboxd.backends.hostlocks import daemon_running; "
                                 f"print(daemon_running({daemon_id!r}))"], capture_output=True, text=True)
         assert child.stdout.strip() == "True", child.stderr
     finally:
@@ -96,7 +98,7 @@ def test_a_leased_command_cannot_hide_a_process_by_killing_one_the_sandbox_start
     the sandbox is retired. Real processes in a real pids cgroup."""
     from types import SimpleNamespace
 
-    from sandboxd.pools import LeaseBackend, sandbox_processes, sandbox_task_count
+    from sandboxd.pools.manager import LeaseBackend, sandbox_processes, sandbox_task_count
 
     cg = f"{PIDS}/{root}/sbx-1"
     os.makedirs(cg)

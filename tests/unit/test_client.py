@@ -10,11 +10,11 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-import sandboxd.errors as daemon_errors
+import sandboxd.core.errors as daemon_errors
 from sandboxd_client import cli
 from sandboxd_client import errors as E
 from sandboxd_client.client import build_call, default_socket, to_json
-from sandboxd_client.pb import sandboxd_pb2 as pb
+from sandboxd_contract.pb import sandboxd_pb2 as pb
 
 
 class FakeRpcError(grpc.RpcError):

@@ -1,4 +1,4 @@
-"""sandboxd.compile.compile_docker: golden files for representative inputs, plus
+"""sandboxd.sandbox.spec.compile_docker: golden files for representative inputs, plus
 targeted asserts on the properties the sandbox's safety depends on.
 Regenerate the golden files with UPDATE_GOLDEN=1."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.compile import (
+from sandboxd.sandbox.spec import (
     BACKSTOP_SLACK_S,
     MASK_DIR_TMPFS_BYTES,
     MAX_OPEN_FILES,
@@ -28,8 +28,8 @@ from sandboxd.compile import (
     compile_docker,
     network_plan,
 )
-from sandboxd.policy import is_within
-from sandboxd.preflight import Bind, HostPlan, Mask
+from sandboxd.policy.models import is_within
+from sandboxd.policy.preflight import Bind, HostPlan, Mask
 
 from .conftest import resolve
 
@@ -438,7 +438,7 @@ def test_network_plan_shows_the_proxy_and_patterns():
 def test_plain_is_asdict_as_json_without_its_copies():
     from dataclasses import asdict, dataclass
 
-    from sandboxd.compile import plain
+    from sandboxd.sandbox.spec import plain
 
     @dataclass(frozen=True)
     class Inner:

@@ -1,4 +1,4 @@
-"""sandboxd.compile_nsjail.compile_nsjail: golden files for representative inputs, plus
+"""sandboxd.backends.nsjail.compile.compile_nsjail: golden files for representative inputs, plus
 targeted asserts on the properties the jail's safety depends on, and on the mount view
 being compile_docker's. Regenerate the golden files with UPDATE_GOLDEN=1."""
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.compile import (EGRESS_SOCKET_PATH, MAX_OPEN_FILES, SHIM_PATH, Attachments, EgressAttachment, SandboxIdentity,
+from sandboxd.sandbox.spec import (EGRESS_SOCKET_PATH, MAX_OPEN_FILES, SHIM_PATH, Attachments, EgressAttachment, SandboxIdentity,
                               compile_docker)
-from sandboxd.compile_nsjail import (CPU_PERIOD_US, INIT_PATH, NSJAIL_CGROUP_ROOT, SECCOMP_PROGRAM_PATH, TIME_LIMIT_SLACK_S,
+from sandboxd.backends.nsjail.compile import (CPU_PERIOD_US, INIT_PATH, NSJAIL_CGROUP_ROOT, SECCOMP_PROGRAM_PATH, TIME_LIMIT_SLACK_S,
                                      NsjailMount,
                                      NsjailSpec, cgroup_for, compile_nsjail, quote)
-from sandboxd.errors import FailedPrecondition, Unimplemented
-from sandboxd.policy import is_within
-from sandboxd.preflight import Bind, HostPlan, Mask
+from sandboxd.core.errors import FailedPrecondition, Unimplemented
+from sandboxd.policy.models import is_within
+from sandboxd.policy.preflight import Bind, HostPlan, Mask
 
 from .conftest import resolve
 

@@ -1,4 +1,4 @@
-"""The credential broker (sandboxd.credentials): which references a call may make, how
+"""The credential broker (sandboxd.secrets.broker): which references a call may make, how
 values are read from their sources, and how they are laid out on the daemon's tmpfs for
 a sandbox. No Docker, no network; the suite runs as root, so ownership can be set."""
 
@@ -14,12 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-import sandboxd.credentials as credentials
-from sandboxd.compile import SECRETS_DIR, SecretMount
-from sandboxd.credentials import MAX_SECRET_BYTES, CredentialBroker, ResolvedSecret
-from sandboxd.errors import FailedPrecondition, InvalidArgument, PermissionDenied, SandboxdError
-from sandboxd.policy import parse_call, resolve_policy
-from sandboxd.settings import CredentialBinding, LimitSettings
+import sandboxd.secrets.broker as credentials
+from sandboxd.sandbox.spec import SECRETS_DIR, SecretMount
+from sandboxd.secrets.broker import MAX_SECRET_BYTES, CredentialBroker, ResolvedSecret
+from sandboxd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, SandboxdError
+from sandboxd.policy.models import parse_call, resolve_policy
+from sandboxd.core.settings import CredentialBinding, LimitSettings
 
 from .conftest import call_dict
 

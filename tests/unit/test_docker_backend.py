@@ -1,4 +1,4 @@
-"""The pure parts of sandboxd.backends.docker: create/host-config arguments, the
+"""The pure parts of sandboxd.backends.docker.backend: create/host-config arguments, the
 attach stream's frame parser and signal names. No dockerd involved."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.backends import SandboxHandle
-from sandboxd.backends.docker import (
+from sandboxd.sandbox.protocol import SandboxHandle
+from sandboxd.backends.docker.backend import (
     _signal_name,
     create_args,
     host_config_args,
@@ -27,10 +27,10 @@ from sandboxd.backends.docker import (
     pump_fifos,
     remove_stdio_fifos,
 )
-from sandboxd.compile import SandboxIdentity, compile_docker
-from sandboxd.errors import BackendUnavailable
-from sandboxd.output import STDERR, STDOUT, OutputSpool
-from sandboxd.preflight import Bind, HostPlan, Mask
+from sandboxd.sandbox.spec import SandboxIdentity, compile_docker
+from sandboxd.core.errors import BackendUnavailable
+from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool
+from sandboxd.policy.preflight import Bind, HostPlan, Mask
 
 from .conftest import resolve
 
@@ -308,8 +308,8 @@ def test_load_seccomp_profile_refuses_missing_or_broken(tmp_path, content):
 
 @pytest.mark.parametrize("stream, offset, size", [(1, 0, 0), (2, 0, 5), (1, 127, 128), (2, 2**40, 300_000), (1, 1, 1)])
 def test_pre_encoded_output_events_parse_as_the_proto_message(stream, offset, size):
-    from sandboxd.service import encode_output_event
-    from sandboxd_client.pb import sandboxd_pb2 as pb
+    from sandboxd.api.service import encode_output_event
+    from sandboxd_contract.pb import sandboxd_pb2 as pb
 
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     event = pb.ExecuteEvent.FromString(encode_output_event("tc-é1", stream, offset, data))
@@ -330,8 +330,8 @@ def test_pre_encoded_output_events_parse_as_the_proto_message(stream, offset, si
 def test_results_encode_as_parse_dict_encodes_them(effects):
     from google.protobuf import json_format
 
-    from sandboxd.service import result_to_pb
-    from sandboxd_client.pb import sandboxd_pb2 as pb
+    from sandboxd.api.service import result_to_pb
+    from sandboxd_contract.pb import sandboxd_pb2 as pb
 
     result = {"toolCallId": "tc_1", "status": "error", "exitCode": 3, "signal": "", "timedOut": False,
               "stdoutPreview": "x", "artifacts": [{"artifactId": "art_1", "kind": "stdout", "sizeBytes": 5}],
@@ -347,7 +347,7 @@ def test_results_encode_as_parse_dict_encodes_them(effects):
 def test_a_result_field_the_contract_lacks_is_an_error_not_dropped():
     from google.protobuf import json_format
 
-    from sandboxd.service import result_to_pb
+    from sandboxd.api.service import result_to_pb
 
     with pytest.raises(json_format.ParseError, match="noSuchField"):
         result_to_pb({"toolCallId": "tc_1", "usage": {"latencyMs": 1, "noSuchField": 2}})
@@ -497,7 +497,7 @@ def test_a_removal_dockerd_does_not_answer_is_retried_until_it_does_or_given_up(
 
     import requests
 
-    from sandboxd.backends.docker import DockerBackend
+    from sandboxd.backends.docker.backend import DockerBackend
 
     class Engine:
         """dockerd down for a while (refused connections), then up; one container never goes."""

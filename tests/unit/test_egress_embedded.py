@@ -1,4 +1,4 @@
-"""sandboxd.egress: every IPv6 form that embeds an IPv4 address is refused (SIIT,
+"""sandboxd.policy.egress_rules: every IPv6 form that embeds an IPv4 address is refused (SIIT,
 IPv4-compatible, NAT64 well-known and local-use, 6to4, Teredo) and its IPv4 address is
 judged by the rule of a plain one; IPv4-mapped addresses are the IPv4 address they
 carry. Also the textual forms of IPv4 a sandbox may name as a host. Pure code."""
@@ -9,7 +9,7 @@ from ipaddress import IPv4Address, ip_address, ip_network
 
 import pytest
 
-from sandboxd.egress import (
+from sandboxd.policy.egress_rules import (
     EgressRules,
     decide_address,
     decide_host,

@@ -1,4 +1,4 @@
-"""sandboxd.egress and the Public Suffix List: a wildcard on a public suffix (ICANN or
+"""sandboxd.policy.egress_rules and the Public Suffix List: a wildcard on a public suffix (ICANN or
 private section, as the bundled publicsuffixlist has it) admits anyone's names, and an
 exact public suffix is nobody's host; both are refused with a reason. The list is
 parsed once, on first use, never at import. Pure code."""
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from sandboxd import egress
-from sandboxd.egress import is_public_suffix, match_host, normalize_pattern
+from sandboxd.policy import egress_rules as egress
+from sandboxd.policy.egress_rules import is_public_suffix, match_host, normalize_pattern
 
 # The red-team's examples, then ICANN, private-section and wildcard-rule (*.run.app,
 # *.compute.amazonaws.com) suffixes, and tunnels/catchers the list does not name.
@@ -88,7 +88,7 @@ def test_matching_needs_no_list():
 
 
 def test_the_list_is_parsed_once_and_not_at_import():
-    code = ("import sys; import sandboxd.egress as e; assert 'publicsuffixlist' not in sys.modules; "
+    code = ("import sys; import sandboxd.policy.egress_rules as e; assert 'publicsuffixlist' not in sys.modules; "
             "e.normalize_pattern('*.example.com'); e.normalize_pattern('example.org'); "
             "assert 'publicsuffixlist' in sys.modules; i = e._public_suffixes.cache_info(); "
             "assert (i.misses, i.hits) == (1, 1), i")

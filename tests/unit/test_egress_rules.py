@@ -1,4 +1,4 @@
-"""sandboxd.egress: allowDomains patterns, host matching, forbidden addresses and the
+"""sandboxd.policy.egress_rules: allowDomains patterns, host matching, forbidden addresses and the
 parsers of the host's own addresses. Pure code: nothing is resolved or contacted (the
 public addresses below are only parsed)."""
 
@@ -10,7 +10,7 @@ from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 
 import pytest
 
-from sandboxd.egress import (
+from sandboxd.policy.egress_rules import (
     SHARED_PARENTS,
     SHARED_SUFFIXES,
     Decision,

@@ -1,4 +1,4 @@
-"""sandboxd.events: the hash-chained event log over a temporary SQLite database."""
+"""sandboxd.ledger.events: the hash-chained event log over a temporary SQLite database."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from sandboxd.events import GENESIS_HASH, EventDraft, EventLog, new_id, utc_now, verify_chain
-from sandboxd.store import Database
-from sandboxd_client.canonical import canonical_json, event_hash
+from sandboxd.ledger.events import GENESIS_HASH, EventDraft, EventLog, new_id, utc_now, verify_chain
+from sandboxd.ledger.store import Database
+from sandboxd_contract.canonical import canonical_json, event_hash
 
 
 @pytest.fixture
@@ -300,7 +300,7 @@ def test_a_rolled_back_append_then_a_commit_without_events_leaves_the_chain_whol
 
 
 def test_checkpoints_are_written_at_most_once_an_interval_and_say_when_one_was_skipped(log, tmp_path):
-    from sandboxd.events import CheckpointFile
+    from sandboxd.ledger.events import CheckpointFile
 
     path = tmp_path / "checkpoints.jsonl"
     checkpoints = CheckpointFile(path, log, min_interval_s=3600)

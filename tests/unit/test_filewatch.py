@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sandboxd.compile import GATE_PATH, SHIM_PATH, Attachments
-from sandboxd.filewatch import FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN, MAX_PATHS, Access, FileWatch
+from sandboxd.sandbox.spec import GATE_PATH, SHIM_PATH, Attachments
+from sandboxd.recording.filewatch import FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN, MAX_PATHS, Access, FileWatch
 
 
 def test_an_access_is_a_write_once_anything_modified_it():
@@ -39,7 +39,7 @@ def test_the_mount_id_of_a_descriptor_is_the_kernel_s(tmp_path):
     import ctypes
     import os
 
-    from sandboxd.filewatch import _Statx, _fdinfo_mount_id, _mount_id
+    from sandboxd.recording.filewatch import _Statx, _fdinfo_mount_id, _mount_id
 
     assert ctypes.sizeof(_Statx) == 256 and _Statx.stx_mnt_id.offset == 144
     for path in (tmp_path, "/proc/self", "/"):
@@ -184,7 +184,7 @@ def test_the_gate_s_arrival_is_its_opening_by_the_sandbox(tmp_path):
     import threading
     import time
 
-    from sandboxd.filewatch import GateArrival
+    from sandboxd.recording.filewatch import GateArrival
 
     gate = tmp_path / "gate"
     os.mkfifo(gate, 0o600)
@@ -207,7 +207,7 @@ def test_the_gate_s_arrival_is_its_opening_by_the_sandbox(tmp_path):
 
 
 def test_a_missing_reader_library_is_a_clear_error(monkeypatch, tmp_path):
-    from sandboxd import filewatch
+    from sandboxd.recording import filewatch
 
     monkeypatch.setattr(filewatch, "_reader", None)
     monkeypatch.setattr(filewatch, "READER_LIBRARY", tmp_path / "missing.so")
@@ -226,7 +226,7 @@ def test_in_fid_mode_names_are_the_current_ones_and_a_removed_directory_is_count
     import subprocess
     import threading
 
-    from sandboxd.filewatch import fid_supported
+    from sandboxd.recording.filewatch import fid_supported
 
     src, mnt = tmp_path / "src", tmp_path / "mnt"
     for d in ("kept", "old", "gone"):
@@ -257,7 +257,7 @@ def test_in_fid_mode_names_are_the_current_ones_and_a_removed_directory_is_count
 def test_fid_mode_is_probed_once_per_filesystem(tmp_path):
     import subprocess
 
-    from sandboxd import filewatch
+    from sandboxd.recording import filewatch
 
     filewatch._fid_by_device.clear()
     assert filewatch.fid_supported(str(tmp_path)) is True

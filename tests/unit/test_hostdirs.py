@@ -1,4 +1,4 @@
-"""The daemon's own host directories (sandboxd.hostdirs) and the credential broker's use
+"""The daemon's own host directories (sandboxd.core.hostdirs) and the credential broker's use
 of them, on the real filesystem, as root: another local user (uid 1001, "bob") plants
 directories and symlinks where the daemon will look, and each plant is refused or
 harmless. Bob's things are made by root here and handed to him with chown."""
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd import hostdirs
-from sandboxd.credentials import CredentialBroker, ResolvedSecret
-from sandboxd.errors import FailedPrecondition
-from sandboxd.hostdirs import check_daemon_dirs, ensure_private_dir, filesystem_type, require_memory_filesystem
-from sandboxd.settings import DaemonSettings
+from sandboxd.core import hostdirs
+from sandboxd.secrets.broker import CredentialBroker, ResolvedSecret
+from sandboxd.core.errors import FailedPrecondition
+from sandboxd.core.hostdirs import check_daemon_dirs, ensure_private_dir, filesystem_type, require_memory_filesystem
+from sandboxd.core.settings import DaemonSettings
 
 from .test_credentials import SANDBOX_GID, SANDBOX_UID, SECRETS, after_mkdir
 
@@ -354,7 +354,7 @@ class TestBrokerPerSandboxDirs:
         assert os.listdir(tmp_path / "moved") == []
 
     def test_a_swap_while_the_files_are_written_leaves_nothing(self, tmp_path, brokers, monkeypatch):
-        import sandboxd.credentials as credentials
+        import sandboxd.secrets.broker as credentials
 
         b = brokers(tmp_path / "secrets")
         base = tmp_path / "secrets" / "sbx-1"

@@ -1,11 +1,11 @@
-"""sandboxd.images: the Docker reference grammar and the image allowlist (pure)."""
+"""sandboxd.policy.images: the Docker reference grammar and the image allowlist (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sandboxd.errors import InvalidArgument
-from sandboxd.images import MAX_REFERENCE_CHARS, allowed, allowed_resolution, parse_reference
+from sandboxd.core.errors import InvalidArgument
+from sandboxd.policy.images import MAX_REFERENCE_CHARS, allowed, allowed_resolution, parse_reference
 
 PATTERNS = ("sandboxd/*", "library/python:3.*")
 

@@ -1,4 +1,4 @@
-"""sandboxd.live_snapshot: inotify-kept snapshots of write roots, held entry for entry
+"""sandboxd.recording.live_snapshot: inotify-kept snapshots of write roots, held entry for entry
 against snapshot.take (a full walk) after random and targeted changes to a real tree."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import stat
 
 import pytest
 
-from sandboxd import live_snapshot as ls
-from sandboxd import snapshot
-from sandboxd.live_snapshot import LiveSnapshots
-from sandboxd.snapshot import HashCache
+from sandboxd.recording import live_snapshot as ls
+from sandboxd.recording import snapshot
+from sandboxd.recording.live_snapshot import LiveSnapshots
+from sandboxd.recording.snapshot import HashCache
 from sandboxd.testing import wait_for
 
 SB = "/workspace"
@@ -314,7 +314,7 @@ def test_hashes_are_kept_current(live, tree):
 
 
 def test_files_past_the_hashing_caps_are_counted_like_the_walk_counts_them(live, tree):
-    from sandboxd.snapshot import HashBudget
+    from sandboxd.recording.snapshot import HashBudget
 
     (tree / "d0" / "big.bin").write_bytes(b"x" * 5000)
     budget = HashBudget(max_file=1000)
@@ -326,7 +326,7 @@ def test_files_past_the_hashing_caps_are_counted_like_the_walk_counts_them(live,
 
 
 def test_a_file_left_over_one_snapshots_budget_is_hashed_by_the_next(live, tree):
-    from sandboxd.snapshot import HashBudget
+    from sandboxd.recording.snapshot import HashBudget
 
     (tree / "d1" / "late.bin").write_bytes(b"y" * 3000)
     (tree / "d1" / "late.bin").touch()
@@ -413,7 +413,7 @@ def test_the_entry_cap_holds_for_a_root_that_did_not_change(live, tree, tmp_path
 
 
 def test_a_tracker_that_gave_up_leaves_the_walk_its_hash_budget(live, tree):
-    from sandboxd.snapshot import HashBudget
+    from sandboxd.recording.snapshot import HashBudget
 
     (tree / "big.bin").write_bytes(b"z" * 600_000)
     budget = HashBudget(bytes_left=700_000)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from sandboxd.backends.nsjail import _SlotPool
+from sandboxd.backends.nsjail.backend import _SlotPool
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""sandboxd.output.OutputSpool: caps, hashes, previews, following while written."""
+"""sandboxd.sandbox.output.OutputSpool: caps, hashes, previews, following while written."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from sandboxd.output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
+from sandboxd.sandbox.output import MAX_CHUNK_BYTES, STDERR, STDOUT, OutputSpool
 
 
 def spool_at(tmp_path, out_cap=1 << 20, err_cap=1 << 20, preview=16) -> OutputSpool:
@@ -300,7 +300,7 @@ def test_write_after_close_never_reaches_another_file(tmp_path):
 def test_write_parts_keeps_order_caps_and_hash_across_many_small_parts(tmp_path):
     import hashlib
 
-    from sandboxd.output import IOV_MAX, STDERR, STDOUT, OutputSpool
+    from sandboxd.sandbox.output import IOV_MAX, STDERR, STDOUT, OutputSpool
 
     parts = [f"{i}\n".encode() for i in range(IOV_MAX * 3 + 7)]  # more than one writev's worth
     whole = b"".join(parts)

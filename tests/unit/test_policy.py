@@ -1,4 +1,4 @@
-"""sandboxd.policy: parsing, defaults, normalization, refusals and admission."""
+"""sandboxd.policy.models: parsing, defaults, normalization, refusals and admission."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from sandboxd.errors import InvalidArgument, PermissionDenied, SandboxdError, Unimplemented
-from sandboxd.policy import (
+from sandboxd.core.errors import InvalidArgument, PermissionDenied, SandboxdError, Unimplemented
+from sandboxd.policy.models import (
     BASE_PATH,
     MAX_ARG_CHARS,
     MAX_ENV_VALUE_CHARS,
@@ -22,8 +22,8 @@ from sandboxd.policy import (
     parse_policy,
     resolve_policy,
 )
-from sandboxd.settings import LimitSettings
-from sandboxd_client.client import build_call
+from sandboxd.core.settings import LimitSettings
+from sandboxd_contract.calls import build_call
 
 from .conftest import LIMITS, call_dict, resolve
 
@@ -668,7 +668,7 @@ def test_error_message_format():
 
 
 def test_request_digest_binds_what_runs_not_the_ids_a_retry_may_change():
-    from sandboxd.policy import request_digest
+    from sandboxd.policy.models import request_digest
 
     base = request_digest(parse_call(call_dict(toolCallId="tc-a", sessionId="s1")))
     assert base == request_digest(parse_call(call_dict(toolCallId="tc-b", sessionId="s2")))
@@ -722,7 +722,7 @@ def test_every_string_has_a_maximum_length(patch, field, limit):
 
 
 def test_the_injected_environment_has_a_total_maximum():
-    from sandboxd.policy import MAX_ENV_TOTAL_CHARS
+    from sandboxd.policy.models import MAX_ENV_TOTAL_CHARS
 
     value = "v" * (MAX_ENV_VALUE_CHARS - 16)
     count = MAX_ENV_TOTAL_CHARS // len(value) + 1

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from sandboxd import pools
-from sandboxd.backends import ExitStatus, SandboxHandle
-from sandboxd.errors import InternalError
-from sandboxd.output import STDERR, STDOUT, OutputSpool
-from sandboxd.pools import PER_COMMAND, policy_class, pool_key, sandbox_processes, sandbox_task_count
-from sandboxd.policy import parse_call, resolve_policy
+from sandboxd.pools import manager as pools
+from sandboxd.sandbox.protocol import ExitStatus
+from sandboxd.sandbox.protocol import SandboxHandle
+from sandboxd.core.errors import InternalError
+from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool
+from sandboxd.pools.manager import PER_COMMAND, policy_class, pool_key, sandbox_processes, sandbox_task_count
+from sandboxd.policy.models import parse_call, resolve_policy
 
 from .conftest import LIMITS, call_dict
 

@@ -1,4 +1,4 @@
-"""sandboxd.preflight on a real filesystem under tmp_path (tests run as root; the
+"""sandboxd.policy.preflight on a real filesystem under tmp_path (tests run as root; the
 workspace is chowned to a non-root uid like a user's checkout)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 import grpc
 import pytest
 
-from sandboxd.errors import FailedPrecondition, InvalidArgument, PermissionDenied, SandboxdError
-from sandboxd.preflight import Bind, Mask, _hard_linked, preflight, resolve_workspace, sandbox_owner
-from sandboxd.settings import DaemonSettings
+from sandboxd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, SandboxdError
+from sandboxd.policy.preflight import Bind, Mask, _hard_linked, preflight, resolve_workspace, sandbox_owner
+from sandboxd.core.settings import DaemonSettings
 
 from .conftest import WORKSPACE_GID, WORKSPACE_UID, resolve
 
@@ -369,7 +369,7 @@ def test_blocked_symlink_to_the_whole_workspace_is_refused(host):
 
 
 def test_too_many_files_in_blocked_dir_is_refused_naming_the_field(host, monkeypatch):
-    import sandboxd.preflight as preflight_module
+    import sandboxd.policy.preflight as preflight_module
     monkeypatch.setattr(preflight_module, "MAX_BLOCKED_SCAN_ENTRIES", 3)
     for i in range(4):
         mkfile(host.ws / "big" / f"f{i}")
@@ -378,7 +378,7 @@ def test_too_many_files_in_blocked_dir_is_refused_naming_the_field(host, monkeyp
 
 
 def test_blocked_dir_at_scan_limit_is_masked(host, monkeypatch):
-    import sandboxd.preflight as preflight_module
+    import sandboxd.policy.preflight as preflight_module
     monkeypatch.setattr(preflight_module, "MAX_BLOCKED_SCAN_ENTRIES", 3)
     for i in range(3):
         mkfile(host.ws / "big" / f"f{i}")
@@ -438,7 +438,7 @@ def test_a_blocked_path_that_cannot_be_looked_at_is_refused_not_left_unmasked(ho
     workspace): that was a blocked path silently left visible."""
     import errno as errno_module
 
-    import sandboxd.preflight as preflight_module
+    import sandboxd.policy.preflight as preflight_module
 
     mkfile(host.ws / "secret.txt", "s")
     real_lstat = os.lstat
@@ -459,7 +459,7 @@ def test_a_root_swapped_while_it_is_resolved_is_a_refusal_not_an_internal_error(
     directory meanwhile (a swap loop made calls end INTERNAL)."""
     import errno as errno_module
 
-    import sandboxd.preflight as preflight_module
+    import sandboxd.policy.preflight as preflight_module
 
     (host.ws / "data").mkdir()
     real_realpath = os.path.realpath

@@ -1,4 +1,4 @@
-"""sandboxd.proxy, the pure parts: request heads, authorities, TLS ClientHello SNI, the
+"""sandboxd.egress.proxy, the pure parts: request heads, authorities, TLS ClientHello SNI, the
 origin-form rewrite, response status lines, refusals and records; and the CONNECT
 tunnel's first-bytes check, fed from an in-memory StreamReader. No sockets: the
 ClientHellos are real ones, produced by the ssl module into memory BIOs."""
@@ -12,8 +12,8 @@ from ipaddress import ip_address
 
 import pytest
 
-from sandboxd.egress import EgressRules, decide_address, decide_host, parse_ip
-from sandboxd.proxy import (
+from sandboxd.policy.egress_rules import EgressRules, decide_address, decide_host, parse_ip
+from sandboxd.egress.proxy import (
     HOP_BY_HOP,
     MAX_HELLO_RECORD,
     ConnectionRecord,
@@ -27,8 +27,8 @@ from sandboxd.proxy import (
     summarize_external_calls,
     tls_client_hello_sni,
 )
-from sandboxd.proxy_http import TunnelRequests, origin_form_request, parse_proxy_target, parse_request
-from sandboxd.proxy_tunnel import check_first_bytes as check_tunnel_first_bytes
+from sandboxd.egress.http import TunnelRequests, origin_form_request, parse_proxy_target, parse_request
+from sandboxd.egress.tunnel import check_first_bytes as check_tunnel_first_bytes
 
 
 def refusal(fn, *args) -> ProxyRefusal:

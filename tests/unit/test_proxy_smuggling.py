@@ -27,9 +27,9 @@ from pathlib import Path
 import h11
 import pytest
 
-from sandboxd.egress import EgressRules, decide_host
-from sandboxd.proxy import EgressProxy, ProxyRefusal
-from sandboxd.proxy_http import BodyFramer, TunnelRequests, parse_request
+from sandboxd.policy.egress_rules import EgressRules, decide_host
+from sandboxd.egress.proxy import EgressProxy, ProxyRefusal
+from sandboxd.egress.http import BodyFramer, TunnelRequests, parse_request
 
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
 

@@ -1,4 +1,4 @@
-"""The output redactor (sandboxd.redact): every form of every secret is struck from a
+"""The output redactor (sandboxd.secrets.redact): every form of every secret is struck from a
 stream however the stream happens to be chunked, streams stay independent, and output
 that cannot begin a secret is passed on at once. Pure: no Docker, no network."""
 
@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import pytest
 
-from sandboxd.redact import MIN_ENCODED_LENGTH, SEPARATORS, Redactor, encodings
+from sandboxd.secrets.redact import MIN_ENCODED_LENGTH, SEPARATORS, Redactor, encodings
 
 STDOUT, STDERR = 1, 2
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.output import STDERR, STDOUT, OutputSpool
-from sandboxd.redact import Redactor
+from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool
+from sandboxd.secrets.redact import Redactor
 
 SECRET = b"sk-live-4f9a8b7c6d5e4f3a2b1cXyZ"
 BIN = bytes(random.Random(9).randrange(256) for _ in range(32))

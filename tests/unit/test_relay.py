@@ -13,7 +13,7 @@ import time
 import pytest
 
 from sandboxd.testing import wait_for
-from sandboxd.transport import relay
+from sandboxd.api.transport import relay
 
 
 def open_sockets() -> set[str]:
@@ -118,8 +118,8 @@ def test_a_peer_that_vanishes_ends_the_link(linked):
 
 
 def test_a_daemon_without_the_built_pump_is_refused_with_the_way_to_build_it(monkeypatch, tmp_path):
-    from sandboxd import transport
-    from sandboxd.errors import FailedPrecondition
+    from sandboxd.api import transport
+    from sandboxd.core.errors import FailedPrecondition
 
     monkeypatch.setattr(transport, "RELAY_LIBRARY", tmp_path / "missing.so")
     monkeypatch.setattr(transport, "_relay_lib", None)
@@ -168,7 +168,7 @@ def test_a_client_that_talks_is_never_idle():
 
 
 def test_counters_go_down_when_the_connection_has_ended():
-    from sandboxd.transport import ConnectionCounter
+    from sandboxd.api.transport import ConnectionCounter
 
     mine, total = ConnectionCounter(), ConnectionCounter()
     links = []
@@ -190,7 +190,7 @@ def test_counters_go_down_when_the_connection_has_ended():
 def test_the_public_socket_refuses_connections_over_its_caps(tmp_path):
     """uid 0 is a principal here (at most 2 connections); the 3rd is closed at once;
     one ended makes room."""
-    from sandboxd.transport import ConnectionLimits, PeerCredentialRelay
+    from sandboxd.api.transport import ConnectionLimits, PeerCredentialRelay
 
     internal_dir = tmp_path / "rpc"
     internal_dir.mkdir()

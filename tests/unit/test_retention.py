@@ -1,4 +1,4 @@
-"""sandboxd.retention: expiry of calls past the retention period, on a real SQLite
+"""sandboxd.ledger.retention: expiry of calls past the retention period, on a real SQLite
 database and a real blob directory (no Docker). A call's artifacts and index rows go,
 its events stay with a ToolCallExpired tombstone, and the chain still verifies."""
 
@@ -12,13 +12,13 @@ from datetime import timedelta
 import pytest
 from pydantic import ValidationError
 
-from sandboxd import audit
-from sandboxd import events as ev
-from sandboxd.artifacts import ArtifactRecord, FileArtifactStore
-from sandboxd.events import EventLog
-from sandboxd.retention import RetentionSweeper, cutoff, expire_calls
-from sandboxd.settings import DaemonSettings, RetentionSettings
-from sandboxd.store import Database
+from sandboxd.ledger import audit
+from sandboxd.ledger import events as ev
+from sandboxd.ledger.artifacts import ArtifactRecord, FileArtifactStore
+from sandboxd.ledger.events import EventLog
+from sandboxd.ledger.retention import RetentionSweeper, cutoff, expire_calls
+from sandboxd.core.settings import DaemonSettings, RetentionSettings
+from sandboxd.ledger.store import Database
 
 from .test_audit_index import T0, accept, file_access, iso, network, reject, run_call
 from .test_audit_index import call_row as _call_row, ids as _ids, network_rows as _network_rows, path_rows as _path_rows

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from sandboxd.rpc_limits import Slots, StreamWatchdog, worker_count
-from sandboxd.settings import DaemonSettings
+from sandboxd.api.limits import Slots, StreamWatchdog, worker_count
+from sandboxd.core.settings import DaemonSettings
 
 
 class Context:

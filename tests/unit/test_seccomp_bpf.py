@@ -1,4 +1,4 @@
-"""sandboxd.seccomp_bpf: the Docker profile read as runc reads it (pure), compiled by
+"""sandboxd.backends.nsjail.seccomp_bpf: the Docker profile read as runc reads it (pure), compiled by
 libseccomp, and loaded by the shim on this host: what the profile allows works, what
 it denies fails with its errno, 32-bit calls included, and nothing is killed."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd import seccomp_bpf
+from sandboxd.backends.nsjail import seccomp_bpf
 
 from ..probes import PROBE, assert_denied_without_kill
 

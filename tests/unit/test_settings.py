@@ -1,4 +1,4 @@
-"""sandboxd.settings: workspace roots that could expose the daemon are refused."""
+"""sandboxd.core.settings: workspace roots that could expose the daemon are refused."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sandboxd.settings import DOCKER_SOCKET, DaemonSettings, LimitSettings, load_settings
+from sandboxd.core.settings import DOCKER_SOCKET, DaemonSettings, LimitSettings, load_settings
 
 
 def make(tmp_path, **kw) -> DaemonSettings:

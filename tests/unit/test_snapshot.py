@@ -10,10 +10,10 @@ import os
 
 import pytest
 
-from sandboxd import snapshot
-from sandboxd.filewatch import Access
-from sandboxd_client.canonical import canonical_json
-from sandboxd.snapshot import (Entry, FileEvents, HashBudget, HashCache, diff, effects, file_access_payloads, file_events,
+from sandboxd.recording import snapshot
+from sandboxd.recording.filewatch import Access
+from sandboxd_contract.canonical import canonical_json
+from sandboxd.recording.snapshot import (Entry, FileEvents, HashBudget, HashCache, diff, effects, file_access_payloads, file_events,
                                printable, take)
 
 
@@ -301,7 +301,7 @@ def test_names_that_are_not_utf8_are_printable_and_exact_in_base64():
 
 
 def test_access_payloads_batch_entries_and_reads_and_read_back_as_entries():
-    from sandboxd_client.canonical import file_accesses
+    from sandboxd_contract.canonical import file_accesses
 
     reads = [(f"/w/r{i:04}", i % 3 + 1) for i in range(4500)]
     entries = [{"path": f"/w/c{i}", "operation": "create", "sha256After": "x"} for i in range(501)]
@@ -355,8 +355,8 @@ def test_a_replacement_the_watch_saw_under_the_final_name_is_listed_once_as_repl
 def test_a_call_s_record_says_why_it_may_be_incomplete():
     from types import SimpleNamespace
 
-    from sandboxd.executor import _file_record
-    from sandboxd.filewatch import MAX_PATHS
+    from sandboxd.calls.executor import _file_record
+    from sandboxd.recording.filewatch import MAX_PATHS
 
     full = snapshot.Snapshot({"/w/a": e(1, sha="A")})
     watch = SimpleNamespace(overflowed=True, dropped=3, unresolved=2, unnamed=4)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from sandboxd.backends import staging
-from sandboxd.compile import StagedBind, StagedMask, Staging
-from sandboxd.errors import FailedPrecondition
+from sandboxd.sandbox.spec import StagedBind, StagedMask, Staging
+from sandboxd.core.errors import FailedPrecondition
 
 
 def _inode(path: Path) -> tuple[int, int]:
@@ -123,7 +123,7 @@ PROPAGATION_PROBE = """
 import os, subprocess, sys
 sys.path[:0] = sys.argv[4:]
 from sandboxd.backends import staging
-from sandboxd.compile import StagedBind, StagedMask, Staging
+from sandboxd.sandbox.spec import StagedBind, StagedMask, Staging
 ws, mask_file, directory = sys.argv[1:4]
 subprocess.run(["mount", "--bind", ws, ws], check=True)
 subprocess.run(["mount", "--make-shared", ws], check=True)  # as systemd makes /

@@ -20,7 +20,8 @@ import subprocess
 import sys
 import time
 
-from . import daemon_running, staging
+from sandboxd.backends.hostlocks import daemon_running
+from sandboxd.backends import staging
 
 log = logging.getLogger("sandboxd.backstop")
 DEADLINE_LABEL = "sandboxd.deadline_s"

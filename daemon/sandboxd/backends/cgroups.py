@@ -24,8 +24,9 @@ import threading
 import time
 from typing import Callable
 
-from ..settings import REPO_ROOT
-from . import CGROUP_ROOT, ResourceUsage
+from sandboxd.core.settings import REPO_ROOT
+from sandboxd.backends.hostlocks import CGROUP_ROOT
+from sandboxd.sandbox.protocol import ResourceUsage
 
 # native/cgroup-exec.c (`make native`): joins cgroups, then execs the program.
 JOIN_EXEC = REPO_ROOT / "build" / "sandboxd-cgroup-exec"

@@ -18,9 +18,9 @@ import logging
 import os
 import stat
 
-from ..compile import StagedBind, StagedMask, Staging
-from ..safe_open import AT_FDCWD, RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, libc, openat2
-from ..errors import FailedPrecondition
+from sandboxd.sandbox.spec import StagedBind, StagedMask, Staging
+from sandboxd.core.safe_open import AT_FDCWD, RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, libc, openat2
+from sandboxd.core.errors import FailedPrecondition
 
 log = logging.getLogger("sandboxd.staging")
 

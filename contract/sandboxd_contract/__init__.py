@@ -1,0 +1,2 @@
+"""What the daemon and its clients share: the generated gRPC stubs, canonical JSON and
+the hash chain's rules, the approval digest, and the call's JSON form."""

@@ -1,0 +1,1 @@
+"""The Docker engine: its compiler, backend and output reader."""

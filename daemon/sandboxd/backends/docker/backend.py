@@ -1,0 +1,432 @@
+"""DockerBackend: one container per sandbox, through the Docker SDK's low-level API.
+The command's stdout and stderr are FIFOs the daemon reads directly (the shim opens
+them before it execs the command): the engine's own copy of container output
+(containerd-shim to dockerd to the attach socket) costs about as much CPU as everything
+else of a 200 MB stream together. The attach socket (log driver off: json-file logging
+cuts throughput several-fold) still carries stdin and whatever runs before the shim
+hands over. Docker SDK exceptions are translated here and nowhere else."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import logging
+import os
+import signal as signal_module
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+import requests
+
+from sandboxd.sandbox.spec import LABEL_PREFIX, Attachments, DockerSpec, SandboxIdentity, cgroup_parent_for, compile_docker
+from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, InternalError
+from sandboxd.sandbox.output import OutputSpool
+from sandboxd.backends.hostlocks import CGROUP_ROOT
+from sandboxd.sandbox.protocol import ExitStatus
+from sandboxd.sandbox.protocol import ResourceUsage
+from sandboxd.sandbox.protocol import SandboxHandle
+from sandboxd.backends import backstop
+from sandboxd.backends import staging
+from sandboxd.backends.cgroups import cgroup_usage
+from sandboxd.backends.docker.output import (WRITER_GRACE_S, frame_size_needed, make_stdio_fifos, open_stdio_fifos, parse_frames,
+                            pump_fifos, remove_stdio_fifos)
+
+__all__ = ["DockerBackend", "WRITER_GRACE_S", "create_args", "frame_size_needed", "host_config_args",
+           "load_seccomp_profile", "make_stdio_fifos", "open_stdio_fifos", "parse_frames", "pump_fifos",
+           "remove_stdio_fifos"]
+
+log = logging.getLogger("sandboxd.docker")
+_RECV_BYTES = 4 << 20
+
+
+def create_args(spec: DockerSpec) -> dict[str, Any]:
+    """Container-config part of the create call (pure)."""
+    return {
+        "image": spec.image,
+        "command": list(spec.argv),
+        "user": spec.user,
+        "working_dir": spec.working_dir,
+        "environment": dict(spec.env),
+        "labels": dict(spec.labels),
+        "name": spec.name,
+        "hostname": spec.hostname,
+        "stdin_open": spec.stdin_open,
+        "tty": False,
+    }
+
+
+def host_config_args(spec: DockerSpec, seccomp_json: str) -> dict[str, Any]:
+    """Host-config part of the create call (pure; SDK types are built by the caller)."""
+    return {
+        "mounts": [
+            {
+                "Type": m.type,
+                "Target": m.target,
+                "ReadOnly": m.read_only,
+                **({"Source": m.source, "BindOptions": {"Propagation": "rprivate"}} if m.type == "bind" else {}),
+                **({"TmpfsOptions": {"SizeBytes": m.tmpfs_size_bytes, "Mode": m.tmpfs_mode}} if m.type == "tmpfs" else {}),
+            }
+            for m in spec.mounts
+        ],
+        "network_mode": spec.network_mode,
+        "read_only": spec.read_only_rootfs,
+        "cap_drop": list(spec.cap_drop),
+        "security_opt": (["no-new-privileges:true"] if spec.no_new_privileges else []) + [f"seccomp={seccomp_json}"],
+        "init": spec.init,
+        "mem_limit": spec.memory_bytes,
+        "memswap_limit": spec.memory_bytes,  # equal: no swap
+        "pids_limit": spec.pids_limit,
+        "nano_cpus": spec.nano_cpus,
+        "ulimits": [{"Name": n, "Soft": s, "Hard": h} for n, s, h in spec.ulimits],
+        "cgroup_parent": spec.cgroup_parent,
+        "log_config": {"Type": "none", "Config": {}},
+        "ipc_mode": "private",
+    }
+
+
+def _signal_name(exit_code: int) -> str:
+    # Docker reports 128+N when the init's child died of signal N.
+    if 128 < exit_code < 128 + 65:
+        try:
+            return signal_module.Signals(exit_code - 128).name
+        except ValueError:
+            return f"SIG{exit_code - 128}"
+    return ""
+
+
+def remove_cgroup(cgroup_parent: str) -> None:
+    rel = cgroup_parent.strip("/")
+    for path in sorted(glob.glob(f"{CGROUP_ROOT}/*/{rel}") + glob.glob(f"{CGROUP_ROOT}/{rel}"), key=len, reverse=True):
+        for child in sorted(glob.glob(f"{path}/*/"), key=len, reverse=True):
+            try:
+                os.rmdir(child)
+            except OSError:
+                pass
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+def _engine_errors_are_unavailable(method):
+    """dockerd gone or unreachable (connection refused, reset, timeouts) is
+    BackendUnavailable, never a bare transport exception."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (requests.exceptions.RequestException, ConnectionError) as exc:
+            raise BackendUnavailable(f"dockerd did not answer: {type(exc).__name__}") from None
+
+    return wrapper
+
+
+# How often removals dockerd did not answer are tried again, and for how long.
+REMOVAL_RETRY_S = 1.0
+REMOVAL_GIVE_UP_S = 600.0
+
+
+class DockerBackend:
+    name = "docker"
+    removal_retry_s = REMOVAL_RETRY_S
+    removal_give_up_s = REMOVAL_GIVE_UP_S
+
+    def __init__(self, docker_host: str | None, seccomp_path: str, mask_file: str, stdio_dir: str = ""):
+        import docker  # heavy; only when this backend is used
+
+        # Where each sandbox's output FIFOs live; "" reads output from the attach socket.
+        self._stdio_dir = stdio_dir
+        if stdio_dir:
+            # Root's alone: a sandbox sees only its own directory, bound in.
+            os.makedirs(stdio_dir, mode=0o700, exist_ok=True)
+            os.chmod(stdio_dir, 0o700)
+            for name in os.listdir(stdio_dir):  # before any call: an earlier run's
+                remove_stdio_fifos(os.path.join(stdio_dir, name))
+
+        self._errors = docker.errors
+        self._docker_host = docker_host
+        self._backstop: subprocess.Popen | None = None
+        self._pending_lock = threading.Lock()
+        self._pending_removals: dict[str, float] = {}  # engine id -> when it was first tried
+        self._remover: threading.Thread | None = None
+        self._seccomp_name = os.path.basename(seccomp_path)
+        self._seccomp_json = load_seccomp_profile(seccomp_path)
+        self._mask_file = mask_file
+        try:
+            self._api = docker.APIClient(base_url=docker_host or "unix:///var/run/docker.sock",
+                                         version="auto", timeout=120)
+        except docker.errors.DockerException as exc:
+            raise BackendUnavailable(f"cannot reach dockerd: {exc}") from None
+
+    def start_backstop(self, daemon_id: str, staging_root: str) -> None:
+        """Starts the watcher that enforces this daemon's containers' deadlines once the
+        daemon is gone, then unmounts its staged roots (backstop.py). Its pipe is held,
+        never written, until the end."""
+        self._backstop = backstop.spawn(daemon_id, staging_root, self._docker_host)
+
+    def check(self) -> None:
+        try:
+            self._api.ping()
+        except Exception as exc:  # any transport failure means: no engine
+            raise BackendUnavailable(f"dockerd does not answer: {exc}") from None
+
+    def compile(self, policy, plan, identity: SandboxIdentity, *, argv: tuple[str, ...], image: str,
+                stdin_open: bool, attachments=None) -> DockerSpec:
+        attachments = attachments or Attachments()
+        if self._stdio_dir and attachments.shim_host_path and not attachments.control_host_socket:
+            attachments = replace(attachments, stdio_host_dir=os.path.join(self._stdio_dir, identity.sandbox_id))
+        return compile_docker(policy, plan, identity, argv=argv, image=image, stdin_open=stdin_open,
+                              mask_file=self._mask_file, seccomp_profile=self._seccomp_name,
+                              attachments=attachments)
+
+    @_engine_errors_are_unavailable
+    def image_digest(self, image: str) -> str:
+        return self.resolve_image(image)[0]
+
+    @_engine_errors_are_unavailable
+    def resolve_image(self, image: str) -> tuple[str, tuple[str, ...]]:
+        try:
+            info = self._api.inspect_image(image)
+            return info["Id"], tuple(info.get("RepoTags") or ())
+        except self._errors.ImageNotFound:
+            raise FailedPrecondition(f"image {image!r} is not present in the local engine "
+                                     "(nothing is pulled; build it with images/build.sh)", field="runtime.image") from None
+        except self._errors.APIError as exc:
+            raise BackendUnavailable(f"dockerd failed to inspect {image!r}: {exc.explanation}") from None
+
+    @_engine_errors_are_unavailable
+    def create(self, spec: DockerSpec) -> SandboxHandle:
+        sandbox_id = spec.labels[f"{LABEL_PREFIX}sandbox_id"]
+        try:
+            if spec.staging is not None:
+                staging.stage(spec.staging)  # dockerd is told only these paths, never the workspace's
+            if spec.stdio_host_dir:
+                uid, gid = (int(x) for x in spec.user.split(":"))
+                make_stdio_fifos(spec.stdio_host_dir, uid, gid)
+            host_config = self._api.create_host_config(**host_config_args(spec, self._seccomp_json))
+            container = self._api.create_container(**create_args(spec), host_config=host_config)
+        except self._errors.APIError as exc:
+            self._force_remove(spec.name)
+            remove_cgroup(spec.cgroup_parent)
+            self._release_host_parts(spec)
+            raise InternalError(f"dockerd refused the sandbox: {exc.explanation}") from None
+        except BaseException:
+            self._release_host_parts(spec)
+            raise
+        return SandboxHandle(sandbox_id=sandbox_id, engine_id=container["Id"], spec=spec)
+
+    @_engine_errors_are_unavailable
+    def start(self, handle: SandboxHandle, sink: OutputSpool, stdin: bytes) -> None:
+        spec: DockerSpec = handle.spec
+        # The read ends are open before the sandbox starts: the shim's opens never block.
+        fifos = open_stdio_fifos(spec.stdio_host_dir) if spec.stdio_host_dir else {}
+        wake_r = wake_w = -1
+        raw: socket.socket | None = None
+        try:
+            if fifos:
+                wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
+            sock = self._api.attach_socket(handle.engine_id, params={
+                "stdin": 1 if spec.stdin_open else 0, "stdout": 1, "stderr": 1, "stream": 1})
+            raw = getattr(sock, "_sock", sock)
+            self._api.start(handle.engine_id)
+        except BaseException as exc:
+            for fd in (*fifos.values(), wake_r, wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            if raw is not None:
+                raw.close()
+            if isinstance(exc, self._errors.APIError):
+                raise InternalError(f"dockerd failed to start the sandbox: {exc.explanation}") from None
+            raise
+        if fifos:
+            threading.Thread(target=self._pump, args=(raw, sink, handle, wake_w), daemon=True,
+                             name=f"attach-{handle.sandbox_id}").start()
+            handle.reader = threading.Thread(target=pump_fifos, args=(fifos, wake_r, sink, handle), daemon=True,
+                                             name=f"pump-{handle.sandbox_id}")
+        else:
+            handle.reader = threading.Thread(target=self._pump, args=(raw, sink, handle, -1), daemon=True,
+                                             name=f"pump-{handle.sandbox_id}")
+        handle.reader.start()
+        if spec.stdin_open:
+            threading.Thread(target=self._feed, args=(raw, stdin), daemon=True,
+                             name=f"stdin-{handle.sandbox_id}").start()
+
+    @staticmethod
+    def _feed(raw: socket.socket, data: bytes) -> None:
+        try:
+            raw.sendall(data)
+            raw.shutdown(socket.SHUT_WR)  # EOF on the command's stdin
+        except OSError:
+            pass  # the command exited without reading all of it
+
+    @staticmethod
+    def _pump(raw: socket.socket, sink: OutputSpool, handle: SandboxHandle, wake_fd: int) -> None:
+        """Frames from the attach socket into `sink` until the container's stdio ends;
+        then output is closed, or (FIFOs) `wake_fd` tells their pump so."""
+        buf = bytearray(_RECV_BYTES)
+        view = memoryview(buf)
+        end = 0
+        try:
+            while True:
+                if end == len(buf):  # one frame larger than the buffer: grow it
+                    view.release()
+                    buf.extend(bytes(max(len(buf), frame_size_needed(buf) - len(buf))))
+                    view = memoryview(buf)
+                got = raw.recv_into(view[end:])
+                if not got:
+                    break
+                end += got
+                used = parse_frames(view[:end], sink)
+                if used:
+                    view[:end - used] = view[used:end]
+                    end -= used
+        except OSError as exc:
+            log.warning("attach stream of %s broke: %s", handle.sandbox_id, exc)
+        finally:
+            view.release()
+            try:
+                raw.close()
+            except OSError:
+                pass
+            if wake_fd >= 0:
+                os.close(wake_fd)  # EOF on the FIFO pump's wake pipe
+            else:
+                handle.output_closed.set()
+
+    def wait(self, handle: SandboxHandle, timeout_s: float) -> bool:
+        return handle.output_closed.wait(max(0.0, timeout_s))
+
+    @_engine_errors_are_unavailable
+    def sandbox_pid(self, handle: SandboxHandle) -> int:
+        """A host pid inside the running sandbox, 0 while there is none: one from the
+        container's own cgroup (a file read; an inspect takes milliseconds), else its
+        init as the engine reports it."""
+        rel = f"{handle.spec.cgroup_parent.strip('/')}/{handle.engine_id}"
+        for procs in (f"{CGROUP_ROOT}/pids/{rel}/cgroup.procs", f"{CGROUP_ROOT}/{rel}/cgroup.procs"):
+            try:
+                with open(procs) as f:
+                    first = f.readline().strip()
+            except OSError:
+                continue
+            if first.isdigit():
+                return int(first)
+        return int(self._api.inspect_container(handle.engine_id)["State"]["Pid"] or 0)
+
+    def kill(self, handle: SandboxHandle) -> None:
+        # SIGKILL to the container's init ends its whole PID namespace.
+        try:
+            self._api.kill(handle.engine_id)
+        except self._errors.NotFound:
+            pass
+        except self._errors.APIError as exc:
+            if exc.status_code != 409:  # 409: not running any more
+                raise InternalError(f"dockerd failed to kill the sandbox: {exc.explanation}") from None
+
+    @_engine_errors_are_unavailable
+    def collect(self, handle: SandboxHandle) -> tuple[ExitStatus, ResourceUsage]:
+        try:
+            code = int(self._api.wait(handle.engine_id, timeout=30)["StatusCode"])
+            state = self._api.inspect_container(handle.engine_id)["State"]
+        except self._errors.APIError as exc:
+            raise InternalError(f"dockerd lost the sandbox: {exc.explanation}") from None
+        status = ExitStatus(exit_code=code, signal=_signal_name(code), oom_killed=bool(state.get("OOMKilled")))
+        return status, cgroup_usage(handle.spec.cgroup_parent)
+
+    def destroy(self, handle: SandboxHandle) -> None:
+        if not self._force_remove(handle.engine_id):
+            self._remove_later(handle.engine_id)
+        remove_cgroup(handle.spec.cgroup_parent)
+        self._release_host_parts(handle.spec)
+
+    def _remove_later(self, engine_id: str) -> None:
+        """dockerd did not answer (restarting): the container is removed once it does,
+        by a thread that asks every REMOVAL_RETRY_S, not at the daemon's next start."""
+        with self._pending_lock:
+            self._pending_removals.setdefault(engine_id, time.monotonic())
+            if self._remover is not None and self._remover.is_alive():
+                return
+            self._remover = threading.Thread(target=self._retry_removals, name="docker-removals", daemon=True)
+            self._remover.start()
+
+    def _retry_removals(self) -> None:
+        while True:
+            time.sleep(self.removal_retry_s)
+            with self._pending_lock:
+                pending = dict(self._pending_removals)
+            done = {engine_id for engine_id in pending if self._force_remove(engine_id, quiet=True)}
+            given_up = {engine_id for engine_id, since in pending.items()
+                        if engine_id not in done and time.monotonic() - since > self.removal_give_up_s}
+            for engine_id in given_up:  # the daemon's next start, or its backstop, removes it
+                log.error("gave up removing container %s after %.0f s", engine_id, self.removal_give_up_s)
+            with self._pending_lock:
+                for engine_id in done | given_up:
+                    self._pending_removals.pop(engine_id, None)
+                if not self._pending_removals:
+                    self._remover = None
+                    return
+            if done:
+                log.info("removed %d sandboxes once dockerd answered again", len(done))
+
+    def pending_removals(self) -> int:
+        with self._pending_lock:
+            return len(self._pending_removals)
+
+    @staticmethod
+    def _release_host_parts(spec: DockerSpec) -> None:
+        remove_stdio_fifos(spec.stdio_host_dir)
+        if spec.staging is not None:
+            staging.release(spec.staging.directory)
+
+    def _force_remove(self, ref: str, quiet: bool = False) -> bool:
+        """Whether the container is gone (or going); False when dockerd did not answer
+        (`quiet`: a retry, already said)."""
+        try:
+            self._api.remove_container(ref, force=True, v=True)
+        except self._errors.NotFound:
+            pass
+        except self._errors.APIError as exc:
+            if exc.status_code != 409:  # removal already in progress
+                if not quiet:
+                    log.error("could not remove container %s: %s", ref, exc.explanation)
+                return exc.status_code is None or exc.status_code < 500
+        except (requests.exceptions.RequestException, ConnectionError) as exc:
+            if not quiet:
+                log.warning("dockerd did not answer the removal of %s (%s): retried until it does", ref,
+                            type(exc).__name__)
+            return False
+        return True
+
+    def has_sandbox(self, sandbox_id: str) -> bool:
+        """Whether any container of that sandbox exists (True when dockerd cannot say)."""
+        try:
+            return bool(self._api.containers(all=True, quiet=True,
+                                             filters={"label": f"{LABEL_PREFIX}sandbox_id={sandbox_id}"}))
+        except Exception:  # noqa: BLE001 - in doubt, it exists
+            return True
+
+    @_engine_errors_are_unavailable
+    def reap_orphans(self, daemon_id: str) -> int:
+        containers = self._api.containers(all=True, filters={"label": f"{LABEL_PREFIX}daemon_id={daemon_id}"})
+        for c in containers:
+            self._force_remove(c["Id"])
+            sandbox_id = (c.get("Labels") or {}).get(f"{LABEL_PREFIX}sandbox_id")
+            if sandbox_id:
+                remove_cgroup(cgroup_parent_for(sandbox_id))
+        return len(containers)
+
+
+def load_seccomp_profile(path: str) -> str:
+    """The profile's JSON text, validated; a missing or broken profile stops the daemon."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise BackendUnavailable(f"seccomp profile {path} is unusable: {exc}") from None
+    return text

@@ -1,0 +1,1 @@
+"""nsjail: its compiler, backend, and the seccomp filter it loads."""

@@ -1,0 +1,1 @@
+"""What every layer stands on: errors, settings, host directories, safe path opening, metrics primitives."""

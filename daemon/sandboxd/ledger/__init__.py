@@ -1,0 +1,1 @@
+"""What is kept: the SQLite store, the hash-chained event log, the artifact store, the forensic index and retention."""

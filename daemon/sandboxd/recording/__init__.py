@@ -1,0 +1,1 @@
+"""File-access recording: fanotify per call, and before/after snapshots of the writable mounts."""
