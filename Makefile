@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# The native helpers are built into the package, where the daemon finds them (core/assets.py).
+ASSETS := daemon/sandboxd/assets
 
 .PHONY: run test unit integration venv docker images native proto proto-check bench clean cgroup2-vm
 
@@ -16,30 +18,30 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # The sandbox shim runs inside every image, so it is static and libc-only.
-build/sandbox-shim: native/sandbox-shim.c
-	@mkdir -p build
+$(ASSETS)/sandbox-shim: native/sandbox-shim.c
+	@mkdir -p $(ASSETS)
 	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
 	set -o pipefail; gcc -static -O2 -Wall -Wextra -o $@ $< 2>&1 | { grep -v 'statically linked' || true; }
 
 # File-access recording's event reader, loaded by the daemon with ctypes.
-build/libsandboxd-fanotify.so: native/fanotify-reader.c
-	@mkdir -p build
+$(ASSETS)/libsandboxd-fanotify.so: native/fanotify-reader.c
+	@mkdir -p $(ASSETS)
 	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
 	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ $< -lpthread
 
 # The peer-credential relay's byte pump, loaded by the daemon with ctypes.
-build/libsandboxd-relay.so: native/relay.c
-	@mkdir -p build
+$(ASSETS)/libsandboxd-relay.so: native/relay.c
+	@mkdir -p $(ASSETS)
 	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
 	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ $< -lpthread
 
 # Starts nsjail inside a sandbox's cgroup on cgroup v2 (joins it, then execs).
-build/sandboxd-cgroup-exec: native/cgroup-exec.c
-	@mkdir -p build
+$(ASSETS)/sandboxd-cgroup-exec: native/cgroup-exec.c
+	@mkdir -p $(ASSETS)
 	@command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev
 	set -o pipefail; gcc -static -O2 -Wall -Wextra -o $@ $< 2>&1 | { grep -v 'statically linked' || true; }
 
-native: build/sandbox-shim build/libsandboxd-fanotify.so build/libsandboxd-relay.so build/sandboxd-cgroup-exec
+native: $(ASSETS)/sandbox-shim $(ASSETS)/libsandboxd-fanotify.so $(ASSETS)/libsandboxd-relay.so $(ASSETS)/sandboxd-cgroup-exec
 
 docker:
 	scripts/ensure-docker.sh
@@ -84,4 +86,4 @@ bench: venv images native $(VENV)/.bench-stamp
 	$(PY) bench/file_access.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(ASSETS)/sandbox-shim $(ASSETS)/*.so $(ASSETS)/sandboxd-cgroup-exec

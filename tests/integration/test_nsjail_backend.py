@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import pytest
 
+from sandboxd.core import assets
 from sandboxd.sandbox.protocol import ExitStatus
 from sandboxd.sandbox.protocol import ResourceUsage
 from sandboxd.sandbox.protocol import SandboxHandle
@@ -56,7 +57,7 @@ def _public_tmpdir(prefix: str) -> Path:
     return path
 
 
-SHIM = Path(__file__).resolve().parents[2] / "build" / "sandbox-shim"
+SHIM = assets.packaged(assets.SHIM)
 
 
 def _shim_in(directory: Path) -> str:

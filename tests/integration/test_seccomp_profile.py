@@ -11,6 +11,8 @@ force-removed at teardown.
 
 import json
 import pathlib
+
+from sandboxd.core.assets import SECCOMP_PROFILE, packaged
 import platform
 import subprocess
 
@@ -19,7 +21,7 @@ import docker.errors
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PROFILE_PATH = ROOT / "seccomp" / "sandboxd-docker.json"
+PROFILE_PATH = packaged(SECCOMP_PROFILE)
 PROBE_PATH = ROOT / "tests" / "probes" / "escape_probe.py"
 BUILD_SCRIPT = ROOT / "images" / "build.sh"
 IMAGE = "sandboxd/default:latest"

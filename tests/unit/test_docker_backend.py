@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from sandboxd.core import assets
 from sandboxd.sandbox.protocol import SandboxHandle
 from sandboxd.backends.docker.backend import (
     _signal_name,
@@ -475,7 +476,7 @@ def test_fifo_pump_keeps_reading_when_the_output_cannot_be_stored(tmp_path):
 
 
 def test_the_shim_hands_the_command_the_fifos_even_with_stdio_closed(tmp_path):
-    shim = Path(__file__).resolve().parents[2] / "build" / "sandbox-shim"
+    shim = assets.packaged(assets.SHIM)
     directory = str(tmp_path / "sbx-1")
     make_stdio_fifos(directory, os.getuid(), os.getgid())
     fifos = open_stdio_fifos(directory)

@@ -9,15 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sandboxd.core.assets import SECCOMP_PROFILE, packaged
+from sandboxd.core.assets import SHIM as SHIM_ASSET
+
 import pytest
 
 from sandboxd.backends.nsjail import seccomp_bpf
 
 from ..probes import PROBE, assert_denied_without_kill
 
-ROOT = Path(__file__).resolve().parents[2]
-PROFILE = (ROOT / "seccomp" / "sandboxd-docker.json").read_text()
-SHIM = ROOT / "build" / "sandbox-shim"
+PROFILE = packaged(SECCOMP_PROFILE).read_text()
+SHIM = packaged(SHIM_ASSET)
 
 
 def names(rules):

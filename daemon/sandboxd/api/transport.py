@@ -24,11 +24,12 @@ import grpc
 
 from sandboxd.core.errors import FailedPrecondition, Unauthenticated
 from sandboxd.policy.principal import Principal
-from sandboxd.core.settings import REPO_ROOT, DaemonSettings
+from sandboxd.core import assets
+from sandboxd.core.settings import DaemonSettings
 
 log = logging.getLogger("sandboxd.api.transport")
 # native/relay.c (`make native`).
-RELAY_LIBRARY = REPO_ROOT / "build" / "libsandboxd-relay.so"
+RELAY_LIBRARY = assets.packaged(assets.RELAY_LIBRARY)
 _relay_lib: ctypes.CDLL | None = None
 
 

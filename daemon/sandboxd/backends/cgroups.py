@@ -24,12 +24,12 @@ import threading
 import time
 from typing import Callable
 
-from sandboxd.core.settings import REPO_ROOT
+from sandboxd.core import assets
 from sandboxd.backends.hostlocks import CGROUP_ROOT
 from sandboxd.sandbox.protocol import ResourceUsage
 
 # native/cgroup-exec.c (`make native`): joins cgroups, then execs the program.
-JOIN_EXEC = REPO_ROOT / "build" / "sandboxd-cgroup-exec"
+JOIN_EXEC = assets.packaged(assets.CGROUP_EXEC)
 # How long the helper may take to join and exec before the spawn counts as failed.
 JOIN_TIMEOUT_S = 30.0
 

@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 
 import yaml
+from sandboxd.core.assets import CGROUP_EXEC, FANOTIFY_READER, RELAY_LIBRARY, SECCOMP_PROFILE, SHIM, packaged
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 DOCKER_SOCKET = Path("/var/run/docker.sock")
 
 
@@ -163,7 +163,7 @@ class FileAuditSettings(BaseModel):
     hash_max_file_mb: int = Field(256, ge=0)
     hash_budget_mb: int = Field(1024, ge=0)
     # The fanotify reader (native/fanotify-reader.c, `make native`).
-    reader_library: Path = REPO_ROOT / "build" / "libsandboxd-fanotify.so"
+    reader_library: Path = Field(default_factory=lambda: packaged(FANOTIFY_READER))
 
 
 class RetentionSettings(BaseModel):
@@ -287,7 +287,7 @@ class DaemonSettings(BaseModel):
     # fnmatch patterns of images a call may name.
     allowed_images: tuple[str, ...] = ("sandboxd/*",)
     docker_host: str | None = None
-    seccomp_profile: Path = REPO_ROOT / "seccomp" / "sandboxd-docker.json"
+    seccomp_profile: Path = Field(default_factory=lambda: packaged(SECCOMP_PROFILE))
     # Names a policy's environment.inheritedEnv may copy from the daemon's env.
     inheritable_env: tuple[str, ...] = ("LANG", "LC_ALL", "TZ")
     limits: LimitSettings = Field(default_factory=LimitSettings)
@@ -301,7 +301,11 @@ class DaemonSettings(BaseModel):
     secrets_dir: Path = Path("/dev/shm/sandboxd-secrets")
     # The static shim run inside sandboxes (native/sandbox-shim.c, `make native`), and the
     # directory it is installed into: traversable by sandbox users (nsjail binds as them).
-    shim_binary: Path = REPO_ROOT / "build" / "sandbox-shim"
+    shim_binary: Path = Field(default_factory=lambda: packaged(SHIM))
+    # The peer-credential relay's byte pump (native/relay.c) and, on cgroup v2, the helper
+    # that starts nsjail inside a sandbox's cgroup (native/cgroup-exec.c).
+    relay_library: Path = Field(default_factory=lambda: packaged(RELAY_LIBRARY))
+    cgroup_exec_binary: Path = Field(default_factory=lambda: packaged(CGROUP_EXEC))
     runtime_dir: Path = Path("/var/lib/sandboxd-runtime")
     quotas: QuotaSettings = Field(default_factory=QuotaSettings)
     pools: PoolSettings = Field(default_factory=PoolSettings)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from sandboxd.core.settings import REPO_ROOT
+from sandboxd.core import assets
 
 log = logging.getLogger("sandboxd.recording.filewatch")
 
@@ -52,7 +52,7 @@ AT_FDCWD = -100
 MAX_PATHS = 10_000
 # native/fanotify-reader.c (`make native`): reads a group's events and counts their
 # paths outside the GIL. The daemon names it from its settings (use_reader_library).
-READER_LIBRARY = REPO_ROOT / "build" / "libsandboxd-fanotify.so"
+READER_LIBRARY = assets.packaged(assets.FANOTIFY_READER)
 # After a read of fewer events than this, the reader lets more gather for a while.
 BATCH_EVENTS = 32
 BATCH_MS = 2

@@ -71,7 +71,7 @@ from sandboxd.backends.nsjail import seccomp_bpf
 from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, InternalError
 from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool
 from sandboxd.policy.models import WORKSPACE, is_within
-from sandboxd.core.settings import REPO_ROOT
+from sandboxd.core import assets
 from sandboxd.sandbox.protocol import ExitStatus
 from sandboxd.sandbox.protocol import ResourceUsage
 from sandboxd.sandbox.protocol import SandboxHandle
@@ -81,7 +81,7 @@ from sandboxd.backends.docker.backend import _signal_name
 
 log = logging.getLogger("sandboxd.nsjail")
 # The Docker backend's profile: compiled to BPF here, loaded in each jail by the shim.
-DEFAULT_SECCOMP_PROFILE = REPO_ROOT / "seccomp" / "sandboxd-docker.json"
+DEFAULT_SECCOMP_PROFILE = assets.packaged(assets.SECCOMP_PROFILE)
 _READ_BYTES = 1 << 20
 # An early nsjail's config pipe: a config (argv included) up to this size goes in one write.
 _CONFIG_PIPE_BYTES = 1 << 20
