@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # The native helpers are built into the package, where the daemon finds them (core/assets.py).
 ASSETS := daemon/sandboxd/assets
 
-.PHONY: run test unit integration venv docker images native proto proto-check bench clean cgroup2-vm
+.PHONY: run test unit integration lint venv docker images native proto proto-check bench clean cgroup2-vm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -70,7 +70,12 @@ integration: venv images native cgroup2-vm
 cgroup2-vm:
 	scripts/cgroup2-vm/run.sh --prepare
 
-test: venv images native proto-check cgroup2-vm
+# The daemon's layers (the import contract in pyproject.toml) and its types (mypy).
+lint: venv
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+
+test: venv lint images native proto-check cgroup2-vm
 	$(VENV)/bin/pytest -q tests $(PYTEST_ARGS)
 
 $(VENV)/.bench-stamp: pyproject.toml $(STAMP)

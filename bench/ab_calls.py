@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client", "contract")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client", "contract", "testing")]
 
-from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
+from sandboxd_testing import make_daemon, prepared_call  # noqa: E402
 
 BACKENDS = ("docker", "nsjail")
 STREAM_BYTES = 16_000_000  # the default stdout cap is 16 MiB

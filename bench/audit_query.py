@@ -23,13 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client", "contract", "testing")]
 
 from sandboxd.ledger import audit
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.events import EventDraft, EventLog  # noqa: E402
 from sandboxd.ledger.store import Database  # noqa: E402
-from sandboxd.testing import timed_ms  # noqa: E402
+from sandboxd_testing import timed_ms  # noqa: E402
 
 COMMANDS = [["pytest", "-q", "tests/"], ["git", "status"], ["ls", "-la"], ["grep", "-rn", "TODO", "src"],
             ["pip", "install", "-r", "requirements.txt"], ["python3", "-m", "build"], ["make", "test"]]

@@ -16,14 +16,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client", "contract", "testing")]
 
 import docker  # noqa: E402
 
-from sandboxd.backends.nsjail.backend import find_nsjail_binary  # noqa: E402
+from sandboxd.backends.nsjail.host import find_nsjail_binary  # noqa: E402
 from sandboxd.core.settings import NsjailSettings  # noqa: E402
-from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
-from sandboxd.testing import timed_interleaved_ms  # noqa: E402
+from sandboxd_testing import make_daemon, prepared_call  # noqa: E402
+from sandboxd_testing import timed_interleaved_ms  # noqa: E402
 
 
 

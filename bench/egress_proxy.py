@@ -27,9 +27,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / d) for d in ("daemon", "client")] + [str(ROOT)]
+sys.path[:0] = [str(ROOT / d) for d in ("daemon", "client", "contract", "testing")] + [str(ROOT)]
 
-from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
+from sandboxd_testing import make_daemon, prepared_call  # noqa: E402
 from tests.integration.egress_hosts import RemoteHosts  # noqa: E402
 
 CONN_RATE = r"""

@@ -38,7 +38,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "daemon")]
 
 from sandboxd.recording.filewatch import (AT_FDCWD, FAN_CLASS_NOTIF, FAN_CLOEXEC, FAN_CLOSE_WRITE, FAN_MARK_ADD,  # noqa: E402
                                 FAN_MARK_MOUNT, FAN_NONBLOCK, FAN_OPEN, FAN_REPORT_DFID_NAME, FAN_UNLIMITED_QUEUE,
-                                FileWatch, _libc)
+                                FileWatch)
+from sandboxd.recording.libc import libc  # noqa: E402
 
 GIT_ENV = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b",
            "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@b"}
@@ -67,11 +68,11 @@ def timed(argv: list[str], cwd: Path) -> float:
 def kernel_only(argv: list[str], mount: Path, fid: bool) -> float:
     """The command under a mark nobody reads until it has ended."""
     flags = FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK | FAN_UNLIMITED_QUEUE | (FAN_REPORT_DFID_NAME if fid else 0)
-    fd = _libc.fanotify_init(flags, os.O_RDONLY | os.O_CLOEXEC)
+    fd = libc().fanotify_init(flags, os.O_RDONLY | os.O_CLOEXEC)
     if fd < 0:
         raise OSError(ctypes.get_errno(), "fanotify_init")
     try:
-        if _libc.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN | FAN_CLOSE_WRITE, AT_FDCWD,
+        if libc().fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_OPEN | FAN_CLOSE_WRITE, AT_FDCWD,
                                os.fsencode(mount)) < 0:
             raise OSError(ctypes.get_errno(), f"fanotify_mark {mount}")
         return timed(argv, mount)

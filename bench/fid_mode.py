@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client", "contract", "testing")]
 
 from file_access import git_workspace  # noqa: E402  (bench/, this script's directory)
-from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
+from sandboxd_testing import make_daemon, prepared_call  # noqa: E402
 from sandboxd_contract.canonical import file_accesses  # noqa: E402
 
 

@@ -26,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client", "contract", "testing")]
 
 from sandboxd_contract.canonical import file_accesses  # noqa: E402
-from sandboxd.testing import WORKSPACE_UID, make_daemon, prepared_call  # noqa: E402
+from sandboxd_testing import WORKSPACE_UID, make_daemon, prepared_call  # noqa: E402
 
 TEST_MODULE = """import unittest
 

@@ -16,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client", "contract", "testing")]
 
-from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
+from sandboxd_testing import make_daemon, prepared_call  # noqa: E402
 from sandboxd_contract.pb import sandboxd_pb2 as pb  # noqa: E402
 
 

@@ -20,12 +20,12 @@ import threading
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("daemon", "client", "contract", "testing")]
 
 import docker  # noqa: E402
 
-from sandboxd.testing import make_daemon, prepared_call  # noqa: E402
-from sandboxd.testing import timed_ms  # noqa: E402
+from sandboxd_testing import make_daemon, prepared_call  # noqa: E402
+from sandboxd_testing import timed_ms  # noqa: E402
 
 
 

@@ -5,7 +5,7 @@ parent_event_id, payload_json, prev_hash, hash): the golden log of
 tests/unit/test_event_golden.py, and what tests/integration/test_event_shapes.py
 compares with it.
 
-Only the public parts are used (sandboxd.testing, sandboxd_client, the daemon's
+Only the public parts are used (sandboxd_testing, sandboxd_client, the daemon's
 database file), so that it runs on the tree before and after a restructuring alike.
 Needs root, dockerd and the sandboxd/default image. The one "remote" host is a server
 in a network namespace this script makes itself (nothing else is ever reached).
@@ -29,7 +29,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from sandboxd.testing import DaemonProcess, make_daemon, prepared_call, wait_for
+from sandboxd_testing import DaemonProcess, make_daemon, prepared_call, wait_for
 from sandboxd_client import errors
 
 EVENT_TYPES = (

@@ -15,49 +15,43 @@ import signal
 import sys
 import threading
 import time
-from concurrent import futures
+from collections.abc import Iterable
+from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
-from sandboxd_contract.pb import sandboxd_pb2 as pb
-from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
-
-from sandboxd.ledger import audit
-from sandboxd.recording import filewatch
-from sandboxd.core import hostdirs
-from sandboxd.ledger.artifacts import FileArtifactStore
-from sandboxd.backends.hostlocks import daemon_running
-from sandboxd.backends.hostlocks import hold_daemon_lock
-from sandboxd.backends.hostlocks import remove_stale_cgroups
-from sandboxd.backends.docker.backend import DockerBackend
-from sandboxd.backends.nsjail.backend import NsjailBackend
-from sandboxd.sandbox.spec import SANDBOX_CGROUP_ROOT
-from sandboxd.backends.nsjail.compile import NSJAIL_CGROUP_ROOT
-from sandboxd.core.errors import BackendUnavailable, SandboxdError
-from sandboxd.secrets.broker import CredentialBroker
-from sandboxd.ledger.events import CheckpointFile, EventLog
-from sandboxd.calls.executor import STAGING_SUBDIR, CallExecutor, clean_spool
-from sandboxd.core.metrics import MetricsServer, render
-from sandboxd.pools.manager import PoolManager
-from sandboxd.egress.proxy import EgressProxy
-from sandboxd.ledger.retention import RetentionSweeper
-from sandboxd.api.limits import LimitInterceptor, StreamWatchdog, worker_count
-from sandboxd.api.service import (ArtifactServicer, AuditServicer, Authenticator, ErrorInterceptor, ExecutionServicer, PoolServicer,
-                      TraceServicer, add_execution_service)
-from sandboxd.core.settings import DaemonSettings, load_settings
-from sandboxd.ledger.store import Database
+from sandboxd.api.limits import LimitInterceptor, StreamWatchdog
+from sandboxd.api.server import build_server, listen
 from sandboxd.api.transport import ConnectionLimits, PeerCredentialRelay
+from sandboxd.backends.docker.backend import DockerBackend
+from sandboxd.backends.docker.compile import SANDBOX_CGROUP_ROOT
+from sandboxd.backends.hostlocks import daemon_running, hold_daemon_lock, remove_stale_cgroups
+from sandboxd.backends.cgroups import layout_for
+from sandboxd.backends.nsjail.backend import NsjailBackend
+from sandboxd.backends.nsjail.compile import NSJAIL_CGROUP_ROOT
+from sandboxd.calls.executor import CallExecutor
+from sandboxd.calls.prepare import STAGING_SUBDIR
+from sandboxd.calls.recovery import clean_spool
+from sandboxd.core import hostdirs, hostfacts
+from sandboxd.core.errors import BackendUnavailable, SandboxdError
+from sandboxd.core.hostfacts import HostFacts
+from sandboxd.core.metrics import MetricsServer, render
+from sandboxd.core.settings import DaemonSettings, load_settings
+from sandboxd.egress.proxy import EgressProxy
+from sandboxd.ledger import audit
+from sandboxd.ledger.artifacts import FileArtifactStore
+from sandboxd.ledger.events import CheckpointFile, EventLog
+from sandboxd.ledger.retention import RetentionSweeper
+from sandboxd.ledger.store import Database
+from sandboxd.pools import PoolManager
+from sandboxd.recording import filewatch
+from sandboxd.secrets.broker import CredentialBroker
 
 log = logging.getLogger("sandboxd")
-SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[n].full_name
-                      for n in ("ExecutionService", "ArtifactService", "TraceService", "AuditService", "PoolService"))
 
 
 class JsonLogFormatter(logging.Formatter):
-    converter = time.gmtime  # log times are UTC, whatever TZ the daemon runs with
+    converter = staticmethod(time.gmtime)  # log times are UTC, whatever TZ the daemon runs with
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%SZ"), "level": record.levelname,
@@ -91,7 +85,7 @@ def _mask_file(settings: DaemonSettings) -> str:
 @dataclass
 class Daemon:
     settings: DaemonSettings
-    server: grpc.Server
+    server: Any  # a grpc.Server (api/server.py)
     executor: CallExecutor
     db: Database
     daemon_id: str
@@ -129,36 +123,57 @@ class Daemon:
         log.info("stopped")
 
 
-def _start_backends(settings: DaemonSettings, daemon_id: str, shim: str = "") -> tuple[dict, dict[str, str]]:
+def _start_docker(settings: DaemonSettings, daemon_id: str, cleanup: ExitStack) -> DockerBackend:
+    backend = DockerBackend(settings.docker_host, str(settings.seccomp_profile), _mask_file(settings),
+                            stdio_dir=str(settings.runtime_dir / "stdio"))
+    backend.check()
+    reaped = backend.reap_orphans(daemon_id)
+    if reaped:
+        log.warning("removed %d containers left by an earlier run of this daemon", reaped)
+    # Its containers' deadlines hold without this process, and its staged roots go.
+    backend.start_backstop(daemon_id, str(settings.runtime_dir / STAGING_SUBDIR))
+    _close_on_failure(backend, cleanup)
+    return backend
+
+
+def _start_nsjail(settings: DaemonSettings, daemon_id: str, shim: str, host: HostFacts,
+                  cleanup: ExitStack) -> NsjailBackend:
+    ns = settings.nsjail
+    layout = layout_for(host.cgroup_version, host.cgroup_root, join_exec=settings.cgroup_exec_binary)
+    backend = NsjailBackend(ns.rootfs_dir, seccomp_profile_path=settings.seccomp_profile, shim_binary=shim,
+                            nsjail_binary=ns.nsjail_binary, init_binary=ns.init_binary,
+                            docker_host=settings.docker_host, warm_slots=ns.warm_slots,
+                            cgroup_layout=layout, cgroup_exec_binary=settings.cgroup_exec_binary)
+    backend.check()
+    reaped = backend.reap_orphans(daemon_id)
+    if reaped:
+        log.warning("removed %d jails left by an earlier run of this daemon", reaped)
+    _close_on_failure(backend, cleanup)  # before warming: its warm slots are its to end
+    backend.warm(daemon_id)
+    backend.prune_exports()
+    return backend
+
+
+def _close_on_failure(backend: object, cleanup: ExitStack) -> None:
+    close = getattr(backend, "close", None)
+    if close is not None:
+        cleanup.callback(close)
+
+
+def _start_backends(settings: DaemonSettings, daemon_id: str, shim: str, host: HostFacts,
+                    cleanup: ExitStack) -> tuple[dict[str, Any], dict[str, str]]:
     """Every configured backend that passes its checks, and why each other one does not.
-    A backend that fails a check is never used: its calls are refused with the reason."""
-    backends: dict = {}
+    A backend that fails a check is never used: its calls are refused with the reason.
+    `host` is what start-up found of the host: nsjail's cgroup layout is made from it."""
+    backends: dict[str, Any] = {}
     unavailable: dict[str, str] = {}
     try:
-        docker_backend = DockerBackend(settings.docker_host, str(settings.seccomp_profile), _mask_file(settings),
-                                       stdio_dir=str(settings.runtime_dir / "stdio"))
-        docker_backend.check()
-        reaped = docker_backend.reap_orphans(daemon_id)
-        if reaped:
-            log.warning("removed %d containers left by an earlier run of this daemon", reaped)
-        # Its containers' deadlines hold without this process, and its staged roots go.
-        docker_backend.start_backstop(daemon_id, str(settings.runtime_dir / STAGING_SUBDIR))
-        backends["docker"] = docker_backend
+        backends["docker"] = _start_docker(settings, daemon_id, cleanup)
     except SandboxdError as exc:
         unavailable["docker"] = exc.message
     if settings.nsjail.enabled:
         try:
-            ns = settings.nsjail
-            nsjail_backend = NsjailBackend(ns.rootfs_dir, seccomp_profile_path=settings.seccomp_profile, shim_binary=shim,
-                                           nsjail_binary=ns.nsjail_binary, init_binary=ns.init_binary,
-                                           docker_host=settings.docker_host, warm_slots=ns.warm_slots)
-            nsjail_backend.check()
-            reaped = nsjail_backend.reap_orphans(daemon_id)
-            if reaped:
-                log.warning("removed %d jails left by an earlier run of this daemon", reaped)
-            nsjail_backend.warm(daemon_id)
-            nsjail_backend.prune_exports()
-            backends["nsjail"] = nsjail_backend
+            backends["nsjail"] = _start_nsjail(settings, daemon_id, shim, host, cleanup)
         except SandboxdError as exc:
             unavailable["nsjail"] = exc.message
     else:
@@ -172,7 +187,7 @@ def _start_backends(settings: DaemonSettings, daemon_id: str, shim: str = "") ->
     return backends, unavailable
 
 
-def _remove_stale_cgroups(daemon_id: str, docker_backend) -> None:
+def _remove_stale_cgroups(daemon_id: str, docker_backend: DockerBackend | None) -> None:
     def keep(root: str, name: str) -> bool:
         if root == NSJAIL_CGROUP_ROOT:  # <daemon id>/<sandbox or slot>
             return name == daemon_id or daemon_running(name)
@@ -202,7 +217,17 @@ def _install_shim(settings: DaemonSettings) -> tuple[str, str]:
     return str(target), ""
 
 
-def _start_egress(settings: DaemonSettings) -> tuple[EgressProxy | None, str]:
+def _check_file_recording(settings: DaemonSettings) -> None:
+    if not settings.file_watch:
+        return
+    filewatch.use_reader_library(settings.file_audit.reader_library)
+    try:
+        filewatch.reader_library()
+    except filewatch.FileWatchError as exc:  # said now; each recorded call is refused
+        log.error("file-access recording unavailable: %s", exc)
+
+
+def _start_egress(settings: DaemonSettings, cleanup: ExitStack) -> tuple[EgressProxy | None, str]:
     """The egress proxy, or why there is none: allowlist calls are then refused."""
     if not settings.egress.enabled:
         return None, "disabled in the daemon's settings"
@@ -212,6 +237,7 @@ def _start_egress(settings: DaemonSettings) -> tuple[EgressProxy | None, str]:
     except SandboxdError as exc:
         log.error("egress proxy unavailable: %s", exc.message)
         return None, exc.message
+    cleanup.callback(proxy.stop)
     return proxy, ""
 
 
@@ -223,117 +249,142 @@ def _raise_open_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
 
 
-def _grpc_server(settings: DaemonSettings, executor: CallExecutor, artifacts: FileArtifactStore, events: EventLog,
-                 checkpoints: CheckpointFile, audit_index: audit.AuditIndex) -> tuple[grpc.Server, LimitInterceptor]:
-    """The servicers behind the caps of rpc_limits.py, on a worker for every slot there
-    is: one caller's load never leaves another's RPCs waiting for a thread."""
-    rpc = settings.rpc_limits
-    authenticate = Authenticator(settings)
-    execution = ExecutionServicer(executor, authenticate)
-    limits = LimitInterceptor(settings, authenticate, refused=execution.refused)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=worker_count(settings), thread_name_prefix="rpc"),
-        interceptors=[limits, ErrorInterceptor()],  # the caps first: nothing runs before them
-        # The largest request a call may make (its stdin and argv) and room for the rest:
-        # what a stalled request may make grpc buffer before any check.
-        options=[("grpc.max_receive_message_length",
-                  settings.limits.max_stdin_bytes + settings.limits.max_argv_bytes + 4 * 1024 * 1024),
-                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                 ("grpc.http2.max_frame_size", 4 * 1024 * 1024),
-                 ("grpc.max_connection_idle_ms", int(rpc.connection_idle_timeout_s * 1000)),
-                 # gRPC core cancels what arrives past its queue of RPCs not yet handed to
-                 # Python (1,000 by default) before any handler sees it: none on the log.
-                 ("grpc.server.max_pending_requests", rpc.max_pending_rpcs),
-                 ("grpc.server.max_pending_requests_hard_limit", 2 * rpc.max_pending_rpcs)],
-    )
-    add_execution_service(execution, server)
-    pb_grpc.add_ArtifactServiceServicer_to_server(ArtifactServicer(artifacts, executor, authenticate), server)
-    pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events, executor, authenticate, checkpoints), server)
-    pb_grpc.add_AuditServiceServicer_to_server(AuditServicer(audit_index, authenticate), server)
-    pb_grpc.add_PoolServiceServicer_to_server(PoolServicer(executor, authenticate), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("",) + SERVICE_NAMES:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    return server, limits
+@dataclass
+class _Ledger:
+    """The log, its forensic index, the checkpoints and the artifacts: what every call
+    records into."""
+
+    db: Database
+    audit_index: audit.AuditIndex
+    events: EventLog
+    checkpoints: CheckpointFile
+    artifacts: FileArtifactStore
 
 
-def build_daemon(settings: DaemonSettings) -> Daemon:
-    _raise_open_file_limit()
-    # First, before anything is made in them or started: each directory the daemon owns
-    # is its own, closed to others and reached through no symlink, or start-up is refused
-    # (another local user may have made one first under /tmp or /dev/shm).
-    dirs = hostdirs.check_daemon_dirs(settings)
-    daemon_id = _daemon_id(settings)
-    hold_daemon_lock(daemon_id)  # its descriptor stays open, and locked, while the process lives
-    shim, no_shim_reason = _install_shim(settings)  # before the backends: every jail starts with it
-    if settings.file_watch:
-        filewatch.use_reader_library(settings.file_audit.reader_library)
-        try:
-            filewatch.reader_library()
-        except filewatch.FileWatchError as exc:  # said now; each recorded call is refused
-            log.error("file-access recording unavailable: %s", exc)
-    backends, unavailable = _start_backends(settings, daemon_id, shim)
-    if settings.default_backend not in backends:
-        raise BackendUnavailable(f"the default backend {settings.default_backend!r} is unavailable: "
-                                 f"{unavailable.get(settings.default_backend, 'not configured')}")
+def _open_ledger(settings: DaemonSettings, cleanup: ExitStack) -> _Ledger:
     db = Database(settings.db_path)
+    cleanup.callback(db.close)
     audit.drop_from_log_db(db)
     audit_index = audit.AuditIndex(db, audit.open_index_db(settings.audit_db_path))
+    cleanup.callback(audit_index.db.close)
     events = EventLog(db, on_append=audit_index.notify)
     checkpoints = CheckpointFile(settings.state_dir / "checkpoints.jsonl", events, settings.checkpoint_interval_s)
     caught_up = audit_index.sync()
     if caught_up:
         log.info("indexed %d events the forensic index had not seen", caught_up)
     audit_index.start()
-    artifacts = FileArtifactStore(settings.blob_dir, db)
-    proxy, no_proxy_reason = _start_egress(settings)
+    cleanup.callback(audit_index.stop)
+    return _Ledger(db, audit_index, events, checkpoints, FileArtifactStore(settings.blob_dir, db))
+
+
+@dataclass
+class _Sandboxing:
+    """What runs calls: the backends that passed their checks (and why the others did
+    not), and the sandbox shim (or why it is missing)."""
+
+    backends: dict[str, Any]
+    unavailable: dict[str, str]
+    shim: str
+    no_shim_reason: str
+
+
+def _start_sandboxing(settings: DaemonSettings, daemon_id: str, host: HostFacts,
+                      cleanup: ExitStack) -> _Sandboxing:
+    shim, no_shim_reason = _install_shim(settings)  # before the backends: every jail starts with it
+    _check_file_recording(settings)
+    backends, unavailable = _start_backends(settings, daemon_id, shim, host, cleanup)
+    if settings.default_backend not in backends:
+        raise BackendUnavailable(f"the default backend {settings.default_backend!r} is unavailable: "
+                                 f"{unavailable.get(settings.default_backend, 'not configured')}")
+    return _Sandboxing(backends, unavailable, shim, no_shim_reason)
+
+
+def _build_executor(settings: DaemonSettings, sandboxing: _Sandboxing, ledger: _Ledger, dirs: dict[str, int],
+                    daemon_id: str, cleanup: ExitStack) -> tuple[CallExecutor, EgressProxy | None]:
+    proxy, no_proxy_reason = _start_egress(settings, cleanup)
     broker = CredentialBroker(settings.credentials, settings.secrets_dir, dir_fd=dirs["secrets_dir"])
     broker.purge()
-    executor = CallExecutor(settings, db, events, artifacts, backends, daemon_id, unavailable,
-                            proxy=proxy, no_proxy_reason=no_proxy_reason, checkpoints=checkpoints,
-                            shim=shim or None, no_shim_reason=no_shim_reason, broker=broker)
-    executor.pools = PoolManager(executor)
+    executor = CallExecutor(settings, ledger.db, ledger.events, ledger.artifacts, sandboxing.backends, daemon_id,
+                            sandboxing.unavailable, proxy=proxy, no_proxy_reason=no_proxy_reason,
+                            checkpoints=ledger.checkpoints, shim=sandboxing.shim or None,
+                            no_shim_reason=sandboxing.no_shim_reason, broker=broker)
+    cleanup.callback(executor.shutdown, 0.0)
+    executor.pools = PoolManager(settings, daemon_id=daemon_id, shim=sandboxing.shim or None, proxy=proxy,
+                                 db=ledger.db, events=ledger.events, checkpoint_soon=executor.checkpoint_soon,
+                                 workspaces=executor.workspaces, resolve_image=executor.resolve_allowed_image,
+                                 staging_dir=executor.staging_dir)
+    cleanup.callback(executor.pools.shutdown)
     interrupted = executor.recover_interrupted()
     if interrupted:
         log.warning("recorded %d calls that an earlier run of this daemon never finished", interrupted)
     clean_spool(settings)
-    retention = RetentionSweeper(settings.retention, db, events, artifacts, audit_index,
-                                 on_swept=lambda: checkpoints.checkpoint(force=True))
+    return executor, proxy
 
-    server, limits = _grpc_server(settings, executor, artifacts, events, checkpoints, audit_index)
 
+def _serve(settings: DaemonSettings, daemon_id: str, executor: CallExecutor, ledger: _Ledger,
+           cleanup: ExitStack) -> tuple[Any, LimitInterceptor, PeerCredentialRelay]:
+    """The gRPC server started on its private socket, and the relay in front of it on
+    the public one."""
+    server, limits = build_server(settings, executor, ledger.artifacts, ledger.events, ledger.checkpoints,
+                                  ledger.audit_index)
+    cleanup.callback(limits.watchdog.stop)
+    cleanup.callback(lambda: server.stop(grace=0).wait())  # started or not: its ports are closed
     # gRPC listens privately; the public socket is the peer-credential relay in front.
     internal = settings.internal_dir
     shutil.rmtree(internal, ignore_errors=True)
     internal.mkdir(mode=0o700, parents=True)
     internal_socket = internal / "grpc.sock"
-    server.add_insecure_port(f"unix:{internal_socket}")
-    if settings.tcp is not None:
-        tcp = settings.tcp
-        credentials = grpc.ssl_server_credentials(
-            [(tcp.key_file.read_bytes(), tcp.cert_file.read_bytes())],
-            root_certificates=tcp.client_ca_file.read_bytes(), require_client_auth=True)
-        if not server.add_secure_port(tcp.address, credentials):
-            raise BackendUnavailable(f"cannot listen on {tcp.address}")
-        log.info("serving mutual TLS on %s", tcp.address)
+    listen(server, settings, internal_socket)
     # What start-up built lives as long as the daemon: out of the collector's full
     # passes, each of which walked all of it (18 ms here) on whichever call tripped one.
     gc.collect()
     gc.freeze()
+    cleanup.callback(gc.unfreeze)
     server.start()
     relay = PeerCredentialRelay(settings.socket_path, internal_socket, internal, settings.socket_mode,
-                                settings.socket_ownership(), limits=ConnectionLimits.from_settings(settings))
+                                settings.socket_ownership(), limits=ConnectionLimits.from_settings(settings),
+                                library=settings.relay_library)
+    cleanup.callback(relay.close)
     relay.start()
     log.info("serving on %s (daemon %s, state %s)", settings.socket_path, daemon_id, settings.state_dir)
-    metrics = None
-    if settings.metrics_address:
-        metrics = MetricsServer(settings.metrics_address, lambda: _metrics_text(executor, audit_index, retention))
-        metrics.start()
-    retention.start()  # serving first: a backlog of expired calls never delays start-up
-    return Daemon(settings, server, executor, db, daemon_id, relay, proxy, metrics, retention, audit_index,
-                  watchdog=limits.watchdog)
+    return server, limits, relay
+
+
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def build_daemon(settings: DaemonSettings, host: HostFacts) -> Daemon:
+    """The daemon, serving, on the host `host` describes (hostfacts.probe). What a
+    start-up that fails halfway made is undone, in the reverse order: sockets, threads,
+    the backends' sandboxes, the databases, the lock and the directories' descriptors."""
+    _raise_open_file_limit()
+    with ExitStack() as cleanup:
+        # First, before anything is made in them or started: each directory the daemon owns
+        # is its own, closed to others and reached through no symlink, or start-up is refused
+        # (another local user may have made one first under /tmp or /dev/shm).
+        dirs = hostdirs.check_daemon_dirs(settings)
+        cleanup.callback(_close_all, dirs.values())
+        daemon_id = _daemon_id(settings)
+        lock_fd = hold_daemon_lock(daemon_id)  # open, and locked, while the process lives
+        cleanup.callback(os.close, lock_fd)
+        sandboxing = _start_sandboxing(settings, daemon_id, host, cleanup)
+        ledger = _open_ledger(settings, cleanup)
+        executor, proxy = _build_executor(settings, sandboxing, ledger, dirs, daemon_id, cleanup)
+        retention = RetentionSweeper(settings.retention, ledger.db, ledger.events, ledger.artifacts,
+                                     ledger.audit_index, on_swept=lambda: ledger.checkpoints.checkpoint(force=True))
+        server, limits, relay = _serve(settings, daemon_id, executor, ledger, cleanup)
+        metrics = None
+        if settings.metrics_address:
+            metrics = MetricsServer(settings.metrics_address,
+                                    lambda: _metrics_text(executor, ledger.audit_index, retention))
+            metrics.start()
+            cleanup.callback(metrics.stop)
+        retention.start()  # serving first: a backlog of expired calls never delays start-up
+        cleanup.pop_all()  # built: from now on Daemon.stop takes it down
+    return Daemon(settings, server, executor, ledger.db, daemon_id, relay, proxy, metrics, retention,
+                  ledger.audit_index, watchdog=limits.watchdog)
 
 
 def _metrics_text(executor: CallExecutor, audit_index: audit.AuditIndex, retention: RetentionSweeper) -> str:
@@ -370,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
 
     try:
-        daemon = build_daemon(settings)
+        daemon = build_daemon(settings, hostfacts.probe())  # the host probed once, here
     except SandboxdError as exc:
         log.error("cannot start: %s", exc.message)
         return 1

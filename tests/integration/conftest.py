@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd import testing
+import sandboxd_testing as testing
 from sandboxd.backends import staging
-from sandboxd.backends.cgroups import LAYOUT
-from sandboxd.testing import TEST_BACKENDS, WORKSPACE_UID, DaemonProcess, make_daemon, prepared_call
+from sandboxd.backends.cgroups import detect
+from sandboxd_testing import TEST_BACKENDS, WORKSPACE_UID, DaemonProcess, make_daemon, prepared_call
 from sandboxd_client import SandboxdClient
+
+LAYOUT = detect()  # the host's cgroup layout, probed once for the tests
 
 DEFAULT_IMAGE = "sandboxd/default:latest"
 BUSYBOX_IMAGE = "sandboxd/busybox:latest"

@@ -18,7 +18,7 @@ from sandboxd.backends.nsjail.compile import NSJAIL_CGROUP_ROOT
 
 @pytest.fixture
 def cgroup():
-    layout = cgroups.LAYOUT
+    layout = cgroups.detect()
     assert layout is not None, "no cgroup hierarchy on this host"
     layout.check(NSJAIL_CGROUP_ROOT)
     parent = f"{NSJAIL_CGROUP_ROOT}/test-{secrets.token_hex(4)}"

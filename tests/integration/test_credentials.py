@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from sandboxd.testing import make_daemon
+from sandboxd_testing import make_daemon
 from sandboxd_client import errors
 
 from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, docker_client, public_tmpdir, sandbox_containers, stop_and_clean

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.testing import make_daemon
+from sandboxd_testing import make_daemon
 from sandboxd_client import errors
 
 from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, leftover_sandboxes, public_tmpdir, stop_and_clean

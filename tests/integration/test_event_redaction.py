@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from sandboxd.testing import make_daemon
+from sandboxd_testing import make_daemon
 
 from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, public_tmpdir, stop_and_clean
 

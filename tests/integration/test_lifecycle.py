@@ -314,3 +314,57 @@ def test_argv_and_stdin_above_the_daemons_limits_are_refused(spare_daemon, docke
         assert exc.value.message.startswith("stdin:")
         assert c.run(call(ws, ["cat"], stdin=b"12345678")).stdout == b"12345678"
     assert not leftover_sandboxes(docker_engine, d)
+
+
+def test_a_daemon_that_fails_halfway_unwinds_what_it_made(tmp_path, docker_engine):
+    """build_daemon in this process, failing at nearly its last step (its TCP port is
+    taken): the threads it started have ended, the descriptors it opened are closed,
+    and no public socket is left behind."""
+    import gc
+    import socket as socketlib
+
+    from sandboxd.core import hostfacts
+    from sandboxd.core.errors import BackendUnavailable
+    from sandboxd.core.settings import load_settings
+    from sandboxd.main import build_daemon
+    from sandboxd_testing import make_daemon
+
+    from .test_mtls import make_ca, make_cert
+
+    ca = make_ca(tmp_path, "ca")
+    cert, key = make_cert(tmp_path, "server", "sandboxd", ca, server=True)
+    taken = socketlib.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    address = f"127.0.0.1:{taken.getsockname()[1]}"
+    d = make_daemon(tmp_path / "d", nsjail={"enabled": False},
+                    tcp={"address": address, "cert_file": str(cert), "key_file": str(key), "client_ca_file": str(ca[0])})
+    settings = load_settings(str(d.config))
+    host = hostfacts.probe()
+    threads_before = {t.ident for t in threading.enumerate()}
+    fds_before = set(os.listdir("/proc/self/fd"))
+    try:
+        with pytest.raises(BackendUnavailable, match="cannot listen") as failed:
+            build_daemon(settings, host)
+    finally:
+        taken.close()
+    del failed  # its traceback's frames hold what build_daemon made
+    gc.collect()
+
+    def new_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()]
+
+    def new_fds() -> dict[str, str]:
+        out = {}
+        for fd in set(os.listdir("/proc/self/fd")) - fds_before:
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue  # listdir's own descriptor
+            if not target.startswith("anon_inode:"):  # gRPC core's pollers live as long as the process
+                out[fd] = target
+        return out
+
+    assert wait_for(lambda: not new_threads(), timeout_s=30), new_threads()
+    assert wait_for(lambda: not new_fds(), timeout_s=10), sorted(new_fds().values())
+    assert not settings.socket_path.exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.testing import make_daemon
+from sandboxd_testing import make_daemon
 from sandboxd_client import SandboxdClient, TlsFiles, errors
 
 from .conftest import DAEMON_ENV, call, public_tmpdir

@@ -29,7 +29,7 @@ from sandboxd.core import assets
 from sandboxd.sandbox.protocol import ExitStatus
 from sandboxd.sandbox.protocol import ResourceUsage
 from sandboxd.sandbox.protocol import SandboxHandle
-from sandboxd.backends.cgroups import LAYOUT
+from sandboxd.backends.cgroups import detect
 from sandboxd.backends.nsjail.backend import NsjailBackend
 from sandboxd.sandbox.spec import SandboxIdentity
 from sandboxd.backends.nsjail.compile import NSJAIL_CGROUP_ROOT, NsjailSpec
@@ -38,10 +38,12 @@ from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool
 from sandboxd.policy.models import parse_call, resolve_policy
 from sandboxd.policy.preflight import preflight
 from sandboxd.core.settings import DaemonSettings, LimitSettings
-from sandboxd.testing import TIME_SCALE
+from sandboxd_testing import TIME_SCALE
 
 from ..probes import ALLOWED, PROBE
 from .conftest import sh, wait_for
+
+LAYOUT = detect()  # the host's cgroup layout, probed once for these tests
 
 DEFAULT_IMAGE = "sandboxd/default:latest"
 BUSYBOX_IMAGE = "sandboxd/busybox:latest"

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from sandboxd.pools.manager import READY_TIMEOUT_S
-from sandboxd.testing import TIME_SCALE
+from sandboxd.pools.supervisor import READY_TIMEOUT_S
+from sandboxd_testing import TIME_SCALE
 from sandboxd_client import errors
 from sandboxd_contract.canonical import file_accesses
 

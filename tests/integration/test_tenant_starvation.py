@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sandboxd.testing import TEST_BACKENDS, prepared_call, wait_for
+from sandboxd_testing import TEST_BACKENDS, prepared_call, wait_for
 from sandboxd_client import AsyncSandboxdClient, errors
 from sandboxd_contract.calls import build_call
 from sandboxd_contract.pb import sandboxd_pb2 as pb

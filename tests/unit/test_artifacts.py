@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 
-import grpc
 import pytest
 
 from sandboxd.ledger.artifacts import ArtifactRecord, FileArtifactStore
@@ -87,7 +86,7 @@ def test_get_unknown_is_not_found(store):
     with pytest.raises(NotFound) as info:
         store.get("art-missing")
     assert info.value.field == "artifactId"
-    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    assert info.value.status == "NOT_FOUND"
 
 
 def test_insert_is_rolled_back_with_its_transaction(store):

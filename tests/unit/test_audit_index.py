@@ -1,7 +1,8 @@
 """sandboxd.ledger.audit: the forensic index, projected from the event log into a real SQLite
 database (no Docker, no network). Events are appended through EventLog with the index
 hooked in as on_append, exactly as main.build_daemon wires it, with payloads shaped like
-the ones executor.py records."""
+the ones executor.py records (built through their types, sandboxd.ledger.event_types; a
+few malformed ones, as an edited or old log may hold, stay literal)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,14 @@ from typing import Any
 import pytest
 
 from sandboxd.ledger import audit
+from sandboxd.ledger.audit_projection import index_event
 from sandboxd.ledger import store
 from sandboxd.ledger import events as ev
+from sandboxd.ledger.event_types import (CheckedAuthorization, ConnectionAttempt, CountedAttempts,
+                                         FileAccessObserved, NetworkAccessObserved, ToolArgsValidated,
+                                         ToolCallFinished, ToolCallRejected, ToolCallReplayed, ToolCallRequested,
+                                         ToolCallStarted, ToolPolicyChecked, ToolResultValidated,
+                                         ToolSandboxPrepared, draft)
 from sandboxd.ledger.events import EventDraft, EventLog
 from sandboxd.ledger.store import Database
 
@@ -75,54 +82,53 @@ def log(db, clock) -> EventLog:
 
 def requested(*, principal: str = "alice", workspace: str = WS_ALICE, argv: Any = ("pytest", "-q"),
               tool_id: str = "unit.tool", record_command: bool = True) -> EventDraft:
-    payload: dict[str, Any] = {
+    summary: dict[str, Any] = {
         "toolId": tool_id, "argv": list(argv) if isinstance(argv, tuple) else argv, "workspace": workspace,
         "authorization": {"status": "not_required"}, "stdinBytes": 0,
         "stdinSha256": "sha256:" + hashlib.sha256(b"").hexdigest(),
-        "principal": principal, "daemonId": "sbxd_unit",
     }
+    argv_sha256 = None
     if not record_command:
-        payload["policy"] = {"audit": {"recordCommand": False}}
-        payload["argvSha256"] = "sha256:" + hashlib.sha256(json.dumps(payload.pop("argv")).encode()).hexdigest()
-    return EventDraft(ev.REQUESTED, payload)
+        summary["policy"] = {"audit": {"recordCommand": False}}
+        argv_sha256 = "sha256:" + hashlib.sha256(json.dumps(summary["argv"]).encode()).hexdigest()
+    return draft(ToolCallRequested.of_request(summary, principal=principal, daemon_id="sbxd_unit",
+                                              argv_sha256=argv_sha256))
 
 
 def args_validated() -> EventDraft:
-    return EventDraft(ev.ARGS_VALIDATED, {"effectivePolicy": {"timeoutMs": 30000}, "policyDigest": "sha256:00"})
+    return draft(ToolArgsValidated({"timeoutMs": 30000}, "sha256:00"))
 
 
 def policy_checked(backend: str = "docker", image: str = "python:3.12-slim", workspace: str = WS_ALICE) -> EventDraft:
-    return EventDraft(ev.POLICY_CHECKED, {
-        "decision": "allowed", "backend": backend, "image": image, "imageDigest": "sha256:" + "ab" * 32,
-        "uid": 1000, "gid": 1001, "workspace": workspace, "binds": [["/workspace", "rw"]], "masks": [], "notes": []})
+    return draft(ToolPolicyChecked(backend, image, "sbx-unit", CheckedAuthorization(status="not_required"),
+                                   "sha256:" + "ab" * 32, 1000, 1001, workspace, binds=[["/workspace", "rw"]]))
 
 
 def rejected(code: str = "PERMISSION_DENIED", stage: str = "verification") -> EventDraft:
-    return EventDraft(ev.REJECTED, {"stage": stage, "code": code, "field": "runtime.image",
-                                    "reason": "refused", "requestedToolCallId": ""})
+    return draft(ToolCallRejected(stage, code, "runtime.image", "refused"))
 
 
 def network(host: str, port: int = 443, decision: str = "allowed") -> EventDraft:
-    return EventDraft(ev.NETWORK_ACCESS, {
-        "protocol": "connect", "method": "CONNECT", "host": host, "port": port, "address": "192.0.2.10",
-        "decision": decision, "rule": "allowDomains" if decision == "allowed" else "not-allowed", "reason": "",
-        "error": "", "status": 200 if decision == "allowed" else 403, "bytesUp": 10, "bytesDown": 20,
-        "startedAt": "2024-05-01T10:00:00.000000Z", "endedAt": "2024-05-01T10:00:00.100000Z"})
+    return draft(NetworkAccessObserved(attempt=ConnectionAttempt(
+        "connect", "CONNECT", host, port, "192.0.2.10", decision,
+        "allowDomains" if decision == "allowed" else "not-allowed", "", "", 200 if decision == "allowed" else 403,
+        10, 20, "2024-05-01T10:00:00.000000Z", "2024-05-01T10:00:00.100000Z")))
 
 
 def network_dropped(n: int = 7) -> EventDraft:
-    return EventDraft(ev.NETWORK_ACCESS, {
-        "dropped": n, "reason": "more than 1000 connections: the rest were counted, not recorded"})
+    """As a daemon before destinations were counted wrote it (no byDestination)."""
+    return draft(NetworkAccessObserved(counted=CountedAttempts(
+        n, "more than 1000 connections: the rest were counted, not recorded")))
 
 
 def file_access(path: str, operation: str, renamed_to: str = "") -> EventDraft:
     """One access, as the daemon records it: a plain read as a pair, anything else as an entry."""
     if operation == "read":
-        return EventDraft(ev.FILE_ACCESS, {"reads": [[path, 1]]})
+        return draft(FileAccessObserved(reads=[[path, 1]]))
     entry: dict[str, Any] = {"path": path, "operation": operation}
     if renamed_to:
         entry["renamedTo"] = renamed_to
-    return EventDraft(ev.FILE_ACCESS, {"accesses": [entry]})
+    return draft(FileAccessObserved(accesses=[entry]))
 
 
 def result(tool_call_id: str, status: str = "success", exit_code: int = 0, code: str = "") -> EventDraft:
@@ -131,12 +137,12 @@ def result(tool_call_id: str, status: str = "success", exit_code: int = 0, code:
                            "effectsObserved": {"reads": [], "writes": [], "deletes": [], "externalCalls": []}}
     if code:
         res["error"] = {"code": code, "message": "m", "retryable": False, "safeToShowUser": True}
-    return EventDraft(ev.RESULT_VALIDATED, {"result": res})
+    return draft(ToolResultValidated(res))
 
 
 def finished(exit_code: int = 0) -> EventDraft:
-    return EventDraft(ev.FINISHED, {"exitCode": exit_code, "signal": "", "timedOut": False, "oomKilled": False,
-                                    "cancelled": False, "failure": ""})
+    return draft(ToolCallFinished(exit_code, signal="", timed_out=False, oom_killed=False, cancelled=False,
+                                  failure=""))
 
 
 # ------------------------------------------------------------------ call lifecycles
@@ -150,8 +156,8 @@ def accept(log: EventLog, tcid: str, *, backend: str = "docker", image: str = "p
 
 
 def start(log: EventLog, tcid: str, parent: str) -> str:
-    evs = log.record(tcid, parent, [EventDraft(ev.SANDBOX_PREPARED, {"sandboxId": "sbx-" + tcid, "backend": "docker"})])
-    evs = log.record(tcid, evs[-1].event_id, [EventDraft(ev.STARTED, {"sandboxId": "sbx-" + tcid})])
+    evs = log.record(tcid, parent, [draft(ToolSandboxPrepared("sbx-" + tcid, "eng-" + tcid, "docker", "sha256:5"))])
+    evs = log.record(tcid, evs[-1].event_id, [draft(ToolCallStarted("sbx-" + tcid, iso(T0)))])
     return evs[-1].event_id
 
 
@@ -299,9 +305,9 @@ def test_interrupted_call_recorded_by_recovery(db, log):
     last = accept(log, "tc-int")
     last = start(log, "tc-int", last)
     log.record("tc-int", last, [
-        EventDraft(ev.FINISHED, {"interrupted": True, "exitCode": -1}),
-        EventDraft(ev.RESULT_VALIDATED, {"result": {"toolCallId": "tc-int", "status": "error", "exitCode": -1,
-                                                    "error": {"code": "INTERRUPTED", "message": "m"}}}),
+        draft(ToolCallFinished.interrupted_call()),
+        draft(ToolResultValidated({"toolCallId": "tc-int", "status": "error", "exitCode": -1,
+                                   "error": {"code": "INTERRUPTED", "message": "m"}})),
     ])
     row = call_row(db, "tc-int")
     assert (row["status"], row["exit_code"], row["error_code"]) == ("error", -1, "INTERRUPTED")
@@ -309,8 +315,7 @@ def test_interrupted_call_recorded_by_recovery(db, log):
 
 def test_result_without_error_leaves_error_code_empty(db, log):
     last = accept(log, "tc-1")
-    log.record("tc-1", last, [EventDraft(ev.RESULT_VALIDATED, {"result": {"status": "success", "exitCode": 0,
-                                                                         "error": None}})])
+    log.record("tc-1", last, [draft(ToolResultValidated({"status": "success", "exitCode": 0, "error": None}))])
     row = call_row(db, "tc-1")
     assert (row["status"], row["exit_code"], row["error_code"]) == ("success", 0, "")
 
@@ -383,7 +388,7 @@ def test_replayed_retry_changes_nothing(db, log):
     run_call(log, "tc-1", principal="alice")
     before = call_row(db, "tc-1")
     last = log.for_call("tc-1")[-1].event_id
-    log.record("tc-1", last, [EventDraft(ev.REPLAYED, {"principal": "bob", "idempotencyKey": "k", "attached": False})])
+    log.record("tc-1", last, [draft(ToolCallReplayed("bob", "k", False))])
     assert call_row(db, "tc-1") == before
     assert ids(db, principal="bob") == []
 
@@ -745,10 +750,10 @@ def test_a_call_with_many_matching_accesses_is_listed_once(db, log):
 
 
 def test_every_form_of_a_file_access_event_is_indexed(db, log):
-    run_call(log, "batched", observed=(EventDraft(ev.FILE_ACCESS, {
-        "accesses": [{"path": "/workspace/w", "operation": "write", "opens": 1, "writes": 1},
-                     {"path": "/workspace/old", "operation": "rename", "renamedTo": "/workspace/new"}]}),
-        EventDraft(ev.FILE_ACCESS, {"reads": [["/workspace/r1", 2], ["/workspace/r2", 1]]})))
+    run_call(log, "batched", observed=(draft(FileAccessObserved(
+        accesses=[{"path": "/workspace/w", "operation": "write", "opens": 1, "writes": 1},
+                  {"path": "/workspace/old", "operation": "rename", "renamedTo": "/workspace/new"}])),
+        draft(FileAccessObserved(reads=[["/workspace/r1", 2], ["/workspace/r2", 1]]))))
     # Logs written before reads were pairs: an entry per read, or one access per event.
     run_call(log, "older", observed=(
         EventDraft(ev.FILE_ACCESS, {"accesses": [{"path": "/workspace/r1", "operation": "read", "opens": 1,
@@ -966,7 +971,7 @@ def scenario(log: EventLog) -> None:
     finish(log, "s-err", b, status="error", exit_code=3, code="NONZERO_EXIT",
            observed=(file_access("/workspace/src/b.py", "delete"), network("registry.npmjs.org")))
     last = log.for_call("s-ok")[-1].event_id
-    log.record("s-ok", last, [EventDraft(ev.REPLAYED, {"principal": "alice", "idempotencyKey": "k", "attached": False})])
+    log.record("s-ok", last, [draft(ToolCallReplayed("alice", "k", False))])
     log.record("s-bad", "", [EventDraft(ev.REQUESTED, {"argv": [1, 2], "principal": "x"}),
                              rejected("INVALID_ARGUMENT", "validation")])
 
@@ -1090,7 +1095,7 @@ def test_index_event_is_idempotent_for_network_and_path_rows(db, log):
     before = dump(db)
     with db.transaction() as conn:
         for e in log.range():
-            audit.index_event(conn, e)
+            index_event(conn, e)
     assert dump(db) == before
 
 

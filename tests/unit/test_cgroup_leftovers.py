@@ -98,7 +98,8 @@ def test_a_leased_command_cannot_hide_a_process_by_killing_one_the_sandbox_start
     the sandbox is retired. Real processes in a real pids cgroup."""
     from types import SimpleNamespace
 
-    from sandboxd.pools.manager import LeaseBackend, sandbox_processes, sandbox_task_count
+    from sandboxd.pools import LeaseBackend
+    from sandboxd.pools.leftovers import sandbox_processes, sandbox_task_count
 
     cg = f"{PIDS}/{root}/sbx-1"
     os.makedirs(cg)

@@ -1,4 +1,4 @@
-"""sandboxd.sandbox.spec.compile_docker: golden files for representative inputs, plus
+"""sandboxd.backends.docker.compile.compile_docker: golden files for representative inputs, plus
 targeted asserts on the properties the sandbox's safety depends on.
 Regenerate the golden files with UPDATE_GOLDEN=1."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from sandboxd.backends.docker.compile import BACKSTOP_SLACK_S, DockerSpec, compile_docker
 from sandboxd.sandbox.spec import (
-    BACKSTOP_SLACK_S,
     MASK_DIR_TMPFS_BYTES,
     MAX_OPEN_FILES,
     WORKSPACE_BASE_TMPFS_BYTES,
@@ -21,11 +21,9 @@ from sandboxd.sandbox.spec import (
     Attachments,
     SecretMount,
     EGRESS_SOCKET_PATH,
-    DockerSpec,
     EgressAttachment,
     MountSpec,
     SandboxIdentity,
-    compile_docker,
     network_plan,
 )
 from sandboxd.policy.models import is_within

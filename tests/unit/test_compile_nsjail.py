@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.sandbox.spec import (EGRESS_SOCKET_PATH, MAX_OPEN_FILES, SHIM_PATH, Attachments, EgressAttachment, SandboxIdentity,
-                              compile_docker)
+from sandboxd.backends.docker.compile import compile_docker
+from sandboxd.sandbox.spec import (EGRESS_SOCKET_PATH, MAX_OPEN_FILES, SHIM_PATH, Attachments, EgressAttachment, SandboxIdentity)
 from sandboxd.backends.nsjail.compile import (CPU_PERIOD_US, INIT_PATH, NSJAIL_CGROUP_ROOT, SECCOMP_PROGRAM_PATH, TIME_LIMIT_SLACK_S,
                                      NsjailMount,
                                      NsjailSpec, cgroup_for, compile_nsjail, quote)

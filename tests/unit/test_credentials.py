@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 import sandboxd.secrets.broker as credentials
+from sandboxd.api.errors import status_code
 from sandboxd.sandbox.spec import SECRETS_DIR, SecretMount
 from sandboxd.secrets.broker import MAX_SECRET_BYTES, CredentialBroker, ResolvedSecret
 from sandboxd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, SandboxdError
@@ -156,7 +157,7 @@ class TestFileSource:
         b = broker(tmp_path, {"k": binding(file=path)})
         exc = refused(FailedPrecondition, resolve_one, b, {"bindingId": "k", "filePath": "/tmp/k"})
         assert exc.field == "credentialRefs[0].bindingId"
-        assert exc.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert status_code(exc) == grpc.StatusCode.FAILED_PRECONDITION
         assert "0600" in exc.reason
         assert "s3cret-in-file" not in shown(exc)
 
@@ -396,7 +397,7 @@ class TestPermission:
         assert len(messages) == 1, messages
         for e in out.values():
             assert e.field == "credentialRefs[0].bindingId"
-            assert e.code == grpc.StatusCode.PERMISSION_DENIED
+            assert status_code(e) == grpc.StatusCode.PERMISSION_DENIED
             assert e.reason == f"credential 'gh' is not available to {PRINCIPAL} for tool '{TOOL}'"
 
     def test_a_refused_binding_is_never_read(self, tmp_path):

@@ -18,7 +18,6 @@ import pytest
 from sandboxd.core import assets
 from sandboxd.sandbox.protocol import SandboxHandle
 from sandboxd.backends.docker.backend import (
-    _signal_name,
     create_args,
     host_config_args,
     load_seccomp_profile,
@@ -28,7 +27,9 @@ from sandboxd.backends.docker.backend import (
     pump_fifos,
     remove_stdio_fifos,
 )
-from sandboxd.sandbox.spec import SandboxIdentity, compile_docker
+from sandboxd.backends.docker.compile import compile_docker
+from sandboxd.backends.signals import signal_name
+from sandboxd.sandbox.spec import SandboxIdentity
 from sandboxd.core.errors import BackendUnavailable
 from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool
 from sandboxd.policy.preflight import Bind, HostPlan, Mask
@@ -280,13 +281,13 @@ def test_parse_frames_respects_spool_caps(tmp_path):
     (0, ""), (1, ""), (127, ""), (128, ""), (255, ""), (-1, ""), (128 + 65, ""),
 ])
 def test_signal_name(code, name):
-    assert _signal_name(code) == name
+    assert signal_name(code) == name
 
 
 @pytest.mark.parametrize("code, name", [(128 + 32, "SIG32"), (128 + 35, "SIG35"), (128 + 34, "SIGRTMIN"),
                                         (128 + 64, "SIGRTMAX")])
 def test_signal_name_unnamed_and_realtime_signals(code, name):
-    assert _signal_name(code) == name
+    assert signal_name(code) == name
 
 
 # ------------------------------------------------------------------ seccomp profile
@@ -309,7 +310,7 @@ def test_load_seccomp_profile_refuses_missing_or_broken(tmp_path, content):
 
 @pytest.mark.parametrize("stream, offset, size", [(1, 0, 0), (2, 0, 5), (1, 127, 128), (2, 2**40, 300_000), (1, 1, 1)])
 def test_pre_encoded_output_events_parse_as_the_proto_message(stream, offset, size):
-    from sandboxd.api.service import encode_output_event
+    from sandboxd.api.messages import encode_output_event
     from sandboxd_contract.pb import sandboxd_pb2 as pb
 
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
@@ -331,7 +332,7 @@ def test_pre_encoded_output_events_parse_as_the_proto_message(stream, offset, si
 def test_results_encode_as_parse_dict_encodes_them(effects):
     from google.protobuf import json_format
 
-    from sandboxd.api.service import result_to_pb
+    from sandboxd.api.messages import result_to_pb
     from sandboxd_contract.pb import sandboxd_pb2 as pb
 
     result = {"toolCallId": "tc_1", "status": "error", "exitCode": 3, "signal": "", "timedOut": False,
@@ -348,7 +349,7 @@ def test_results_encode_as_parse_dict_encodes_them(effects):
 def test_a_result_field_the_contract_lacks_is_an_error_not_dropped():
     from google.protobuf import json_format
 
-    from sandboxd.api.service import result_to_pb
+    from sandboxd.api.messages import result_to_pb
 
     with pytest.raises(json_format.ParseError, match="noSuchField"):
         result_to_pb({"toolCallId": "tc_1", "usage": {"latencyMs": 1, "noSuchField": 2}})
@@ -528,3 +529,63 @@ def test_a_removal_dockerd_does_not_answer_is_retried_until_it_does_or_given_up(
         time.sleep(0.01)
     assert backend._api.removed == ["c1"] and backend.pending_removals() == 0, "c1 removed, 'stuck' given up"
     assert backend._remover is None
+
+
+def test_a_sandbox_dockerd_refuses_is_unwound_whole_and_said_as_the_daemons_error(spec, tmp_path):
+    """create()'s cleanup stack: the output FIFOs it made go, the container (made even
+    if dockerd's answer is lost) is removed by name, and dockerd's refusal arrives as
+    InternalError, never as the SDK's APIError."""
+    import threading
+    from dataclasses import replace
+
+    import docker
+
+    from sandboxd.backends.docker.backend import DockerBackend
+    from sandboxd.core.errors import InternalError
+
+    class Engine:
+        def __init__(self):
+            self.removed = []
+
+        def create_host_config(self, **kwargs):
+            return kwargs
+
+        def create_container(self, **kwargs):
+            raise docker.errors.APIError("500 Server Error", explanation="unknown runtime")
+
+        def remove_container(self, ref, force, v):
+            self.removed.append(ref)
+
+    backend = object.__new__(DockerBackend)  # the unwinding alone (a real refusal: test_execute's)
+    backend._api, backend._seccomp_json = Engine(), SECCOMP
+    backend._pending_lock, backend._pending_removals, backend._remover = threading.Lock(), {}, None
+    stdio = tmp_path / "sbx-1"
+    spec = replace(spec, stdio_host_dir=str(stdio), staging=None)
+    with pytest.raises(InternalError, match="dockerd failed to create the sandbox: unknown runtime"):
+        backend.create(spec)
+    assert backend._api.removed == [spec.name]
+    assert not stdio.exists(), "the FIFOs made for it were left behind"
+    assert backend.pending_removals() == 0
+
+
+def test_dockerds_errors_reach_callers_only_as_the_daemons():
+    import docker
+    import requests
+
+    from sandboxd.backends.docker.errors import EngineRefused, dockerd
+    from sandboxd.core.errors import FailedPrecondition, InternalError
+
+    with pytest.raises(BackendUnavailable, match="dockerd did not answer: ConnectionError"):
+        with dockerd("list containers"):
+            raise requests.exceptions.ConnectionError("refused")
+    with pytest.raises(FailedPrecondition, match="'img:1' is not present in the local engine"):
+        with dockerd("inspect 'img:1'", image="img:1"):
+            raise docker.errors.ImageNotFound("404 Client Error")
+    with pytest.raises(InternalError, match="dockerd failed to start the sandbox: busy"):
+        with dockerd("start the sandbox"):
+            raise docker.errors.APIError("500", explanation="busy")
+    with pytest.raises(EngineRefused) as refused:
+        with dockerd("remove a container", refusal=None):
+            raise docker.errors.NotFound("404 Client Error", explanation="no such container")
+    assert refused.value.explanation == "no such container"
+

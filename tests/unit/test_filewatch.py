@@ -39,13 +39,13 @@ def test_the_mount_id_of_a_descriptor_is_the_kernel_s(tmp_path):
     import ctypes
     import os
 
-    from sandboxd.recording.filewatch import _Statx, _fdinfo_mount_id, _mount_id
+    from sandboxd.recording.fanotify import Statx, fdinfo_mount_id, mount_id
 
-    assert ctypes.sizeof(_Statx) == 256 and _Statx.stx_mnt_id.offset == 144
+    assert ctypes.sizeof(Statx) == 256 and Statx.stx_mnt_id.offset == 144
     for path in (tmp_path, "/proc/self", "/"):
         fd = os.open(path, os.O_RDONLY)
         try:
-            assert _mount_id(fd) == _fdinfo_mount_id(fd) > 0
+            assert mount_id(fd) == fdinfo_mount_id(fd) > 0
         finally:
             os.close(fd)
 
@@ -207,10 +207,14 @@ def test_the_gate_s_arrival_is_its_opening_by_the_sandbox(tmp_path):
 
 
 def test_a_missing_reader_library_is_a_clear_error(monkeypatch, tmp_path):
-    from sandboxd.recording import filewatch
+    from sandboxd.core.settings import FileAuditSettings
+    from sandboxd.recording import fanotify_reader, filewatch
 
-    monkeypatch.setattr(filewatch, "_reader", None)
-    monkeypatch.setattr(filewatch, "READER_LIBRARY", tmp_path / "missing.so")
+    monkeypatch.setattr(fanotify_reader, "_reader", None)
+    monkeypatch.setattr(fanotify_reader, "_library_path", None)
+    assert filewatch.reader_library_path() == FileAuditSettings.model_validate({}).reader_library  # the default
+    filewatch.use_reader_library(tmp_path / "missing.so")  # as the daemon names its setting's path
+    assert filewatch.reader_library_path() == tmp_path / "missing.so"
     with pytest.raises(filewatch.FileWatchError, match="make native"):
         filewatch.reader_library()
     with pytest.raises(filewatch.FileWatchError):
@@ -257,11 +261,11 @@ def test_in_fid_mode_names_are_the_current_ones_and_a_removed_directory_is_count
 def test_fid_mode_is_probed_once_per_filesystem(tmp_path):
     import subprocess
 
-    from sandboxd.recording import filewatch
+    from sandboxd.recording import fanotify, filewatch
 
-    filewatch._fid_by_device.clear()
+    fanotify.fid_by_device.clear()
     assert filewatch.fid_supported(str(tmp_path)) is True
-    assert list(filewatch._fid_by_device.values()) == [True]
+    assert list(fanotify.fid_by_device.values()) == [True]
     assert filewatch.fid_supported(str(tmp_path / "missing")) is False  # cannot be looked at: fd mode
     # An overlay without nfs_export cannot report directory handles: fd mode there.
     layers = {name: tmp_path / name for name in ("lower", "upper", "work", "merged")}
@@ -272,7 +276,7 @@ def test_fid_mode_is_probed_once_per_filesystem(tmp_path):
                     str(layers["merged"])], check=True)
     try:
         assert filewatch.fid_supported(str(layers["merged"])) is False
-        assert sorted(filewatch._fid_by_device.values()) == [False, True]
+        assert sorted(fanotify.fid_by_device.values()) == [False, True]
     finally:
         subprocess.run(["umount", str(layers["merged"])], check=True)
 
@@ -304,3 +308,36 @@ def test_an_access_that_cannot_be_named_is_counted_not_lost(tmp_path, fid):
             os.close(fd)
         subprocess.run(["rm", "-rf", str(src / ("d" * 250))], check=False)
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_importing_the_recorder_starts_no_thread_and_loads_nothing():
+    """Nothing happens at import: no closer thread (it starts with the first group that
+    is closed), no native library loaded."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, threading\n"
+             "before = threading.active_count()\n"
+             "import sandboxd.recording.filewatch, sandboxd.recording.live_snapshot\n"
+             "from sandboxd.recording import fanotify_reader, libc\n"
+             "print(threading.active_count() - before, fanotify_reader._reader is None, libc.libc.cache_info().currsize)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["0", "True", "0"]
+
+
+def test_the_closer_thread_starts_with_the_first_descriptor_and_closes_it(tmp_path):
+    import os
+    import threading
+    import time
+
+    from sandboxd.recording.closer import DeferredCloser
+
+    closer = DeferredCloser(name="closer-under-test")
+    assert not closer.started and "closer-under-test" not in {t.name for t in threading.enumerate()}
+    fd = os.open(tmp_path, os.O_RDONLY)
+    closer.close_later(fd)
+    assert closer.started and "closer-under-test" in {t.name for t in threading.enumerate()}
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/self/fd/{fd}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not os.path.exists(f"/proc/self/fd/{fd}")

@@ -11,10 +11,11 @@ import stat
 import pytest
 
 from sandboxd.recording import live_snapshot as ls
+from sandboxd.recording import tree_record
 from sandboxd.recording import snapshot
 from sandboxd.recording.live_snapshot import LiveSnapshots
 from sandboxd.recording.snapshot import HashCache
-from sandboxd.testing import wait_for
+from sandboxd_testing import wait_for
 
 SB = "/workspace"
 
@@ -204,7 +205,7 @@ def test_changes_are_not_claimed_across_a_full_walk_a_walked_root_or_a_lost_hist
     b = live.take(binds)
     assert a.walked and LiveSnapshots.changed_between(a, b) is None
     # More generations than are kept.
-    monkeypatch.setattr(ls, "HISTORY", 3)
+    monkeypatch.setattr(tree_record, "HISTORY", 3)
     old = live.take([(SB, str(tree))])
     for i in range(5):
         (tree / "top.txt").write_text(f"v{i}")
@@ -446,7 +447,7 @@ def test_depth_counts_from_the_write_root_not_the_sandbox_path(live, tmp_path):
     assert live.fallbacks == 0
 
 
-MAX_NEST = ls.MAX_DEPTH - 3
+MAX_NEST = snapshot.MAX_DEPTH - 3
 
 
 def test_an_unchanged_tree_gives_the_same_snapshot_and_a_changed_one_leaves_the_old_alone(live, tree):
@@ -507,7 +508,7 @@ def test_a_root_that_cannot_be_refreshed_is_walked_by_the_next_call(tree, monkey
 
         def failing(self, budget, max_entries, *, use=True):
             if not use:
-                raise ls._Unusable("the tree changed faster than it could be followed")
+                raise ls.Untrackable("the tree changed faster than it could be followed")
             return original(self, budget, max_entries, use=use)
 
         monkeypatch.setattr(ls.RootTracker, "snapshot", failing)

@@ -11,18 +11,18 @@ import time
 
 import pytest
 
-from sandboxd.backends.nsjail.backend import _SlotPool
+from sandboxd.backends.nsjail.slots import SlotPool
 
 
 @pytest.fixture
 def pool(monkeypatch):
-    monkeypatch.setattr(_SlotPool, "DEFER_MAX_S", 1.0)
-    p = _SlotPool(2)
+    monkeypatch.setattr(SlotPool, "DEFER_MAX_S", 1.0)
+    p = SlotPool(2)
     p._wanted.add("d1")
     return p
 
 
-def next_in_thread(pool: _SlotPool) -> tuple[threading.Thread, dict]:
+def next_in_thread(pool: SlotPool) -> tuple[threading.Thread, dict]:
     out: dict = {}
 
     def run() -> None:
@@ -81,3 +81,24 @@ def test_a_full_pool_makes_nothing_and_closing_ends_the_wait(pool):
         pool._cond.notify_all()
     t.join(0.5)
     assert out == {"id": None, "at": out["at"]}
+
+
+def test_nsjails_host_errors_reach_callers_only_as_the_daemons():
+    import subprocess
+
+    from sandboxd.backends.cgroups import CgroupUnavailable
+    from sandboxd.backends.nsjail.errors import host_step
+    from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, InternalError
+
+    with pytest.raises(InternalError, match="cannot start nsjail: .*No such file"):
+        with host_step("start nsjail"):
+            open("/nonexistent/sandboxd/nsjail")
+    with pytest.raises(BackendUnavailable, match="cannot run nsjail: /bin/nsjail did not finish in 30 s"):
+        with host_step("run nsjail", fault=BackendUnavailable):
+            raise subprocess.TimeoutExpired(["/bin/nsjail", "-C"], 30)
+    with pytest.raises(BackendUnavailable, match="cannot use the host's cgroups: no memory"):
+        with host_step("use the host's cgroups", fault=BackendUnavailable):
+            raise CgroupUnavailable("no memory")
+    with pytest.raises(FailedPrecondition):  # the daemon's own pass as they are
+        with host_step("prepare the jail"):
+            raise FailedPrecondition("out of reach")

@@ -1,4 +1,4 @@
-"""The relay's byte pump (native/relay.c through transport.relay): bytes both ways,
+"""The relay's byte pump (native/relay.c through transport.RelayPump): bytes both ways,
 unchanged and in order, each side's end passed on, and both descriptors closed once
 both directions have ended."""
 
@@ -12,8 +12,17 @@ import time
 
 import pytest
 
-from sandboxd.testing import wait_for
-from sandboxd.api.transport import relay
+from sandboxd.api.transport import RelayPump
+from sandboxd.core import assets
+from sandboxd_testing import wait_for
+
+# The relay_library setting's default: the pump `make native` builds into the package.
+RELAY_LIBRARY = assets.packaged(assets.RELAY_LIBRARY)
+
+
+@pytest.fixture(scope="module")
+def pump() -> RelayPump:
+    return RelayPump(RELAY_LIBRARY)
 
 
 def open_sockets() -> set[str]:
@@ -30,12 +39,12 @@ def open_sockets() -> set[str]:
 
 
 @pytest.fixture
-def linked():
+def linked(pump):
     """client <-> [relay: a | b] <-> server, as the daemon wires a connection."""
     client, a = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     b, server = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     relayed = {f"socket:[{os.fstat(s.fileno()).st_ino}]" for s in (a, b)}
-    relay(a, b)
+    pump.relay(a, b)
     assert a.fileno() == -1 and b.fileno() == -1, "the relay owns the descriptors now"
     yield client, server, relayed
     client.close()
@@ -117,27 +126,39 @@ def test_a_peer_that_vanishes_ends_the_link(linked):
     assert wait_for(lambda: not relayed & open_sockets())
 
 
-def test_a_daemon_without_the_built_pump_is_refused_with_the_way_to_build_it(monkeypatch, tmp_path):
+def test_a_daemon_without_the_built_pump_is_refused_with_the_way_to_build_it(tmp_path):
     from sandboxd.api import transport
     from sandboxd.core.errors import FailedPrecondition
 
-    monkeypatch.setattr(transport, "RELAY_LIBRARY", tmp_path / "missing.so")
-    monkeypatch.setattr(transport, "_relay_lib", None)
     with pytest.raises(FailedPrecondition, match="make native"):
-        transport.PeerCredentialRelay(tmp_path / "public.sock", tmp_path / "internal.sock", tmp_path, 0o660)
+        transport.PeerCredentialRelay(tmp_path / "public.sock", tmp_path / "internal.sock", tmp_path, 0o660,
+                                      library=tmp_path / "missing.so")
     assert not (tmp_path / "public.sock").exists()
 
 
-def pair_relayed(idle_ms: int = 0, counters=(None, None)):
+def test_the_pump_is_loaded_from_the_path_it_is_given(tmp_path):
+    """The relay_library setting is the path loaded: nothing found at import time."""
+    from sandboxd.core.errors import FailedPrecondition
+
+    elsewhere = tmp_path / "copy" / "libsandboxd-relay.so"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(RELAY_LIBRARY.read_bytes())
+    assert RelayPump(elsewhere).counter().add(1) == 1
+    missing = tmp_path / "missing" / "libsandboxd-relay.so"
+    with pytest.raises(FailedPrecondition, match=str(missing)):
+        RelayPump(missing)
+
+
+def pair_relayed(pump: RelayPump, idle_ms: int = 0, counters=(None, None)):
     client, a = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     b, server = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     relayed = {f"socket:[{os.fstat(s.fileno()).st_ino}]" for s in (a, b)}
-    relay(a, b, idle_ms, counters)
+    pump.relay(a, b, idle_ms, counters)
     return client, server, relayed
 
 
-def test_a_client_silent_past_the_idle_time_is_ended_both_ways():
-    client, server, relayed = pair_relayed(idle_ms=300)
+def test_a_client_silent_past_the_idle_time_is_ended_both_ways(pump):
+    client, server, relayed = pair_relayed(pump, idle_ms=300)
     try:
         server.sendall(b"SETTINGS")  # the server talking does not keep a silent client
         assert recv_exactly(client, 8) == b"SETTINGS"
@@ -153,8 +174,8 @@ def test_a_client_silent_past_the_idle_time_is_ended_both_ways():
         server.close()
 
 
-def test_a_client_that_talks_is_never_idle():
-    client, server, _ = pair_relayed(idle_ms=300)
+def test_a_client_that_talks_is_never_idle(pump):
+    client, server, _ = pair_relayed(pump, idle_ms=300)
     try:
         for i in range(8):
             client.sendall(b"%d" % i)
@@ -167,15 +188,13 @@ def test_a_client_that_talks_is_never_idle():
         server.close()
 
 
-def test_counters_go_down_when_the_connection_has_ended():
-    from sandboxd.api.transport import ConnectionCounter
-
-    mine, total = ConnectionCounter(), ConnectionCounter()
+def test_counters_go_down_when_the_connection_has_ended(pump):
+    mine, total = pump.counter(), pump.counter()
     links = []
     for _ in range(3):
         mine.add(1)
         total.add(1)
-        links.append(pair_relayed(counters=(mine, total)))
+        links.append(pair_relayed(pump, counters=(mine, total)))
     assert (mine.value, total.value) == (3, 3)
     client, server, _ = links.pop()
     client.close()
@@ -209,7 +228,8 @@ def test_the_public_socket_refuses_connections_over_its_caps(tmp_path):
     threading.Thread(target=serve, daemon=True).start()
     relay_ = PeerCredentialRelay(tmp_path / "public.sock", internal_dir / "grpc.sock", internal_dir, 0o600,
                                  limits=ConnectionLimits(frozenset({os.geteuid()}), per_principal=2,
-                                                         unauthenticated=1, total=10))
+                                                         unauthenticated=1, total=10),
+                                 library=RELAY_LIBRARY)
     relay_.start()
     try:
         def connect():

@@ -355,7 +355,7 @@ def test_a_replacement_the_watch_saw_under_the_final_name_is_listed_once_as_repl
 def test_a_call_s_record_says_why_it_may_be_incomplete():
     from types import SimpleNamespace
 
-    from sandboxd.calls.executor import _file_record
+    from sandboxd.recording.recorder import file_record as _file_record
     from sandboxd.recording.filewatch import MAX_PATHS
 
     full = snapshot.Snapshot({"/w/a": e(1, sha="A")})

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from sandboxd.api.errors import TOOL_CALL_ID_KEY
 from sandboxd.core.errors import ResourceExhausted, SandboxdError, Unauthenticated
 from sandboxd.core.settings import DaemonSettings
 from sandboxd.policy.principal import Principal
@@ -211,19 +212,19 @@ class LimitInterceptor(grpc.ServerInterceptor):
         if self.slots.take(key, limit):
             return key
         who = "callers that are no principal" if principal is None else principal.name
-        exc = ResourceExhausted(f"{who} already hold{'' if principal is None else 's'} {limit} {kind}, "
-                                f"the most at once (its quota)")
-        if kind == CALL and self._refused is not None:
+        refusal = ResourceExhausted(f"{who} already hold{'' if principal is None else 's'} {limit} {kind}, "
+                                    f"the most at once (its quota)")
+        if kind == CALL and principal is not None and self._refused is not None:
             if request is None and read_request is not None:
                 try:
                     request = read_request()
                 except Exception:  # noqa: BLE001 - cut off while waiting: recorded without it
                     request = None
-            self._refused(method, request, principal, exc)  # sets exc.tool_call_id
-        if exc.tool_call_id:
-            context.set_trailing_metadata((("sandboxd-tool-call-id", exc.tool_call_id),))
-        log.info("refused %s: %s", method, exc.message)
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message)
+            self._refused(method, request, principal, refusal)  # sets refusal.tool_call_id
+        if refusal.tool_call_id:
+            context.set_trailing_metadata(((TOOL_CALL_ID_KEY, refusal.tool_call_id),))
+        log.info("refused %s: %s", method, refusal.message)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message)
         raise AssertionError("unreachable")  # abort raises
 
     def intercept_service(self, continuation, handler_call_details):

@@ -3,7 +3,7 @@
 grpc-python cannot see a peer's credentials, so the daemon accepts connections itself,
 reads SO_PEERCRED, and relays each connection to its private gRPC socket from a client
 socket bound to a path that names the peer (`<n>.<uid>`). The servicers read the uid
-back from `context.peer()`; only this relay can connect to the private socket (its
+back from `context.peer()` (api/auth.py); only this relay can connect to the private socket (its
 directory is 0700, root's), so the name cannot be forged. The bytes are moved by
 native/relay.c, on threads outside the interpreter."""
 
@@ -20,54 +20,48 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
-from sandboxd.core.errors import FailedPrecondition, Unauthenticated
-from sandboxd.policy.principal import Principal
-from sandboxd.core import assets
+from sandboxd.core.errors import FailedPrecondition
 from sandboxd.core.settings import DaemonSettings
 
 log = logging.getLogger("sandboxd.api.transport")
-# native/relay.c (`make native`).
-RELAY_LIBRARY = assets.packaged(assets.RELAY_LIBRARY)
-_relay_lib: ctypes.CDLL | None = None
 
 
-def relay_library() -> ctypes.CDLL:
-    """The byte pump (loaded once); FailedPrecondition when it was not built."""
-    global _relay_lib
-    if _relay_lib is None:
+class RelayPump:
+    """The byte pump of native/relay.c (`make native`), loaded from `library` (the
+    setting relay_library); FailedPrecondition when it was not built."""
+
+    def __init__(self, library: Path):
         try:
-            lib = ctypes.CDLL(str(RELAY_LIBRARY), use_errno=True)
+            lib = ctypes.CDLL(str(library), use_errno=True)
         except OSError as exc:
-            raise FailedPrecondition(f"the relay {RELAY_LIBRARY} cannot be loaded (build it with `make native`): "
+            raise FailedPrecondition(f"the relay {library} cannot be loaded (build it with `make native`): "
                                      f"{exc}") from None
         counter = ctypes.POINTER(ctypes.c_int)
         lib.relay_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, counter, counter]
         lib.relay_start.restype = ctypes.c_int
         lib.relay_count_add.argtypes, lib.relay_count_add.restype = [counter, ctypes.c_int], ctypes.c_int
-        _relay_lib = lib
-    return _relay_lib
+        self._lib = lib
 
+    def counter(self) -> "ConnectionCounter":
+        return ConnectionCounter(self._lib)
 
-def relay(a: socket.socket, b: socket.socket, idle_ms: int = 0,
-          counters: tuple["ConnectionCounter | None", "ConnectionCounter | None"] = (None, None)) -> None:
-    """Moves bytes both ways between two connected sockets until each side has ended,
-    then closes both; the sockets are detached from Python at once. With idle_ms, `a`
-    silent that long ends the connection. Each counter given is counted down when the
-    connection has ended (the caller counted it up)."""
-    lib = relay_library()
-    fa, fb = a.detach(), b.detach()
-    c1, c2 = (None if c is None else c.pointer for c in counters)
-    started = lib.relay_start(fa, fb, idle_ms, c1, c2)
-    if started < 0:
-        err = ctypes.get_errno()
-        os.close(fa)
-        os.close(fb)
-        raise OSError(err, f"no relay thread: {os.strerror(err)}")
-    if started == 1:  # the relay ends the connection, closes both and counts it off itself
-        err = ctypes.get_errno()
-        raise RelayEnded(err, f"only one relay thread: {os.strerror(err)}; the connection was ended")
+    def relay(self, a: socket.socket, b: socket.socket, idle_ms: int = 0,
+              counters: tuple["ConnectionCounter | None", "ConnectionCounter | None"] = (None, None)) -> None:
+        """Moves bytes both ways between two connected sockets until each side has ended,
+        then closes both; the sockets are detached from Python at once. With idle_ms, `a`
+        silent that long ends the connection. Each counter given is counted down when the
+        connection has ended (the caller counted it up)."""
+        fa, fb = a.detach(), b.detach()
+        c1, c2 = (None if c is None else c.pointer for c in counters)
+        started = self._lib.relay_start(fa, fb, idle_ms, c1, c2)
+        if started < 0:
+            err = ctypes.get_errno()
+            os.close(fa)
+            os.close(fb)
+            raise OSError(err, f"no relay thread: {os.strerror(err)}")
+        if started == 1:  # the relay ends the connection, closes both and counts it off itself
+            err = ctypes.get_errno()
+            raise RelayEnded(err, f"only one relay thread: {os.strerror(err)}; the connection was ended")
 
 
 class RelayEnded(OSError):
@@ -78,12 +72,13 @@ class ConnectionCounter:
     """Connections alive of one kind: up when accepted, down by the relay (in C) once
     the connection has ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
         self._value = ctypes.c_int(0)
         self.pointer = ctypes.pointer(self._value)
 
     def add(self, delta: int) -> int:
-        return relay_library().relay_count_add(self.pointer, delta)
+        return int(self._lib.relay_count_add(self.pointer, delta))
 
     @property
     def value(self) -> int:
@@ -107,33 +102,18 @@ class ConnectionLimits:
                    rpc.max_connections, int(rpc.unauthenticated_idle_timeout_s * 1000))
 
 
-def resolve_principal(uid: int, settings: DaemonSettings) -> Principal:
-    name = settings.principals.get(uid)
-    if name is None:
-        raise Unauthenticated(f"uid {uid} is not a principal of this daemon")
-    return Principal(name=name, uid=uid, admin=name in settings.admins)
-
-
-def peer_uid(context: grpc.ServicerContext, internal_dir: Path) -> int:
-    """The uid the relay recorded for this connection; -1 when it came any other way."""
-    peer = context.peer() or ""
-    prefix = f"unix:{internal_dir}/"
-    if not peer.startswith(prefix):
-        return -1
-    _, _, uid = peer[len(prefix):].partition(".")
-    return int(uid) if uid.isdigit() else -1
-
-
 class PeerCredentialRelay:
     """Accepts on the public socket and relays each connection, within the caps of
     `limits`: connections per principal's uid, of every other uid together, and in all.
-    One over a cap is closed at once (the client sees UNAVAILABLE)."""
+    One over a cap is closed at once (the client sees UNAVAILABLE). `library` is the
+    relay's byte pump (settings.relay_library)."""
 
     def __init__(self, public_path: Path, internal_socket: Path, internal_dir: Path, mode: int,
-                 owner: tuple[int, int] | None = None, limits: ConnectionLimits | None = None):
-        relay_library()  # refused here, before the socket exists
+                 owner: tuple[int, int] | None = None, limits: ConnectionLimits | None = None, *,
+                 library: Path):
+        self._pump = RelayPump(library)  # refused here, before the socket exists
         self._limits = limits or ConnectionLimits()
-        self._total = ConnectionCounter()
+        self._total = self._pump.counter()
         self._per_uid: dict[int, ConnectionCounter] = {}  # principals' uids, and -1: everyone else
         self._refused = 0
         self._refused_logged_at = 0.0
@@ -193,7 +173,7 @@ class PeerCredentialRelay:
         key, cap = (uid, self._limits.per_principal) if known else (-1, self._limits.unauthenticated)
         mine = self._per_uid.get(key)
         if mine is None:
-            mine = self._per_uid[key] = ConnectionCounter()
+            mine = self._per_uid[key] = self._pump.counter()
         if self._total.add(1) > self._limits.total:
             self._total.add(-1)
             return None
@@ -232,7 +212,7 @@ class PeerCredentialRelay:
                 raise
             finally:
                 name.unlink(missing_ok=True)  # the bound name stays the socket's address
-            relay(conn, upstream, idle_ms, counted)
+            self._pump.relay(conn, upstream, idle_ms, counted)
         except RelayEnded:
             raise
         except OSError:

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 from sandboxd.backends.hostlocks import daemon_running
 from sandboxd.backends import staging
@@ -28,7 +29,7 @@ DEADLINE_LABEL = "sandboxd.deadline_s"
 POLL_S = 1.0
 
 
-def spawn(daemon_id: str, staging_root: str, docker_host: str | None) -> subprocess.Popen:
+def spawn(daemon_id: str, staging_root: str, docker_host: str | None) -> subprocess.Popen[bytes]:
     """The watcher of this daemon's containers; the daemon keeps the returned process's
     stdin open for as long as it lives (and never writes to it)."""
     # -P and cwd "/": nothing of the directory the daemon was started from is importable
@@ -41,7 +42,7 @@ def spawn(daemon_id: str, staging_root: str, docker_host: str | None) -> subproc
                             env=env, cwd="/", start_new_session=True, close_fds=True)
 
 
-def overdue(containers: list[dict], now: float) -> list[str]:
+def overdue(containers: list[dict[str, Any]], now: float) -> list[str]:
     """The ids of containers to remove now (pure): those that ended, and running ones
     past their deadline. (The daemon would have removed both.)"""
     out = []

@@ -11,7 +11,8 @@ spelled, how processes are put in it, counted, killed and how it goes away.
   the program (`popen_in`): it never runs a line of its program outside it.
 
 The sandbox's relative path (sandboxd-nsjail/<daemon id>/<sandbox id>) is the same on
-both; the layout is detected once, from the host's mounts.
+both. The layout is made from the host's cgroup version, probed once at the daemon's
+start (core/hostfacts.py; `layout_for`), and handed to what needs it: never at import.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
+from sandboxd.core.hostfacts import CGROUP_ROOT
 from sandboxd.core import assets
-from sandboxd.backends.hostlocks import CGROUP_ROOT
+from sandboxd.core.hostfacts import CgroupVersion, cgroup_version
 from sandboxd.sandbox.protocol import ResourceUsage
 
-# native/cgroup-exec.c (`make native`): joins cgroups, then execs the program.
-JOIN_EXEC = assets.packaged(assets.CGROUP_EXEC)
 # How long the helper may take to join and exec before the spawn counts as failed.
 JOIN_TIMEOUT_S = 30.0
 
@@ -101,8 +101,11 @@ class Layout:
         cgroup. Not on v1: a memory limit below the usage is refused there (EBUSY)."""
         return False
 
-    def __init__(self, root: str = CGROUP_ROOT):
+    def __init__(self, root: str = CGROUP_ROOT, join_exec: str | os.PathLike[str] | None = None):
         self.root = root
+        # native/cgroup-exec.c (`make native`, the cgroup_exec_binary setting): joins
+        # cgroups, then execs the program (`popen_in`).
+        self.join_exec = str(join_exec) if join_exec is not None else str(assets.packaged(assets.CGROUP_EXEC))
 
     def dirs(self, cgroup: str) -> list[str]:
         raise NotImplementedError
@@ -222,20 +225,20 @@ class Layout:
         """Moves the calling thread into the cgroup (v1 only)."""
         raise NotImplementedError
 
-    def popen_in(self, cgroup: str) -> Callable[..., subprocess.Popen]:
+    def popen_in(self, cgroup: str) -> Callable[..., subprocess.Popen[bytes]]:
         """subprocess.Popen, except that the process is born in the cgroup: it starts as
-        the join helper (JOIN_EXEC), which writes itself into the cgroup's cgroup.procs
+        the join helper (`join_exec`), which writes itself into the cgroup's cgroup.procs
         and then execs the command. Returns once the command runs; OSError (and nothing
         ran) when the join failed. No Python runs between fork and exec (a preexec_fn
         did, in a child of the threaded daemon, and once in a while hung there), and
         the spawn may vfork."""
         procs = [f"{d}/cgroup.procs" for d in self.dirs(cgroup)]
 
-        def popen(args, **kwargs) -> subprocess.Popen:
+        def popen(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
             status_r, status_w = os.pipe2(os.O_CLOEXEC)
             try:
                 kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), status_w)
-                proc = subprocess.Popen([str(JOIN_EXEC), str(status_w), *procs, "--", *args], **kwargs)
+                proc = subprocess.Popen([self.join_exec, str(status_w), *procs, "--", *args], **kwargs)
             except BaseException:
                 os.close(status_r)
                 raise
@@ -263,7 +266,7 @@ def _read_to_eof(fd: int, timeout_s: float) -> str | None:
     """What is written to the pipe until its last writer closes it; None past the timeout.
     (poll, not select: the daemon's descriptors go past 1023.)"""
     deadline = time.monotonic() + timeout_s
-    chunks = []
+    chunks: list[bytes] = []
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     while True:
@@ -279,8 +282,8 @@ def _read_to_eof(fd: int, timeout_s: float) -> str | None:
 class V1(Layout):
     moves_threads = True
 
-    def __init__(self, root: str = CGROUP_ROOT):
-        super().__init__(root)
+    def __init__(self, root: str = CGROUP_ROOT, join_exec: str | os.PathLike[str] | None = None):
+        super().__init__(root, join_exec)
         # Controllers mounted together (systemd's cpu and cpuacct: links to cpu,cpuacct)
         # are one directory, named once: it is renamed and removed once.
         seen: set[str] = set()
@@ -338,8 +341,8 @@ class V1(Layout):
 class V2(Layout):
     renames = False  # cgroup2 has no rename (kernel: cgroup1_rename only)
 
-    def __init__(self, root: str = CGROUP_ROOT):
-        super().__init__(root)
+    def __init__(self, root: str = CGROUP_ROOT, join_exec: str | os.PathLike[str] | None = None):
+        super().__init__(root, join_exec)
         self._delegating: set[str] = set()  # ancestors whose subtree_control is known done
         self.swap_control = False  # memory.swap.max exists (swap accounting on): check() says
 
@@ -435,14 +438,19 @@ def cgroup_usage(rel: str, root: str = CGROUP_ROOT) -> ResourceUsage:
     return ResourceUsage(cpu_ms=_keyed(f"{root}/{rel}/cpu.stat", "usage_usec") // 1000, peak_memory_bytes=peak or 0)
 
 
-def detect(root: str = CGROUP_ROOT) -> Layout | None:
-    """v1 when the memory controller has a v1 hierarchy of its own (hybrid hosts too),
-    v2 when the root is the unified hierarchy; None when neither is mounted."""
-    if os.path.exists(f"{root}/memory/cgroup.procs") and not os.path.exists(f"{root}/memory/cgroup.controllers"):
-        return V1(root)
-    if os.path.exists(f"{root}/cgroup.controllers"):
-        return V2(root)
+def layout_for(version: CgroupVersion | None, root: str = CGROUP_ROOT,
+               join_exec: str | os.PathLike[str] | None = None) -> Layout | None:
+    """The layout of a host whose cgroup version was probed (core/hostfacts.py: once, at
+    the daemon's start); None when it has no cgroups. `join_exec`: the
+    cgroup_exec_binary setting (default: the packaged helper)."""
+    if version == "v1":
+        return V1(root, join_exec)
+    if version == "v2":
+        return V2(root, join_exec)
     return None
 
 
-LAYOUT: Layout | None = detect()
+def detect(root: str = CGROUP_ROOT, join_exec: str | os.PathLike[str] | None = None) -> Layout | None:
+    """The host's layout, probed now (for a backend built without the daemon's probe,
+    and for tests)."""
+    return layout_for(cgroup_version(root), root, join_exec)

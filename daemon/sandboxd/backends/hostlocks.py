@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from sandboxd.core.hostfacts import CGROUP_ROOT
+
 
 log = logging.getLogger("sandboxd.backends")
 
@@ -45,7 +47,6 @@ def daemon_running(daemon_id: str) -> bool:
         os.close(fd)
 
 
-CGROUP_ROOT = "/sys/fs/cgroup"
 # Sandbox cgroups younger than this are never taken for leftovers: a live daemon may
 # have just made one and not yet put a process in it.
 STALE_CGROUP_S = 600.0

@@ -1,15 +1,14 @@
-"""The one error root of the daemon. Each kind knows its gRPC status; the servicer
-interceptor (service.py) is the only place that turns them into statuses."""
+"""The one error root of the daemon. Each kind names its gRPC status (`status`, the name
+of a grpc.StatusCode member, so that nothing below api/ imports grpc); the servicer
+interceptor (api/errors.py) is the only place that turns them into statuses."""
 
 from __future__ import annotations
-
-import grpc
 
 
 class SandboxdError(Exception):
     """Base of every error the daemon reports to a caller."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    status: str = "INTERNAL"
     kind: str = "INTERNAL"
     retryable: bool = False
 
@@ -25,62 +24,62 @@ class SandboxdError(Exception):
 
 
 class InvalidArgument(SandboxdError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    status = "INVALID_ARGUMENT"
     kind = "INVALID_ARGUMENT"
 
 
 class Unauthenticated(SandboxdError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    status = "UNAUTHENTICATED"
     kind = "UNAUTHENTICATED"
 
 
 class PermissionDenied(SandboxdError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    status = "PERMISSION_DENIED"
     kind = "PERMISSION_DENIED"
 
 
 class FailedPrecondition(SandboxdError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    status = "FAILED_PRECONDITION"
     kind = "FAILED_PRECONDITION"
 
 
 class NotFound(SandboxdError):
-    code = grpc.StatusCode.NOT_FOUND
+    status = "NOT_FOUND"
     kind = "NOT_FOUND"
 
 
 class AlreadyExists(SandboxdError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    status = "ALREADY_EXISTS"
     kind = "ALREADY_EXISTS"
 
 
 class Aborted(SandboxdError):
     """A concurrency conflict the caller should retry."""
 
-    code = grpc.StatusCode.ABORTED
+    status = "ABORTED"
     kind = "ABORTED"
     retryable = True
 
 
 class ResourceExhausted(SandboxdError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = "RESOURCE_EXHAUSTED"
     kind = "RESOURCE_EXHAUSTED"
     retryable = True
 
 
 class Unimplemented(SandboxdError):
-    code = grpc.StatusCode.UNIMPLEMENTED
+    status = "UNIMPLEMENTED"
     kind = "UNIMPLEMENTED"
 
 
 class BackendUnavailable(SandboxdError):
     """The sandbox engine (dockerd, nsjail) is missing or failing; never run unsandboxed."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    status = "UNAVAILABLE"
     kind = "BACKEND_UNAVAILABLE"
     retryable = True
 
 
 class InternalError(SandboxdError):
-    code = grpc.StatusCode.INTERNAL
+    status = "INTERNAL"
     kind = "INTERNAL"

@@ -119,7 +119,10 @@ def parse_request(head: bytes) -> RequestHead:
     """A request head (without its final CRLFCRLF), checked strictly and parsed by h11,
     whose connection is left at the request's body."""
     fields = _lexical_check(head)
-    method, target, version = _REQUEST_LINE.fullmatch(head.split(b"\r\n", 1)[0]).groups()
+    request_line = _REQUEST_LINE.fullmatch(head.split(b"\r\n", 1)[0])
+    if request_line is None:  # _lexical_check refused it already (said for the type checker)
+        raise _bad("not an HTTP/1.x request line")
+    method, target, version = request_line.groups()
     chunked, length = _framing(version, fields)
     # h11 insists on Host in HTTP/1.1; a proxy request routes by its target instead (the
     # proxy adds Host from it), so one is lent to the parser and taken back after.
@@ -321,7 +324,7 @@ class BodyFramer:
         return self._parser.trailing_data[0]
 
     def _drain(self) -> bytes:
-        out = []
+        out: list[bytes] = []
         while not self.done:
             try:
                 event = self._parser.next_event()

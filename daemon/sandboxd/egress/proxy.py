@@ -31,6 +31,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from sandboxd.egress import dns
 from sandboxd.ledger import events as ev
@@ -199,7 +200,7 @@ class EgressProxy:
         if ep.tasks:
             await asyncio.wait(list(ep.tasks), timeout=5)
         for t in ep.transports:
-            t.abort()  # a connection still flushing to a peer that stopped reading
+            cast(asyncio.WriteTransport, t).abort()  # a connection still flushing to a peer that stopped reading
         ep.transports.clear()
         ep.socket_path.unlink(missing_ok=True)
 
@@ -400,7 +401,7 @@ class EgressProxy:
                                decision="allowed") from None
         out: list[IPAddress] = []
         for info in infos:
-            ip = ipaddress.ip_address(info[4][0].split("%")[0])
+            ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
             if ip not in out:
                 out.append(ip)
         return out

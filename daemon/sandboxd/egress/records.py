@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sandboxd.ledger import events as ev
+from sandboxd.ledger.event_types import ConnectionAttempt, NetworkAccessObserved
 from sandboxd.policy.egress_rules import EgressRules
 
 
@@ -32,13 +33,15 @@ class ConnectionRecord:
     started_at: str = field(default_factory=ev.utc_now)
     ended_at: str = ""
 
+    def observed(self) -> NetworkAccessObserved:
+        """The attempt as its NetworkAccessObserved event."""
+        return NetworkAccessObserved(attempt=ConnectionAttempt(
+            self.protocol, self.method, self.host, self.port, self.address, self.decision, self.rule, self.reason,
+            self.error, self.status, self.bytes_up, self.bytes_down, self.started_at, self.ended_at))
+
     def to_event(self) -> dict[str, Any]:
-        return {
-            "protocol": self.protocol, "method": self.method, "host": self.host, "port": self.port,
-            "address": self.address, "decision": self.decision, "rule": self.rule, "reason": self.reason,
-            "error": self.error, "status": self.status, "bytesUp": self.bytes_up, "bytesDown": self.bytes_down,
-            "startedAt": self.started_at, "endedAt": self.ended_at,
-        }
+        """The event's payload (callers move to `draft(record.observed())`)."""
+        return self.observed().to_payload()
 
 
 @dataclass

@@ -9,7 +9,7 @@ destination gets the same bytes however the client's stream was cut into reads).
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import Protocol, cast
 
 from sandboxd.egress.http import ProxyRefusal, response_status
 
@@ -132,16 +132,18 @@ async def relay(rec: Counts, reader: asyncio.StreamReader, writer: asyncio.Strea
     """Bytes both ways until both ends are done; raises the framer's refusal, if any."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
-    client_t, up_t = writer.transport, upstream.transport
+    # Socket transports, which read as well as write (typed as write transports).
+    client_t, up_t = cast(asyncio.Transport, writer.transport), cast(asyncio.Transport, upstream.transport)
     to_up = _Pipe(rec, up=True, done=done, framer=framer)
     to_client = _Pipe(rec, up=False, done=done)
     to_up.pair(sink=up_t, source=client_t, peer=to_client)
     to_client.pair(sink=client_t, source=up_t, peer=to_up)
     # What the stream readers already buffered goes first.
+    # (Their private buffers: the transport is handed over below.)
     for stream_reader, pipe in ((reader, to_up), (upstream_reader, to_client)):
-        buffered = bytes(stream_reader._buffer)  # noqa: SLF001 - handing the transport over
-        stream_reader._buffer.clear()  # noqa: SLF001
-        eof = stream_reader.at_eof() or stream_reader._eof  # noqa: SLF001
+        buffered = bytes(stream_reader._buffer)  # type: ignore[attr-defined]  # noqa: SLF001
+        stream_reader._buffer.clear()  # type: ignore[attr-defined]  # noqa: SLF001
+        eof = stream_reader.at_eof() or stream_reader._eof  # type: ignore[attr-defined]  # noqa: SLF001
         if buffered:
             pipe.data_received(buffered)
         if eof:
@@ -156,7 +158,7 @@ async def relay(rec: Counts, reader: asyncio.StreamReader, writer: asyncio.Strea
         raise to_up.refusal
 
 
-def close_soon(transport: asyncio.BaseTransport) -> None:
+def close_soon(transport: asyncio.WriteTransport) -> None:
     """Closes after flushing what is buffered, but never waits on the peer for long."""
     if transport.is_closing() and not transport.get_write_buffer_size():
         return

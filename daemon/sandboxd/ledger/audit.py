@@ -15,18 +15,15 @@ import base64
 import json
 import logging
 import posixpath
-import shlex
-import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sandboxd_contract.canonical import file_accesses
-
 from sandboxd.ledger import events as ev
+# The projection of the appended events (also audit.index_events, as the log's on_append).
+from sandboxd.ledger.audit_projection import index_events as index_events
 from sandboxd.ledger.store import Database
 
 log = logging.getLogger("sandboxd.ledger.audit")
@@ -86,86 +83,6 @@ CREATE TABLE IF NOT EXISTS audit_meta (
 PATH_OPERATIONS = ("read", "write", "create", "delete", "rename", "chmod")
 STATUSES = ("running", "success", "error", "partial", "cancelled", "rejected")
 MAX_PAGE = 500
-
-
-def command_text(argv: Sequence[str]) -> str:
-    return shlex.join(argv)
-
-
-def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
-    """Projects one event into the index; indexing the same event again changes nothing."""
-    p = e.payload
-    if e.type == ev.REQUESTED:
-        argv = p.get("argv")
-        conn.execute(
-            "INSERT OR IGNORE INTO audit_calls (seq, tool_call_id, principal, workspace, command, tool_id, status,"
-            " requested_at) VALUES (?,?,?,?,?,?,?,?)",
-            (e.seq, e.tool_call_id, str(p.get("principal", "")), str(p.get("workspace", "")),
-             command_text(argv) if isinstance(argv, list) and all(isinstance(a, str) for a in argv) else "",
-             str(p.get("toolId", "")), "running", e.time))
-    elif e.type == ev.POLICY_CHECKED:
-        conn.execute("UPDATE audit_calls SET backend = ?, image = ? WHERE tool_call_id = ?",
-                     (str(p.get("backend", "")), str(p.get("image", "")), e.tool_call_id))
-    elif e.type == ev.REJECTED:
-        # Only a call refused before it was accepted: a refused retry that reused an
-        # accepted call's id must not rewrite that call's row.
-        conn.execute("UPDATE audit_calls SET status = 'rejected', error_code = ?, finished_at = ?"
-                     " WHERE tool_call_id = ? AND status = 'running' AND backend = ''",
-                     (str(p.get("code", "")), e.time, e.tool_call_id))
-    elif e.type == ev.RESULT_VALIDATED:
-        result = p.get("result") or {}
-        conn.execute(
-            "UPDATE audit_calls SET status = ?, exit_code = ?, error_code = ?, finished_at = ? WHERE tool_call_id = ?",
-            (str(result.get("status", "error")), result.get("exitCode"), str((result.get("error") or {}).get("code", "")),
-             e.time, e.tool_call_id))
-    elif e.type == ev.NETWORK_ACCESS and ("host" in p or "byDestination" in p):
-        call_seq = _call_seq(conn, e.tool_call_id)
-        if call_seq is not None:
-            # One attempt, or the destinations counted past the record's size.
-            attempts = [p] if "host" in p else [d for d in p["byDestination"] if isinstance(d, dict) and "host" in d]
-            conn.executemany(
-                "INSERT OR IGNORE INTO audit_network (event_seq, call_seq, tool_call_id, host, rhost, port, decision)"
-                " VALUES (?,?,?,?,?,?,?)",
-                [(e.seq, call_seq, e.tool_call_id, str(a["host"]), str(a["host"])[::-1], int(a.get("port", 0)),
-                  str(a.get("decision", ""))) for a in attempts])
-    elif e.type == ev.EXPIRED:
-        # Retention: the call leaves the index (its events and this tombstone stay).
-        call_seq = _call_seq(conn, e.tool_call_id)
-        if call_seq is not None:
-            for table in ("audit_paths", "audit_network"):
-                conn.execute(f"DELETE FROM {table} WHERE call_seq = ?", (call_seq,))
-            conn.execute("DELETE FROM audit_calls WHERE seq = ?", (call_seq,))
-    elif e.type == ev.FILE_ACCESS:
-        rows = []
-        for a in file_accesses(p):  # every form a daemon has written
-            rows.append((str(a["path"]), str(a.get("operation", ""))))
-            if a.get("renamedTo"):
-                rows.append((str(a["renamedTo"]), "rename"))
-        call_seq = _call_seq(conn, e.tool_call_id) if rows else None
-        if call_seq is not None:
-            conn.executemany("INSERT OR IGNORE INTO audit_paths (path, op, call_seq) VALUES (?,?,?)",
-                             [(path, op, call_seq) for path, op in rows])
-
-
-def _call_seq(conn: sqlite3.Connection, tool_call_id: str) -> int | None:
-    row = conn.execute("SELECT seq FROM audit_calls WHERE tool_call_id = ?", (tool_call_id,)).fetchone()
-    return row[0] if row else None
-
-
-def index_events(conn: sqlite3.Connection, events: Iterable[ev.Event]) -> None:
-    """Indexes appended events. The indexed position only moves when everything before
-    them is indexed too; otherwise catch_up fills the gap later (and indexing an event
-    twice changes nothing)."""
-    events = list(events)
-    for e in events:
-        index_event(conn, e)
-    if not events:
-        return
-    row = conn.execute("SELECT indexed_seq FROM audit_meta WHERE id = 1").fetchone()
-    indexed = row[0] if row else 0
-    if indexed >= events[0].seq - 1 and events[-1].seq > indexed:
-        conn.execute("INSERT INTO audit_meta (id, indexed_seq) VALUES (1, ?) "
-                     "ON CONFLICT (id) DO UPDATE SET indexed_seq = excluded.indexed_seq", (events[-1].seq,))
 
 
 # A call's 3,000 reads dirty as many pages of the by-path table: with SQLite's default

@@ -14,7 +14,8 @@ from datetime import datetime, timedelta, timezone
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import FileArtifactStore
 from sandboxd.ledger.audit import AuditIndex
-from sandboxd.ledger.events import EventDraft, EventLog
+from sandboxd.ledger.event_types import RemovedArtifact, ToolCallExpired, draft
+from sandboxd.ledger.events import EventLog
 from sandboxd.core.settings import RetentionSettings
 from sandboxd.ledger.store import Database
 
@@ -74,13 +75,11 @@ def expire_calls(db: Database, events: EventLog, index: AuditIndex, before: str,
                              [(a[0], tool_call_id, expired_at, a[2]) for a in artifacts])
             # The idempotency key stays: a retry under it is refused as expired, never
             # run a second time (CallExecutor._answer_retry).
-            # Indexing the tombstone removes the call's index rows (audit.index_event),
+            # Indexing the tombstone removes the call's index rows (audit_projection.index_event),
             # so an index rebuilt from the log leaves them out as well.
-            events.append(conn, tool_call_id, last[0] if last else "", [EventDraft(ev.EXPIRED, {
-                "reason": "retention", "periodDays": period_days, "endedAt": finished_at, "expiredAt": expired_at,
-                "artifactsRemoved": [{"artifactId": a[0], "kind": a[1], "contentHash": a[2], "sizeBytes": a[3]}
-                                     for a in artifacts],
-            })])
+            removed = tuple(RemovedArtifact(a[0], a[1], a[2], a[3]) for a in artifacts)
+            events.append(conn, tool_call_id, last[0] if last else "",
+                          [draft(ToolCallExpired(period_days, finished_at, expired_at, removed))])
             out.append(ExpiredCall(tool_call_id, tuple(a[0] for a in artifacts), tuple(a[2] for a in artifacts)))
     index.sync()  # the tombstones take the calls out of the index
     return out

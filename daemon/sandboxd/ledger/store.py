@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -139,7 +140,7 @@ class Database:
         with self._lock:
             self._conn.executescript(sql)
 
-    def query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+    def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
         with self._lock:
             cur = self._conn.execute(sql, args)
             cols = [d[0] for d in cur.description]

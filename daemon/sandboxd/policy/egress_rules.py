@@ -214,16 +214,18 @@ def forbidden_reason(ip: IPAddress, *, deny_private: bool, own_addresses: frozen
     its network (an internal mirror). An IPv4-mapped address is the IPv4 address it
     carries; every other form that embeds one (embedded_ipv4) is refused whole, and
     when the IPv4 address inside would be refused too the reason says so."""
-    kw = {"deny_private": deny_private, "own_addresses": own_addresses, "exempt": exempt}
+    def plain(address: IPAddress) -> str | None:
+        return _plain_reason(address, deny_private=deny_private, own_addresses=own_addresses, exempt=exempt)
+
     embedded = embedded_ipv4(ip)
     if embedded and embedded[0][0] == "ipv4-mapped":
-        return _plain_reason(embedded[0][1], **kw)
+        return plain(embedded[0][1])
     # Scope ids (fe80::1%eth0) play no part in which address it is.
     if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id:
         ip = ipaddress.IPv6Address(int(ip))
-    own = _plain_reason(ip, **kw)
+    own = plain(ip)
     for kind, v4 in embedded:
-        inner = _plain_reason(v4, **kw)
+        inner = plain(v4)
         if inner is not None:
             return f"{kind} (embeds {v4}, {inner})"
     if own is None and embedded:  # fail closed: a form with no prefix entry of its own

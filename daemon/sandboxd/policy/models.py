@@ -300,13 +300,55 @@ def _limit(value: int | None, default: int, maximum: int, field: str, unit: str)
     return value
 
 
+@dataclass(frozen=True)
+class _Filesystem:
+    """A policy's filesystem section, resolved: normalized paths checked against each other."""
+
+    cwd: str
+    read_roots: tuple[str, ...]
+    write_roots: tuple[str, ...]
+    blocked: tuple[str, ...]
+    temp_dir: str
+
+
 def resolve_policy(
     call: PreparedToolCall, limits: LimitSettings, inheritable_env: Mapping[str, str]
 ) -> EffectivePolicy:
     """Applies defaults and maxima. `inheritable_env` holds the daemon-env values that
     the daemon's settings allow a policy to inherit; nothing else of it is ever used."""
     policy = call.policy
-    fs = policy.filesystem
+    fs = _resolve_filesystem(call)
+    net = policy.network
+    allow_domains = _resolve_domains(net)
+    env = _resolve_env(call, fs.temp_dir, inheritable_env)
+    proc = policy.process
+    pp = "policy.process"
+    return EffectivePolicy(
+        cwd=fs.cwd,
+        read_roots=fs.read_roots,
+        write_roots=fs.write_roots,
+        blocked_paths=fs.blocked,
+        temp_dir=fs.temp_dir,
+        egress=net.egress,
+        allow_domains=allow_domains,
+        deny_private_networks=net.deny_private_networks,
+        env=env,
+        timeout_ms=_limit(proc.timeout_ms, limits.default_timeout_ms, limits.max_timeout_ms, f"{pp}.timeoutMs", "ms"),
+        memory_bytes=_limit(proc.max_memory_mb, limits.default_memory_mb, limits.max_memory_mb, f"{pp}.maxMemoryMb", "MB") * 2**20,
+        max_stdout_bytes=_limit(proc.max_stdout_bytes, limits.default_stdout_bytes, limits.max_output_bytes, f"{pp}.maxStdoutBytes", "bytes"),
+        max_stderr_bytes=_limit(proc.max_stderr_bytes, limits.default_stderr_bytes, limits.max_output_bytes, f"{pp}.maxStderrBytes", "bytes"),
+        max_pids=_limit(proc.max_pids, limits.default_pids, limits.max_pids, f"{pp}.maxPids", "processes"),
+        cpu_millicores=_limit(proc.cpu_millicores, limits.default_cpu_millicores, limits.max_cpu_millicores, f"{pp}.cpuMillicores", "millicores"),
+        max_file_size_bytes=_limit(proc.max_file_size_mb, limits.default_file_size_mb, limits.max_file_size_mb, f"{pp}.maxFileSizeMb", "MB") * 2**20,
+        tmp_size_bytes=_limit(proc.max_tmp_size_mb, limits.default_tmp_size_mb, limits.max_tmp_size_mb, f"{pp}.maxTmpSizeMb", "MB") * 2**20,
+        record_command=policy.audit.record_command,
+        record_file_access=policy.audit.record_file_access,
+        record_network_access=policy.audit.record_network_access,
+    )
+
+
+def _resolve_filesystem(call: PreparedToolCall) -> _Filesystem:
+    fs = call.policy.filesystem
     fs_prefix = "policy.filesystem"
     if fs is None:
         fs = FilesystemPolicy(read_roots=[WORKSPACE])
@@ -349,8 +391,10 @@ def resolve_policy(
         raise InvalidArgument(f"{cwd} must lie inside /workspace or tempDir", field=cwd_field)
     if any(is_within(cwd, b) for b in blocked):
         raise InvalidArgument(f"{cwd} is a blocked path", field=cwd_field)
+    return _Filesystem(cwd, read_roots, write_roots, blocked, temp_dir)
 
-    net = policy.network
+
+def _resolve_domains(net: NetworkPolicy) -> tuple[str, ...]:
     if net.allow_domains and net.egress != "allowlist":
         raise InvalidArgument(f"allowDomains needs egress 'allowlist', not '{net.egress}'", field="policy.network.allowDomains")
     allow_domains: list[str] = []
@@ -361,32 +405,7 @@ def resolve_policy(
             raise InvalidArgument(f"{pattern!r}: {exc}", field=f"policy.network.allowDomains[{i}]") from None
         if normalized not in allow_domains:
             allow_domains.append(normalized)
-
-    env = _resolve_env(call, temp_dir, inheritable_env)
-    proc = policy.process
-    pp = "policy.process"
-    return EffectivePolicy(
-        cwd=cwd,
-        read_roots=read_roots,
-        write_roots=write_roots,
-        blocked_paths=blocked,
-        temp_dir=temp_dir,
-        egress=net.egress,
-        allow_domains=tuple(allow_domains),
-        deny_private_networks=net.deny_private_networks,
-        env=env,
-        timeout_ms=_limit(proc.timeout_ms, limits.default_timeout_ms, limits.max_timeout_ms, f"{pp}.timeoutMs", "ms"),
-        memory_bytes=_limit(proc.max_memory_mb, limits.default_memory_mb, limits.max_memory_mb, f"{pp}.maxMemoryMb", "MB") * 2**20,
-        max_stdout_bytes=_limit(proc.max_stdout_bytes, limits.default_stdout_bytes, limits.max_output_bytes, f"{pp}.maxStdoutBytes", "bytes"),
-        max_stderr_bytes=_limit(proc.max_stderr_bytes, limits.default_stderr_bytes, limits.max_output_bytes, f"{pp}.maxStderrBytes", "bytes"),
-        max_pids=_limit(proc.max_pids, limits.default_pids, limits.max_pids, f"{pp}.maxPids", "processes"),
-        cpu_millicores=_limit(proc.cpu_millicores, limits.default_cpu_millicores, limits.max_cpu_millicores, f"{pp}.cpuMillicores", "millicores"),
-        max_file_size_bytes=_limit(proc.max_file_size_mb, limits.default_file_size_mb, limits.max_file_size_mb, f"{pp}.maxFileSizeMb", "MB") * 2**20,
-        tmp_size_bytes=_limit(proc.max_tmp_size_mb, limits.default_tmp_size_mb, limits.max_tmp_size_mb, f"{pp}.maxTmpSizeMb", "MB") * 2**20,
-        record_command=policy.audit.record_command,
-        record_file_access=policy.audit.record_file_access,
-        record_network_access=policy.audit.record_network_access,
-    )
+    return tuple(allow_domains)
 
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

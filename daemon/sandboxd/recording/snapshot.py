@@ -287,7 +287,7 @@ def diff(before: dict[str, Entry], after: dict[str, Entry], candidates: set[str]
         # A rename keeps the inode, the type, the size, the mtime and the content; a file
         # created in a deleted one's place may reuse the inode (and a command can set
         # the mtime).
-        if moved is not None and stat.S_IFMT(moved.mode) == stat.S_IFMT(now.mode) \
+        if source is not None and moved is not None and stat.S_IFMT(moved.mode) == stat.S_IFMT(now.mode) \
                 and moved.size == now.size and moved.mtime_ns == now.mtime_ns \
                 and not (moved.sha256 and now.sha256 and moved.sha256 != now.sha256):
             out.append(_hashed({"path": source, "operation": "rename", "renamedTo": path}, "sha256", now))
@@ -371,7 +371,9 @@ def _printable(entry: dict[str, Any]) -> dict[str, Any]:
     it ("pathBase64", "renamedToBase64")."""
     for key in ("path", "renamedTo"):
         name = entry.get(key)
-        shown = printable(name) if name is not None else None
+        if name is None:
+            continue
+        shown = printable(name)
         if shown is not name:
             entry[key] = shown
             entry[f"{key}Base64"] = base64.b64encode(name.encode("utf-8", "surrogateescape")).decode()

@@ -1,25 +1,24 @@
-"""The one Backend protocol that every sandbox engine implements (Docker now, nsjail
-next). A backend is told a spec; it never sees a policy."""
+"""The one Backend protocol that every sandbox engine implements (Docker, nsjail). A
+backend is told a spec, its own compiler's (DockerSpec, NsjailSpec: `Any` here, the
+engine's business); it never sees a policy."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from sandboxd.policy.models import EffectivePolicy
+from sandboxd.policy.preflight import HostPlan
 from sandboxd.sandbox.output import OutputSpool
-
-if TYPE_CHECKING:
-    from sandboxd.sandbox.spec import Attachments, SandboxIdentity
-    from sandboxd.policy.models import EffectivePolicy
-    from sandboxd.policy.preflight import HostPlan
+from sandboxd.sandbox.spec import Attachments, SandboxIdentity
 
 
 @dataclass
 class SandboxHandle:
     sandbox_id: str
     engine_id: str  # container id, jail pid, ...
-    spec: Any
+    spec: Any  # the engine's own spec (DockerSpec, NsjailSpec)
     # Set when the sandbox's output streams reached EOF: its process tree is gone.
     output_closed: threading.Event = field(default_factory=threading.Event)
     reader: threading.Thread | None = None
@@ -44,8 +43,8 @@ class Backend(Protocol):
     def check(self) -> None:
         """Raises BackendUnavailable when the engine or a feature it needs is missing."""
 
-    def compile(self, policy: "EffectivePolicy", plan: "HostPlan", identity: "SandboxIdentity", *,
-                argv: tuple[str, ...], image: str, stdin_open: bool, attachments: "Attachments | None" = None) -> Any:
+    def compile(self, policy: EffectivePolicy, plan: HostPlan, identity: SandboxIdentity, *,
+                argv: tuple[str, ...], image: str, stdin_open: bool, attachments: Attachments | None = None) -> Any:
         """This backend's spec for a call: its pure compiler, fed the host facts only the
         backend knows (mask file, seccomp profile, root filesystem) and the call's
         attachments (the shim, the egress endpoint, secrets)."""
@@ -65,6 +64,9 @@ class Backend(Protocol):
 
     def wait(self, handle: SandboxHandle, timeout_s: float) -> bool:
         """True once the whole process tree has ended; False at the timeout."""
+
+    def sandbox_pid(self, handle: SandboxHandle) -> int:
+        """A host pid inside the running sandbox (its mounts final), 0 while there is none."""
 
     def kill(self, handle: SandboxHandle) -> None:
         """Kills the whole process tree now."""

@@ -1,10 +1,13 @@
-"""Pure translation of (EffectivePolicy, HostPlan, call identity) into what a backend
-is told: a DockerSpec. No engine, no filesystem; golden tests pin the output."""
+"""What every engine's spec is made of, and what the rest of the daemon shares with the
+compilers: the sandbox's identity, its staged workspace roots, the attachments a call
+brings (shim, egress, secrets), the paths under /dev/sandboxd, and the one mount list
+both compilers start from (backends/docker/compile.py, backends/nsjail/compile.py).
+Pure: no engine, no filesystem."""
 
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from sandboxd.policy.models import WORKSPACE, EffectivePolicy, is_within
@@ -16,9 +19,6 @@ MAX_OPEN_FILES = 4096
 # The empty, root-owned tmpfs that stands for /workspace when only parts are visible.
 WORKSPACE_BASE_TMPFS_BYTES = 64 * 1024
 MASK_DIR_TMPFS_BYTES = 4 * 1024
-# A container's deadline without the daemon: its timeout and this much more. (The
-# watcher acts only once the daemon is gone; while it lives, its own timeout kills.)
-BACKSTOP_SLACK_S = 2
 
 
 def plain(value: Any) -> Any:
@@ -109,46 +109,6 @@ class SandboxIdentity:
     daemon_id: str
     sandbox_id: str
     tool_call_id: str
-
-
-@dataclass(frozen=True)
-class DockerSpec:
-    """Everything the Docker backend is told. One container per spec."""
-
-    name: str
-    image: str
-    argv: tuple[str, ...]
-    user: str
-    working_dir: str
-    env: dict[str, str]
-    labels: dict[str, str]
-    mounts: tuple[MountSpec, ...]
-    network_mode: str
-    memory_bytes: int
-    pids_limit: int
-    nano_cpus: int
-    ulimits: tuple[tuple[str, int, int], ...]
-    cgroup_parent: str
-    stdin_open: bool
-    timeout_ms: int
-    max_stdout_bytes: int
-    max_stderr_bytes: int
-    seccomp_profile: str
-    # The host directory of the FIFOs the command's output reaches the daemon through
-    # ("" when it comes over the attach socket).
-    stdio_host_dir: str = ""
-    # The workspace roots bound into a directory of the daemon's before the engine is
-    # called (None: no roots, or a pure test's plan).
-    staging: Staging | None = None
-    hostname: str = "sandbox"
-    read_only_rootfs: bool = True
-    cap_drop: tuple[str, ...] = ("ALL",)
-    no_new_privileges: bool = True
-    init: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json_dict(self) -> dict[str, Any]:
-        return plain(self)
 
 
 # What the daemon binds into a sandbox beyond the policy's mounts, all under /dev (a
@@ -274,22 +234,17 @@ def network_plan(policy: EffectivePolicy, egress: EgressAttachment | None) -> di
     return plan
 
 
-def require_egress(policy: EffectivePolicy, attachments: "Attachments") -> None:
+def require_egress(policy: EffectivePolicy, attachments: Attachments) -> None:
     """A proxied policy without its proxy would be a sandbox cut off, or worse, an open one."""
     egress = attachments.egress
     if policy.proxied != (egress is not None):
         raise ValueError(f"egress {policy.egress!r} with{'out' if egress is None else ''} an egress attachment")
 
 
-SANDBOX_CGROUP_ROOT = "sandboxd"  # each Docker sandbox's parent cgroup is below it
-
-
-def cgroup_parent_for(sandbox_id: str) -> str:
-    return f"/{SANDBOX_CGROUP_ROOT}/{sandbox_id}"
-
-
-def _mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str,
-            attachments: Attachments) -> tuple[MountSpec, ...]:
+def sandbox_mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str,
+                   attachments: Attachments) -> tuple[MountSpec, ...]:
+    """The sandbox's view as Docker mounts it; nsjail's compiler starts from the same
+    list, so that a policy means the same view on both engines."""
     mounts: list[MountSpec] = [MountSpec("bind", target, source=source, read_only=True)
                                for target, source in attachments.binds()]
     bound = {b.sandbox_path for b in plan.binds}
@@ -310,57 +265,3 @@ def _mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str,
             mounts.append(MountSpec("bind", m.sandbox_path, source=mask_file, read_only=True))
     # Parents before children, so that every mount lands on the view it refines.
     return tuple(sorted(mounts, key=lambda m: (m.target.count("/"), m.target)))
-
-
-def compile_docker(
-    policy: EffectivePolicy,
-    plan: HostPlan,
-    identity: SandboxIdentity,
-    *,
-    argv: tuple[str, ...],
-    image: str,
-    stdin_open: bool,
-    mask_file: str,
-    seccomp_profile: str,
-    attachments: Attachments = Attachments(),
-) -> DockerSpec:
-    require_egress(policy, attachments)
-    # Proxied: no network at all; the proxy is reached through a bound Unix socket.
-    network_mode = "none" if policy.proxied else {"none": "none", "open": "bridge"}[policy.egress]
-    return DockerSpec(
-        name=f"sandboxd-{identity.sandbox_id}",
-        image=image,
-        argv=attachments.wrap(tuple(argv)),
-        user=f"{plan.uid}:{plan.gid}",
-        working_dir=policy.cwd,
-        env={**policy.env, **attachments.env()},
-        labels={
-            f"{LABEL_PREFIX}daemon_id": identity.daemon_id,
-            f"{LABEL_PREFIX}sandbox_id": identity.sandbox_id,
-            f"{LABEL_PREFIX}tool_call_id": identity.tool_call_id,
-            f"{LABEL_PREFIX}workspace": plan.workspace,
-            # Enforced by the backstop watcher if the daemon dies (backends/backstop.py).
-            f"{LABEL_PREFIX}deadline_s": str(-(-policy.timeout_ms // 1000) + BACKSTOP_SLACK_S),
-        },
-        mounts=_mounts(policy, plan, mask_file, attachments),
-        network_mode=network_mode,
-        memory_bytes=policy.memory_bytes,
-        pids_limit=policy.max_pids,
-        nano_cpus=policy.cpu_millicores * 1_000_000,
-        ulimits=(
-            ("fsize", policy.max_file_size_bytes, policy.max_file_size_bytes),
-            ("nofile", MAX_OPEN_FILES, MAX_OPEN_FILES),
-            ("core", 0, 0),
-        ),
-        # A per-sandbox parent cgroup outlives the container, so CPU time and peak
-        # memory can still be read after the container has exited.
-        cgroup_parent=cgroup_parent_for(identity.sandbox_id),
-        stdin_open=stdin_open,
-        timeout_ms=policy.timeout_ms,
-        max_stdout_bytes=policy.max_stdout_bytes,
-        max_stderr_bytes=policy.max_stderr_bytes,
-        seccomp_profile=seccomp_profile,
-        stdio_host_dir=attachments.stdio_host_dir,
-        staging=staging_for(plan, mask_file),
-    )
-

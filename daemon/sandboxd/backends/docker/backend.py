@@ -4,16 +4,15 @@ them before it execs the command): the engine's own copy of container output
 (containerd-shim to dockerd to the attach socket) costs about as much CPU as everything
 else of a 200 MB stream together. The attach socket (log driver off: json-file logging
 cuts throughput several-fold) still carries stdin and whatever runs before the shim
-hands over. Docker SDK exceptions are translated here and nowhere else."""
+hands over. Docker SDK exceptions are translated in errors.py and nowhere else."""
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import glob
 import json
 import logging
 import os
-import signal as signal_module
 import socket
 import subprocess
 import threading
@@ -21,20 +20,20 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import requests
-
-from sandboxd.sandbox.spec import LABEL_PREFIX, Attachments, DockerSpec, SandboxIdentity, cgroup_parent_for, compile_docker
-from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, InternalError
-from sandboxd.sandbox.output import OutputSpool
-from sandboxd.backends.hostlocks import CGROUP_ROOT
-from sandboxd.sandbox.protocol import ExitStatus
-from sandboxd.sandbox.protocol import ResourceUsage
-from sandboxd.sandbox.protocol import SandboxHandle
-from sandboxd.backends import backstop
-from sandboxd.backends import staging
+from sandboxd.backends import backstop, staging
 from sandboxd.backends.cgroups import cgroup_usage
-from sandboxd.backends.docker.output import (WRITER_GRACE_S, frame_size_needed, make_stdio_fifos, open_stdio_fifos, parse_frames,
-                            pump_fifos, remove_stdio_fifos)
+from sandboxd.backends.docker.compile import DockerSpec, cgroup_parent_for, compile_docker
+from sandboxd.backends.docker.errors import CONFLICT, NOT_FOUND, EngineRefused, dockerd
+from sandboxd.backends.docker.output import (WRITER_GRACE_S, frame_size_needed, make_stdio_fifos, open_stdio_fifos,
+                                             parse_frames, pump_fifos, remove_stdio_fifos)
+from sandboxd.core.hostfacts import CGROUP_ROOT
+from sandboxd.backends.signals import signal_name
+from sandboxd.core.errors import BackendUnavailable, InternalError, SandboxdError
+from sandboxd.policy.models import EffectivePolicy
+from sandboxd.policy.preflight import HostPlan
+from sandboxd.sandbox.output import OutputSpool
+from sandboxd.sandbox.protocol import ExitStatus, ResourceUsage, SandboxHandle
+from sandboxd.sandbox.spec import LABEL_PREFIX, Attachments, SandboxIdentity
 
 __all__ = ["DockerBackend", "WRITER_GRACE_S", "create_args", "frame_size_needed", "host_config_args",
            "load_seccomp_profile", "make_stdio_fifos", "open_stdio_fifos", "parse_frames", "pump_fifos",
@@ -89,17 +88,8 @@ def host_config_args(spec: DockerSpec, seccomp_json: str) -> dict[str, Any]:
     }
 
 
-def _signal_name(exit_code: int) -> str:
-    # Docker reports 128+N when the init's child died of signal N.
-    if 128 < exit_code < 128 + 65:
-        try:
-            return signal_module.Signals(exit_code - 128).name
-        except ValueError:
-            return f"SIG{exit_code - 128}"
-    return ""
-
-
 def remove_cgroup(cgroup_parent: str) -> None:
+    """Removes a sandbox's parent cgroup in every hierarchy (Docker leaves it behind)."""
     rel = cgroup_parent.strip("/")
     for path in sorted(glob.glob(f"{CGROUP_ROOT}/*/{rel}") + glob.glob(f"{CGROUP_ROOT}/{rel}"), key=len, reverse=True):
         for child in sorted(glob.glob(f"{path}/*/"), key=len, reverse=True):
@@ -111,20 +101,6 @@ def remove_cgroup(cgroup_parent: str) -> None:
             os.rmdir(path)
         except OSError:
             pass
-
-
-def _engine_errors_are_unavailable(method):
-    """dockerd gone or unreachable (connection refused, reset, timeouts) is
-    BackendUnavailable, never a bare transport exception."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except (requests.exceptions.RequestException, ConnectionError) as exc:
-            raise BackendUnavailable(f"dockerd did not answer: {type(exc).__name__}") from None
-
-    return wrapper
 
 
 # How often removals dockerd did not answer are tried again, and for how long.
@@ -149,20 +125,17 @@ class DockerBackend:
             for name in os.listdir(stdio_dir):  # before any call: an earlier run's
                 remove_stdio_fifos(os.path.join(stdio_dir, name))
 
-        self._errors = docker.errors
         self._docker_host = docker_host
-        self._backstop: subprocess.Popen | None = None
+        self._backstop: subprocess.Popen[bytes] | None = None
         self._pending_lock = threading.Lock()
         self._pending_removals: dict[str, float] = {}  # engine id -> when it was first tried
         self._remover: threading.Thread | None = None
         self._seccomp_name = os.path.basename(seccomp_path)
         self._seccomp_json = load_seccomp_profile(seccomp_path)
         self._mask_file = mask_file
-        try:
-            self._api = docker.APIClient(base_url=docker_host or "unix:///var/run/docker.sock",
-                                         version="auto", timeout=120)
-        except docker.errors.DockerException as exc:
-            raise BackendUnavailable(f"cannot reach dockerd: {exc}") from None
+        with dockerd("make a client"):
+            self._api: Any = docker.APIClient(base_url=docker_host or "unix:///var/run/docker.sock",
+                                              version="auto", timeout=120)
 
     def start_backstop(self, daemon_id: str, staging_root: str) -> None:
         """Starts the watcher that enforces this daemon's containers' deadlines once the
@@ -170,14 +143,20 @@ class DockerBackend:
         never written, until the end."""
         self._backstop = backstop.spawn(daemon_id, staging_root, self._docker_host)
 
-    def check(self) -> None:
-        try:
-            self._api.ping()
-        except Exception as exc:  # any transport failure means: no engine
-            raise BackendUnavailable(f"dockerd does not answer: {exc}") from None
+    def close(self) -> None:
+        """Lets go of the backstop's pipe: the watcher then does what it does once the
+        daemon is gone (removes its overdue containers, unmounts its staged roots). A
+        daemon that stops, or fails to start, closes it; one that dies, the kernel."""
+        if self._backstop is not None and self._backstop.stdin is not None:
+            self._backstop.stdin.close()
 
-    def compile(self, policy, plan, identity: SandboxIdentity, *, argv: tuple[str, ...], image: str,
-                stdin_open: bool, attachments=None) -> DockerSpec:
+    def check(self) -> None:
+        with dockerd("answer a ping", refusal=BackendUnavailable):
+            self._api.ping()
+
+    def compile(self, policy: EffectivePolicy, plan: HostPlan, identity: SandboxIdentity, *,
+                argv: tuple[str, ...], image: str, stdin_open: bool,
+                attachments: Attachments | None = None) -> DockerSpec:
         attachments = attachments or Attachments()
         if self._stdio_dir and attachments.shim_host_path and not attachments.control_host_socket:
             attachments = replace(attachments, stdio_host_dir=os.path.join(self._stdio_dir, identity.sandbox_id))
@@ -185,65 +164,50 @@ class DockerBackend:
                               mask_file=self._mask_file, seccomp_profile=self._seccomp_name,
                               attachments=attachments)
 
-    @_engine_errors_are_unavailable
     def image_digest(self, image: str) -> str:
         return self.resolve_image(image)[0]
 
-    @_engine_errors_are_unavailable
     def resolve_image(self, image: str) -> tuple[str, tuple[str, ...]]:
-        try:
+        with dockerd(f"inspect {image!r}", refusal=BackendUnavailable, image=image):
             info = self._api.inspect_image(image)
-            return info["Id"], tuple(info.get("RepoTags") or ())
-        except self._errors.ImageNotFound:
-            raise FailedPrecondition(f"image {image!r} is not present in the local engine "
-                                     "(nothing is pulled; build it with images/build.sh)", field="runtime.image") from None
-        except self._errors.APIError as exc:
-            raise BackendUnavailable(f"dockerd failed to inspect {image!r}: {exc.explanation}") from None
+        return str(info["Id"]), tuple(info.get("RepoTags") or ())
 
-    @_engine_errors_are_unavailable
     def create(self, spec: DockerSpec) -> SandboxHandle:
         sandbox_id = spec.labels[f"{LABEL_PREFIX}sandbox_id"]
-        try:
+        with contextlib.ExitStack() as undo:  # a half-made sandbox is unwound, in reverse
+            undo.callback(self._release_host_parts, spec)
             if spec.staging is not None:
                 staging.stage(spec.staging)  # dockerd is told only these paths, never the workspace's
             if spec.stdio_host_dir:
                 uid, gid = (int(x) for x in spec.user.split(":"))
                 make_stdio_fifos(spec.stdio_host_dir, uid, gid)
-            host_config = self._api.create_host_config(**host_config_args(spec, self._seccomp_json))
-            container = self._api.create_container(**create_args(spec), host_config=host_config)
-        except self._errors.APIError as exc:
-            self._force_remove(spec.name)
-            remove_cgroup(spec.cgroup_parent)
-            self._release_host_parts(spec)
-            raise InternalError(f"dockerd refused the sandbox: {exc.explanation}") from None
-        except BaseException:
-            self._release_host_parts(spec)
-            raise
+            undo.callback(remove_cgroup, spec.cgroup_parent)
+            undo.callback(self._remove, spec.name)  # made even if dockerd's answer was lost
+            with dockerd("create the sandbox"):
+                host_config = self._api.create_host_config(**host_config_args(spec, self._seccomp_json))
+                container = self._api.create_container(**create_args(spec), host_config=host_config)
+            undo.pop_all()
         return SandboxHandle(sandbox_id=sandbox_id, engine_id=container["Id"], spec=spec)
 
-    @_engine_errors_are_unavailable
     def start(self, handle: SandboxHandle, sink: OutputSpool, stdin: bytes) -> None:
         spec: DockerSpec = handle.spec
-        # The read ends are open before the sandbox starts: the shim's opens never block.
-        fifos = open_stdio_fifos(spec.stdio_host_dir) if spec.stdio_host_dir else {}
-        wake_r = wake_w = -1
-        raw: socket.socket | None = None
-        try:
+        with contextlib.ExitStack() as undo:
+            # The read ends are open before the sandbox starts: the shim's opens never block.
+            fifos = open_stdio_fifos(spec.stdio_host_dir) if spec.stdio_host_dir else {}
+            for fd in fifos.values():
+                undo.callback(os.close, fd)
+            wake_r = wake_w = -1
             if fifos:
                 wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
-            sock = self._api.attach_socket(handle.engine_id, params={
-                "stdin": 1 if spec.stdin_open else 0, "stdout": 1, "stderr": 1, "stream": 1})
-            raw = getattr(sock, "_sock", sock)
-            self._api.start(handle.engine_id)
-        except BaseException as exc:
-            for fd in (*fifos.values(), wake_r, wake_w):
-                if fd >= 0:
-                    os.close(fd)
-            if raw is not None:
-                raw.close()
-            if isinstance(exc, self._errors.APIError):
-                raise InternalError(f"dockerd failed to start the sandbox: {exc.explanation}") from None
-            raise
+                undo.callback(os.close, wake_r)
+                undo.callback(os.close, wake_w)
+            with dockerd("start the sandbox"):
+                sock = self._api.attach_socket(handle.engine_id, params={
+                    "stdin": 1 if spec.stdin_open else 0, "stdout": 1, "stderr": 1, "stream": 1})
+                raw: socket.socket = getattr(sock, "_sock", sock)
+                undo.callback(raw.close)
+                self._api.start(handle.engine_id)
+            undo.pop_all()  # the pumps' from here on
         if fifos:
             threading.Thread(target=self._pump, args=(raw, sink, handle, wake_w), daemon=True,
                              name=f"attach-{handle.sandbox_id}").start()
@@ -302,7 +266,6 @@ class DockerBackend:
     def wait(self, handle: SandboxHandle, timeout_s: float) -> bool:
         return handle.output_closed.wait(max(0.0, timeout_s))
 
-    @_engine_errors_are_unavailable
     def sandbox_pid(self, handle: SandboxHandle) -> int:
         """A host pid inside the running sandbox, 0 while there is none: one from the
         container's own cgroup (a file read; an inspect takes milliseconds), else its
@@ -316,33 +279,34 @@ class DockerBackend:
                 continue
             if first.isdigit():
                 return int(first)
-        return int(self._api.inspect_container(handle.engine_id)["State"]["Pid"] or 0)
+        with dockerd("inspect the sandbox"):
+            return int(self._api.inspect_container(handle.engine_id)["State"]["Pid"] or 0)
 
     def kill(self, handle: SandboxHandle) -> None:
         # SIGKILL to the container's init ends its whole PID namespace.
         try:
-            self._api.kill(handle.engine_id)
-        except self._errors.NotFound:
-            pass
-        except self._errors.APIError as exc:
-            if exc.status_code != 409:  # 409: not running any more
+            with dockerd("kill the sandbox", refusal=None):
+                self._api.kill(handle.engine_id)
+        except EngineRefused as exc:
+            if exc.status_code not in (NOT_FOUND, CONFLICT):  # gone, or not running any more
                 raise InternalError(f"dockerd failed to kill the sandbox: {exc.explanation}") from None
 
-    @_engine_errors_are_unavailable
     def collect(self, handle: SandboxHandle) -> tuple[ExitStatus, ResourceUsage]:
-        try:
+        with dockerd("report how the sandbox ended"):
             code = int(self._api.wait(handle.engine_id, timeout=30)["StatusCode"])
             state = self._api.inspect_container(handle.engine_id)["State"]
-        except self._errors.APIError as exc:
-            raise InternalError(f"dockerd lost the sandbox: {exc.explanation}") from None
-        status = ExitStatus(exit_code=code, signal=_signal_name(code), oom_killed=bool(state.get("OOMKilled")))
+        status = ExitStatus(exit_code=code, signal=signal_name(code), oom_killed=bool(state.get("OOMKilled")))
         return status, cgroup_usage(handle.spec.cgroup_parent)
 
     def destroy(self, handle: SandboxHandle) -> None:
-        if not self._force_remove(handle.engine_id):
-            self._remove_later(handle.engine_id)
+        self._remove(handle.engine_id)
         remove_cgroup(handle.spec.cgroup_parent)
         self._release_host_parts(handle.spec)
+
+    def _remove(self, ref: str) -> None:
+        """Removes the container now, or once dockerd answers again."""
+        if not self._force_remove(ref):
+            self._remove_later(ref)
 
     def _remove_later(self, engine_id: str) -> None:
         """dockerd did not answer (restarting): the container is removed once it does,
@@ -387,32 +351,32 @@ class DockerBackend:
         """Whether the container is gone (or going); False when dockerd did not answer
         (`quiet`: a retry, already said)."""
         try:
-            self._api.remove_container(ref, force=True, v=True)
-        except self._errors.NotFound:
-            pass
-        except self._errors.APIError as exc:
-            if exc.status_code != 409:  # removal already in progress
-                if not quiet:
-                    log.error("could not remove container %s: %s", ref, exc.explanation)
-                return exc.status_code is None or exc.status_code < 500
-        except (requests.exceptions.RequestException, ConnectionError) as exc:
+            with dockerd("remove a container", refusal=None):
+                self._api.remove_container(ref, force=True, v=True)
+        except EngineRefused as exc:
+            if exc.status_code in (NOT_FOUND, CONFLICT):  # gone, or its removal already under way
+                return True
             if not quiet:
-                log.warning("dockerd did not answer the removal of %s (%s): retried until it does", ref,
-                            type(exc).__name__)
+                log.error("could not remove container %s: %s", ref, exc.explanation)
+            return exc.status_code is None or exc.status_code < 500
+        except BackendUnavailable as exc:
+            if not quiet:
+                log.warning("%s to the removal of %s: retried until it does", exc.reason, ref)
             return False
         return True
 
     def has_sandbox(self, sandbox_id: str) -> bool:
         """Whether any container of that sandbox exists (True when dockerd cannot say)."""
         try:
-            return bool(self._api.containers(all=True, quiet=True,
-                                             filters={"label": f"{LABEL_PREFIX}sandbox_id={sandbox_id}"}))
-        except Exception:  # noqa: BLE001 - in doubt, it exists
+            with dockerd("list containers"):
+                return bool(self._api.containers(all=True, quiet=True,
+                                                 filters={"label": f"{LABEL_PREFIX}sandbox_id={sandbox_id}"}))
+        except SandboxdError:  # in doubt, it exists
             return True
 
-    @_engine_errors_are_unavailable
     def reap_orphans(self, daemon_id: str) -> int:
-        containers = self._api.containers(all=True, filters={"label": f"{LABEL_PREFIX}daemon_id={daemon_id}"})
+        with dockerd("list containers", refusal=BackendUnavailable):
+            containers = self._api.containers(all=True, filters={"label": f"{LABEL_PREFIX}daemon_id={daemon_id}"})
         for c in containers:
             self._force_remove(c["Id"])
             sandbox_id = (c.get("Labels") or {}).get(f"{LABEL_PREFIX}sandbox_id")

@@ -27,7 +27,8 @@ def parse_frames(buf: bytes | bytearray | memoryview, sink: OutputSpool) -> int:
     Consecutive frames of one stream go to the sink as one write."""
     view = memoryview(buf)
     pos, end = 0, len(view)
-    run_stream, run_parts = 0, []
+    run_stream = 0
+    run_parts: list[bytes | memoryview] = []
     while end - pos >= 8:
         size = int.from_bytes(view[pos + 4:pos + 8], "big")
         if end - pos - 8 < size:

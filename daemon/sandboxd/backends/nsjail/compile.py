@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sandboxd.sandbox.spec import (LABEL_PREFIX, MASK_DIR_TMPFS_BYTES, MAX_OPEN_FILES, SHIM_PATH, WORKSPACE_BASE_TMPFS_BYTES,
-                      Attachments, SandboxIdentity, Staging, _mounts, plain, require_egress, staging_for)
+                                   Attachments, SandboxIdentity, Staging, plain, require_egress, sandbox_mounts,
+                                   staging_for)
 from sandboxd.core.errors import FailedPrecondition, Unimplemented
 from sandboxd.policy.models import WORKSPACE, EffectivePolicy
 from sandboxd.policy.preflight import HostPlan
@@ -141,7 +142,7 @@ class NsjailSpec:
         return text
 
     def to_json_dict(self) -> dict[str, Any]:
-        d = plain(self)
+        d: dict[str, Any] = plain(self)
         d["init_argv"] = list(self.init_argv)
         d["config"] = self.config_text().splitlines()
         return d
@@ -167,7 +168,7 @@ def _workspace_mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str) -
     a mode-000 mask file to mount over it."""
     out: list[NsjailMount] = []
     staged_masks = {m.sandbox_path for m in plan.masks} if plan.staging_dir else set()
-    for m in _mounts(policy, plan, mask_file, Attachments()):
+    for m in sandbox_mounts(policy, plan, mask_file, Attachments()):
         if m.target in staged_masks and (m.source == mask_file or (m.type == "tmpfs" and m.read_only)):
             continue
         if m.type == "bind":
@@ -195,7 +196,8 @@ def _workspace_mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str) -
     return out
 
 
-def _system_mounts(rootfs: str, init_binary: str, shim_binary: str, seccomp_program: str) -> list[NsjailMount]:
+def system_mounts(rootfs: str, init_binary: str, shim_binary: str, seccomp_program: str) -> list[NsjailMount]:
+    """What every jail mounts besides the workspace: the image, /proc, /dev and the daemon's files in it."""
     mounts = [
         # The image, read-only. Device nodes in it are inert (nodev) and set-uid bits too.
         NsjailMount(dst="/", src=rootfs, is_bind=True, rw=False, is_dir=True, nosuid=True, nodev=True),
@@ -268,7 +270,7 @@ def compile_nsjail(
         gid=plan.gid,
         cwd=policy.cwd,
         env={**policy.env, **attachments.env()},
-        mounts=tuple(_system_mounts(rootfs, init_binary, shim_binary, seccomp_program_path)
+        mounts=tuple(system_mounts(rootfs, init_binary, shim_binary, seccomp_program_path)
                      + _workspace_mounts(policy, plan, mask_file) + attached),
         shim_binary=shim_binary,
         seccomp_program_path=seccomp_program_path,

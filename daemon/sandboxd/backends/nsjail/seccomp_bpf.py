@@ -83,7 +83,8 @@ def _default_action(profile: dict[str, Any]) -> int:
     return _action(str(profile.get("defaultAction")), None)
 
 
-def rules_for(profile: dict[str, Any], machine: str, caps: frozenset[str] = frozenset()) -> list[tuple[int, str, list]]:
+def rules_for(profile: dict[str, Any], machine: str, caps: frozenset[str] = frozenset()
+              ) -> list[tuple[int, str, list[Any]]]:
     """(action, syscall name, conditions) for each rule libseccomp is given, as runc
     reads a Docker profile: rules for other architectures or for capabilities the
     sandbox lacks left out, and several conditions on one argument meaning "any of"
@@ -92,7 +93,7 @@ def rules_for(profile: dict[str, Any], machine: str, caps: frozenset[str] = froz
         raise ProfileError(f"no seccomp architecture map for {machine}")
     _, native_names = _NATIVE[machine]
     default = _default_action(profile)
-    out: list[tuple[int, str, list]] = []
+    out: list[tuple[int, str, list[Any]]] = []
     for rule in profile.get("syscalls") or []:
         inc, exc = rule.get("includes") or {}, rule.get("excludes") or {}
         if inc.get("arches") and not native_names & set(inc["arches"]):

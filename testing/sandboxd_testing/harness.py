@@ -12,12 +12,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import grpc
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sandboxd_client import SandboxdClient
+
+from sandboxd.api.server import serving
 
 SANDBOXD = str(Path(sys.executable).with_name("sandboxd"))
 WORKSPACE_UID = 1000
@@ -64,12 +65,7 @@ class DaemonProcess:
         raise RuntimeError(f"sandboxd did not become healthy:\n{self.log()}")
 
     def healthy(self) -> bool:
-        try:
-            with grpc.insecure_channel(f"unix:{self.socket}") as ch:
-                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                return resp.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
+        return serving(self.socket)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         if self.proc is None:
@@ -120,7 +116,7 @@ def make_daemon(base: Path, env: dict[str, str] | None = None, **settings) -> Da
     # The daemon's code from another tree (checking that a test fails on older code).
     if os.environ.get("SANDBOXD_TEST_DAEMON_PYTHONPATH"):
         d.env["PYTHONPATH"] = os.environ["SANDBOXD_TEST_DAEMON_PYTHONPATH"]
-    config = {
+    config: dict[str, Any] = {
         "socket_path": str(d.socket),
         "state_dir": str(d.state_dir),
         "workspace_roots": [str(root)],

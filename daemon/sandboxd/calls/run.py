@@ -1,0 +1,320 @@
+"""CallRun: one accepted call, run on its own thread (or the caller's), from the
+sandbox's creation to its recorded result. Whatever it built is unwound by one cleanup
+stack, so a consumer that goes away, a cancel or a failure never leaves a sandbox behind.
+Where it runs (fresh or leased) is its placement's business, not the run's."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sandboxd.calls.acceptance import credential_drafts, sandbox_prepared_draft, started_draft
+from sandboxd.calls.placement import KILL_GRACE_S, Placement, RecordingTools
+from sandboxd.calls.prepare import Prepared
+from sandboxd.calls.replay import Answer, ReplayRun
+from sandboxd.calls.result import CallEnd, FinishedCall, error_result, finished_call
+from sandboxd.calls.stream import StreamItem
+from sandboxd.core.errors import FailedPrecondition, SandboxdError
+from sandboxd.ledger import events as ev
+from sandboxd.ledger.artifacts import ArtifactRecord, FileArtifactStore
+from sandboxd.ledger.events import EventDraft, EventLog
+from sandboxd.ledger.store import Database
+from sandboxd.recording.recorder import FileRecord, FileRecorder
+from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool, StreamSummary
+from sandboxd.sandbox.protocol import ExitStatus, ResourceUsage, SandboxHandle
+
+log = logging.getLogger("sandboxd.calls.run")
+# A command still running this long after its start has ToolCallStarted committed on its own.
+STARTED_COMMIT_AFTER_S = 0.05
+
+
+def _always() -> bool:
+    return True
+
+
+class RunHost(Protocol):
+    """What a run needs of its executor."""
+    events: EventLog
+    db: Database
+    artifacts: FileArtifactStore
+
+    def after_call(self, spool: OutputSpool | None, tool_call_id: str) -> None: ...
+
+    def forget_run(self, run: "CallRun") -> None: ...
+
+    def run_ended(self, run: "CallRun") -> None: ...
+
+
+@dataclass
+class _Ending:
+    """How the command ended, filled in as the run goes."""
+    t0: float = field(default_factory=time.monotonic)
+    timed_out: bool = False
+    status: ExitStatus | None = None
+    usage: ResourceUsage = field(default_factory=lambda: ResourceUsage(0, 0))
+    failure: SandboxdError | None = None
+
+
+def output_artifacts(store: FileArtifactStore, tool_call_id: str, out: StreamSummary,
+                     err: StreamSummary) -> list[ArtifactRecord]:
+    """The call's stored stdout and stderr as artifacts (an empty, untruncated one is none)."""
+    now = ev.utc_now()
+    records: list[ArtifactRecord] = []
+    for kind, summ in (("stdout", out), ("stderr", err)):
+        if summ.stored_bytes == 0 and not summ.truncated:
+            continue  # its empty file goes with the spool, after the result is out
+        store.put_blob(summ.path, summ.content_hash)
+        note = f"{kind} of {tool_call_id}: {summ.stored_bytes} bytes"
+        if summ.truncated:
+            note += f" (truncated; the command wrote {summ.produced_bytes})"
+        records.append(ArtifactRecord(ev.new_id("art"), tool_call_id, ev.new_id("ev"), kind,
+                                      summ.content_hash, summ.stored_bytes, note, now))
+    return records
+
+
+class CallRun:
+    """One accepted call. Its thread owns the sandbox from create to destroy."""
+
+    def __init__(self, host: RunHost, tool_call_id: str, placement: Placement, spool: OutputSpool,
+                 last_event_id: str, principal: str, recording: RecordingTools):
+        self.tool_call_id = tool_call_id
+        self._principal = principal
+        self._placement = placement
+        self.prepared: Prepared = placement.prepared
+        self.spool = spool
+        self._host = host
+        self._recording = recording
+        self._last_event_id = last_event_id
+        self._cond = threading.Condition()
+        self._started_event_id = ""
+        self._pending_started: list[EventDraft] = []  # recorded with the result (see _start)
+        self._prepared_event: EventDraft | None = None  # until recorded
+        self._result: dict[str, Any] | None = None
+        self._result_event_id = ""
+        self._cancel_reason = ""
+        self._handle: SandboxHandle | None = None
+        self._thread = threading.Thread(target=self._run, name=f"call-{tool_call_id}", daemon=True)
+        self._ran = threading.Event()  # set once the run has ended, on whichever thread
+        self.accepted_event_id = last_event_id
+
+    # -- control ------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def run_here(self) -> None:
+        """Runs the call on the caller's thread (a caller that only waits for the
+        result: a thread of its own and the hand-offs to it cost more than the command)."""
+        self._run()
+
+    def cancel(self, reason: str) -> bool:
+        with self._cond:
+            if self._result is not None or self._cancel_reason:
+                return False
+            self._cancel_reason = reason or "cancelled"
+            handle = self._handle
+        if handle is not None:
+            try:
+                self.prepared.backend.kill(handle)
+            except SandboxdError as exc:
+                log.error("cancel of %s could not kill its sandbox: %s", self.tool_call_id, exc)
+        return True
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        return self._ran.wait(timeout_s)
+
+    def finished(self, is_active: Callable[[], bool] = _always) -> Answer | None:
+        """(the result, its ToolCallFinished event id) once there is one; None if the
+        caller went away first."""
+        with self._cond:
+            while self._result is None:
+                if not is_active():
+                    return None
+                self._cond.wait(0.25)
+            return self._result, self._result_event_id
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        with self._cond:
+            return self._result
+
+    # -- the stream a caller sees ------------------------------------------------
+    def stream(self, is_active: Callable[[], bool] = _always) -> Iterator[StreamItem]:
+        yield StreamItem("accepted", self.accepted_event_id, {
+            "backend": self.prepared.backend.name, "image": self.prepared.image})
+        with self._cond:
+            while not self._started_event_id and self._result is None:
+                if not is_active():
+                    return
+                self._cond.wait(0.25)
+            started = self._started_event_id
+        if started:
+            yield StreamItem("started", started, {"sandboxId": self.prepared.sandbox_id})
+            try:
+                for stream, offset, data in self.spool.follow(should_stop=lambda: not is_active()):
+                    yield StreamItem("output", "", (stream, offset, data))
+            except FileNotFoundError:
+                # A late follower (an idempotent retry): the output already moved into
+                # the artifact store, so it is replayed from there.
+                with self._cond:
+                    while self._result is None:
+                        self._cond.wait(0.25)
+                replay = ReplayRun(self._host, self.tool_call_id)
+                yield from (item for item in replay.stream(is_active) if item.kind == "output")
+        with self._cond:
+            while self._result is None:
+                if not is_active():
+                    return
+                self._cond.wait(0.25)
+            finished = StreamItem("finished", self._result_event_id, self._result)
+        # Never yield holding the lock: the consumer's gRPC thread may need it.
+        yield finished
+
+    # -- the run ------------------------------------------------------------------
+    def _record(self, drafts: list[EventDraft], durable: bool = True) -> list[ev.Event]:
+        out = self._host.events.record(self.tool_call_id, self._last_event_id, drafts, durable)
+        self._last_event_id = out[-1].event_id
+        return out
+
+    def _cancelled(self) -> bool:
+        with self._cond:
+            return bool(self._cancel_reason)
+
+    def _run(self) -> None:
+        ending = _Ending()
+        placement = self._placement
+        recorder = placement.recorder(self._recording, self.prepared.sandbox_id)
+        with ExitStack() as cleanup:  # unwound in reverse: nothing here may keep the next from running
+            cleanup.callback(self.spool.close)
+            cleanup.callback(self._refresh_if_ran, recorder)
+            cleanup.enter_context(placement)  # the sandbox destroyed, its endpoint and secrets released
+            cleanup.enter_context(recorder)  # the watch read out and the after-walk, before the removal
+            cleanup.callback(self._record_unstarted)  # failed or cancelled before it started
+            try:
+                self._run_command(recorder, ending)
+            except SandboxdError as exc:
+                ending.failure = exc
+                log.error("call %s failed in the backend: %s", self.tool_call_id, exc.message)
+            except Exception as exc:  # never let a bug leave the sandbox running
+                ending.failure = SandboxdError("internal error while running the sandbox")
+                log.exception("call %s: unexpected error: %s", self.tool_call_id, exc)
+        self._conclude(ending, recorder.record)
+
+    def _run_command(self, recorder: FileRecorder, ending: _Ending) -> None:
+        p, placement = self.prepared, self._placement
+        if self._cancelled():
+            return
+        placement.open()
+        if p.secrets:
+            self._record(credential_drafts(p.secrets, self._principal))
+        recorder.before_create()
+        handle = placement.create()
+        with self._cond:
+            self._handle = handle
+            if self._cancel_reason:
+                return
+        recorder.sandbox_created()
+        placement.before_start()
+        ending.t0 = time.monotonic()
+        placement.start(handle, self.spool)
+        # Digested while a jail or container comes up (the spec's digest took a
+        # millisecond between create and start, on every call's path).
+        self._prepared_event = sandbox_prepared_draft(p, handle)
+        recorder.sandbox_started(handle)
+        self._announce_start(handle)
+        self._wait(handle, ending)
+        ending.status, ending.usage = p.backend.collect(handle)
+
+    def _announce_start(self, handle: SandboxHandle) -> None:
+        """ToolSandboxPrepared and ToolCallStarted: a command that ends within
+        STARTED_COMMIT_AFTER_S has them in its result's commit (a commit of their own took
+        a third of a millisecond beside a short command); a longer one gets that commit
+        then, not fsynced on its own (the accept before it was, and a crash ends the call
+        as INTERRUPTED either way). Their ids are fixed now: the stream says "started" at once."""
+        assert self._prepared_event is not None
+        self._pending_started = [self._prepared_event, started_draft(self.prepared.sandbox_id)]
+        self._prepared_event = None
+        with self._cond:
+            self._started_event_id = self._pending_started[-1].event_id
+            self._cond.notify_all()
+            if self._cancel_reason:
+                self.prepared.backend.kill(handle)
+
+    def _wait(self, handle: SandboxHandle, ending: _Ending) -> None:
+        backend, timeout_s = self.prepared.backend, self.prepared.policy.timeout_ms / 1000
+        deadline = time.monotonic() + timeout_s
+        ended = backend.wait(handle, min(STARTED_COMMIT_AFTER_S, timeout_s))
+        if not ended:
+            self._record(self._pending_started, durable=False)
+            self._pending_started = []
+            ended = backend.wait(handle, max(0.0, deadline - time.monotonic()))
+        if not ended:
+            with self._cond:
+                ending.timed_out = not self._cancel_reason
+            backend.kill(handle)
+            if not backend.wait(handle, KILL_GRACE_S):
+                raise FailedPrecondition("the sandbox did not end after SIGKILL")
+
+    def _record_unstarted(self) -> None:
+        """A sandbox that was made but whose command never started is still on record."""
+        handle = self._placement.handle
+        if handle is None or self._started_event_id:
+            return
+        try:
+            self._record([self._prepared_event or sandbox_prepared_draft(self.prepared, handle)], durable=False)
+        except Exception:
+            log.exception("recording the sandbox of %s failed", self.tool_call_id)
+
+    def _refresh_if_ran(self, recorder: FileRecorder) -> None:
+        if self._placement.handle is not None:
+            recorder.refresh_unseen()
+
+    def _conclude(self, ending: _Ending, files: FileRecord) -> None:
+        latency_ms = int((time.monotonic() - ending.t0) * 1000)
+        with self._cond:
+            cancel_reason = self._cancel_reason
+        recorded = False
+        try:
+            self._finish(ending, latency_ms, cancel_reason, files)
+            recorded = True
+        except Exception:
+            log.exception("recording the result of %s failed", self.tool_call_id)
+            self._host.forget_run(self)
+            with self._cond:
+                self._result = error_result(self.tool_call_id, "INTERNAL", "the result could not be recorded")
+                self._cond.notify_all()
+        finally:
+            try:
+                # Unrecorded, the spool stays for the next start, which recovers the
+                # call from it.
+                self._host.after_call(self.spool if recorded else None, self.tool_call_id)
+                self._host.run_ended(self)
+            finally:
+                self._ran.set()
+
+    def _finish(self, ending: _Ending, latency_ms: int, cancel_reason: str, files: FileRecord) -> None:
+        host, p = self._host, self.prepared
+        out, err = self.spool.summary(STDOUT), self.spool.summary(STDERR)
+        records = output_artifacts(host.artifacts, self.tool_call_id, out, err)
+        end = CallEnd(self.tool_call_id, p.policy, ending.status, ending.usage, latency_ms, ending.timed_out,
+                      cancel_reason, ending.failure, out, err, records, files, self._placement.network)
+        redact = p.redactor().redact_text if p.secrets or p.redaction else None
+        done: FinishedCall = finished_call(end, ev.new_id("ev"), ev.new_id("ev"), redact)
+        drafts = self._pending_started + done.drafts
+        self._pending_started = []
+        with host.db.transaction() as conn:
+            for r in records:
+                host.artifacts.insert(conn, r)
+            written = host.events.append(conn, self.tool_call_id, self._last_event_id, drafts)
+        self._last_event_id = written[-1].event_id
+        # The call's quota slot and workspace are free before its caller hears the
+        # result: an agent's next call, sent at once, must not find them taken.
+        host.forget_run(self)
+        with self._cond:
+            self._result = done.result
+            self._result_event_id = done.finished_id
+            self._cond.notify_all()

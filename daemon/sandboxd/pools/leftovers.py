@@ -1,0 +1,76 @@
+"""What a command left behind in a warm sandbox: the host pids in its cgroup subtree,
+the task count of its pids cgroup, and pidfds on the processes it started with (while
+all of those live, an unchanged task count means nothing of a command is left)."""
+
+from __future__ import annotations
+
+import os
+import select
+from typing import Any
+
+
+def pidfds(pids: set[int]) -> tuple[int, ...]:
+    """A pidfd on each process, or none at all if one has exited already."""
+    out: list[int] = []
+    try:
+        for pid in sorted(pids):
+            out.append(os.pidfd_open(pid))
+    except OSError:
+        for fd in out:
+            os.close(fd)
+        return ()
+    return tuple(out)
+
+
+def all_alive(fds: tuple[int, ...]) -> bool:
+    """True while none of the processes exited (a pidfd turns readable when it does)."""
+    if not fds:
+        return False
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return not poller.poll(0)
+
+
+def _pids_cgroup(spec: Any, cgroup_root: str) -> str | None:
+    rel = getattr(spec, "cgroup_parent", None) or getattr(spec, "cgroup", None)
+    if not rel:
+        return None
+    hierarchy = f"{cgroup_root}/pids" if os.path.isdir(f"{cgroup_root}/pids") else cgroup_root
+    return f"{hierarchy}/{str(rel).strip('/')}"
+
+
+def sandbox_task_count(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """Tasks (threads) in the sandbox's pids cgroup subtree, None if unknown."""
+    root = _pids_cgroup(spec, cgroup_root)
+    if root is None:
+        return None
+    try:
+        with open(f"{root}/pids.current") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def sandbox_processes(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> set[int] | None:
+    """Host pids in the sandbox's cgroup subtree (the v1 pids hierarchy, or the unified
+    one on a v2 host), None if unknown. Plain strings and scandir: this runs twice per
+    leased command."""
+    root = _pids_cgroup(spec, cgroup_root)
+    if root is None or not os.path.isdir(root):
+        return None
+    pids: set[int] = set()
+    todo = [root]
+    while todo:  # cgroup trees are shallow, but never recurse on what a sandbox can shape
+        d = todo.pop()
+        try:
+            with open(f"{d}/cgroup.procs") as f:
+                pids.update(int(line) for line in f if line.strip())
+        except OSError:
+            pass
+        try:
+            with os.scandir(d) as it:
+                todo += [e.path for e in it if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            pass  # removed meanwhile
+    return pids
