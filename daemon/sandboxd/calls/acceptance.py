@@ -17,7 +17,7 @@ from sandboxd.ledger.event_types import (CheckedAuthorization, CommandRecord, Cr
                                           ToolCallStarted, ToolPolicyChecked, ToolSandboxPrepared, draft)
 from sandboxd.policy.models import PreparedToolCall
 from sandboxd_contract.canonical import canonical_json
-from sandboxd.sandbox.protocol import SandboxHandle
+from sandboxd.sandbox.protocol import Sandbox
 from sandboxd.secrets.broker import ResolvedSecret
 
 # What a refusal keeps of a request's strings and lists (a refused request may be as
@@ -116,10 +116,10 @@ def credential_drafts(secrets: tuple[ResolvedSecret, ...], principal: str) -> li
     return [draft(CredentialInjected(s.binding_id, principal, s.target)) for s in secrets]
 
 
-def sandbox_prepared_draft(prepared: Prepared, handle: SandboxHandle) -> EventDraft:
-    # handle.spec: as it ran (nsjail on cgroup v2 may keep a spawn slot's cgroup).
-    spec_digest = "sha256:" + hashlib.sha256(canonical_json(handle.spec.to_json_dict())).hexdigest()
-    return draft(ToolSandboxPrepared(prepared.sandbox_id, handle.engine_id, prepared.backend.name, spec_digest,
+def sandbox_prepared_draft(prepared: Prepared, sandbox: Sandbox) -> EventDraft:
+    # sandbox.spec: as it ran (nsjail on cgroup v2 may keep a spawn slot's cgroup).
+    spec_digest = "sha256:" + hashlib.sha256(canonical_json(sandbox.spec.to_json_dict())).hexdigest()
+    return draft(ToolSandboxPrepared(prepared.sandbox_id, sandbox.engine_id, prepared.backend.name, spec_digest,
                                      lease_id(prepared)))
 
 
