@@ -98,12 +98,12 @@ def test_a_leased_command_cannot_hide_a_process_by_killing_one_the_sandbox_start
     the sandbox is retired. Real processes in a real pids cgroup."""
     from types import SimpleNamespace
 
-    from sandboxd.pools import LeaseBackend
-    from sandboxd.pools.leftovers import sandbox_processes, sandbox_task_count
+    from sandboxd.pools.leftovers import kill_leftovers, sandbox_processes, sandbox_task_count
 
     cg = f"{PIDS}/{root}/sbx-1"
     os.makedirs(cg)
     procs = []
+    pidfds: tuple[int, ...] = ()
 
     def in_sandbox() -> subprocess.Popen:
         p = subprocess.Popen(["sleep", "60"])
@@ -117,25 +117,21 @@ def test_a_leased_command_cannot_hide_a_process_by_killing_one_the_sandbox_start
         spec = SimpleNamespace(cgroup=f"{root}/sbx-1")
         baseline = sandbox_processes(spec)
         assert baseline == {init.pid, forwarder.pid} and sandbox_task_count(spec) == 2
-        ws = SimpleNamespace(sandbox_id="sbx-1", prepared=SimpleNamespace(spec=spec, backend=SimpleNamespace(name="t")),
-                             baseline_pids=baseline,
-                             baseline_pidfds=tuple(os.pidfd_open(p.pid) for p in (init, forwarder)))
-        clean = LeaseBackend(None, ws)
-        clean._kill_leftovers()
-        assert clean._found_clean and clean._healthy  # nothing left: the one-file shortcut
+        pidfds = tuple(os.pidfd_open(p.pid) for p in (init, forwarder))
+        clean = kill_leftovers(baseline, pidfds, spec)
+        assert clean.clean and clean.intact  # nothing left: the one-file shortcut
 
         forwarder.kill()
         forwarder.wait()
         hidden = in_sandbox()  # the count is 2 again
         assert sandbox_task_count(spec) == 2
-        check = LeaseBackend(None, ws)
-        check._kill_leftovers()
+        check = kill_leftovers(baseline, pidfds, spec)
         assert hidden.wait(5) == -9  # found by listing the tree, and killed
-        assert not check._found_clean and not check._healthy  # and the sandbox goes
+        assert not check.clean and not check.intact  # and the sandbox goes
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
-        for fd in getattr(locals().get("ws"), "baseline_pidfds", ()):
+        for fd in pidfds:
             os.close(fd)

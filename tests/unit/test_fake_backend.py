@@ -21,7 +21,8 @@ from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, Interna
 from sandboxd.policy.preflight import HostPlan
 from sandboxd.sandbox.fake import FakeBackend, FakeProcess, FakeSpec
 from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool
-from sandboxd.sandbox.protocol import ExitStatus, ResourceUsage, SandboxHandle
+from sandboxd.sandbox.engine import create_sandbox
+from sandboxd.sandbox.protocol import ExitStatus, Process, ResourceUsage, Sandbox, SandboxHandle
 from sandboxd.sandbox.spec import Attachments, SandboxIdentity
 
 from .conftest import WORKSPACE_GID, WORKSPACE_UID, resolve
@@ -349,3 +350,34 @@ def test_a_warm_sandbox_serves_the_shims_control_protocol(tmp_path):
         listener.close()
         backend.destroy(handle)
         shutil.rmtree(control.parent)
+
+
+# ------------------------------------------------------------------ the Sandbox and Process over an engine
+
+
+def test_an_engine_sandbox_runs_one_process_and_its_destroy_removes_the_engines_sandbox(tmp_path):
+    backend = FakeBackend()
+    sandbox: Sandbox = create_sandbox(backend, compile_for(backend, ["echo", "hi", ";", "exit", "4"]))
+    assert backend.live == [sandbox.sandbox_id] and sandbox.engine_id == "fake-1"
+    assert sandbox.spec.to_json_dict()["argv"] == ["echo", "hi", ";", "exit", "4"]
+    spool = new_spool(tmp_path)
+    process: Process = sandbox.start(spool, b"")
+    assert process.wait(5.0) and process.output_ended()
+    assert process.collect() == (ExitStatus(4, "", False), ResourceUsage(0, 0))
+    assert backend.live == [sandbox.sandbox_id]  # an ended process leaves its sandbox standing
+    sandbox.destroy()
+    assert backend.live == [] and (backend.created, backend.destroyed) == (1, 1)
+    assert backend.verbs(sandbox.sandbox_id) == ["create", "start", "collect", "destroy"]
+    assert output(spool) == (b"hi\n", b"")
+
+
+def test_an_engine_process_is_killed_through_its_engine(tmp_path):
+    backend = FakeBackend()
+    sandbox = create_sandbox(backend, compile_for(backend, ["sleep", "30"]))
+    process = sandbox.start(new_spool(tmp_path), b"")
+    assert not process.wait(0.05) and not process.output_ended()
+    assert process.pid() == 0  # the fake has no host process (a real engine: its init's pid)
+    process.kill()
+    assert process.wait(1.0) and process.collect()[0] == ExitStatus(137, "SIGKILL", False)
+    sandbox.destroy()
+    assert backend.live == [] and "kill" in backend.verbs(sandbox.sandbox_id)

@@ -1,5 +1,6 @@
-"""The daemon's shape (issue 21): no module over 500 lines, no function over 80, and no
-work at import time (no thread started by an import). The import layers themselves are
+"""The daemon's shape (issue 21): no module over 500 lines, no function over 80, no work
+at import time (no thread started by an import), and the log's rooms kept: SQL and event
+drafts only in ledger/. The import layers themselves are
 the contract in pyproject.toml, checked by `make lint`."""
 
 from __future__ import annotations
@@ -46,6 +47,39 @@ def test_no_module_is_over_500_lines():
 def test_no_function_is_over_80_lines():
     over = {p.relative_to(DAEMON).as_posix(): f for p in daemon_sources() if (f := long_functions(p))}
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines: {over}"
+
+
+SQL_WORDS = ("SELECT ", "INSERT ", "UPDATE ", "DELETE FROM", "CREATE TABLE", "CREATE INDEX", "PRAGMA ")
+
+
+def outside_the_ledger() -> list[Path]:
+    return [p for p in daemon_sources() if p.relative_to(DAEMON).parts[0] != "ledger"]
+
+
+def sql_strings(path: Path) -> list[str]:
+    """String constants that read as SQL statements."""
+    return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and node.value.lstrip().upper().startswith(SQL_WORDS)]
+
+
+def event_drafts(path: Path) -> list[str]:
+    """Calls that build an EventDraft by hand (a type name and a payload dict)."""
+    return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "EventDraft"
+                                               or getattr(node.func, "attr", None) == "EventDraft")]
+
+
+def test_no_sql_outside_the_ledger():
+    found = [hit for p in outside_the_ledger() for hit in sql_strings(p)]
+    assert not found, f"SQL outside ledger/: {found}"
+    assert sql_strings(DAEMON / "ledger" / "call_rows.py"), "the measure finds the ledger's own SQL"
+
+
+def test_every_event_is_drafted_through_its_type():
+    found = [hit for p in outside_the_ledger() for hit in event_drafts(p)]
+    assert not found, f"events drafted as dicts outside ledger/ (use ledger.event_types.draft): {found}"
+    assert event_drafts(DAEMON / "ledger" / "event_types.py"), "the measure finds the ledger's own drafts"
 
 
 def test_the_function_measure_counts_from_def_to_end(tmp_path):

@@ -25,8 +25,10 @@ from sandboxd.ledger.artifacts import FileArtifactStore
 from sandboxd.ledger.events import EventLog
 from sandboxd.ledger.store import Database
 from sandboxd.policy.principal import Principal
-from sandboxd.pools import PoolManager
+from sandboxd.pools import CommandSpec, LeaseSandbox, PoolManager
 from sandboxd.sandbox.fake import FakeBackend
+from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool
+from sandboxd.sandbox.protocol import ExitStatus, Process, Sandbox
 from sandboxd_testing import prepared_call, wait_for
 
 from .conftest import LIMITS, WORKSPACE_GID, WORKSPACE_UID
@@ -166,3 +168,49 @@ def test_shutdown_removes_every_warm_sandbox(daemon):
     daemon.pools.shutdown(5.0)
     assert run.result is not None and run.result["status"] == "cancelled"
     assert daemon.backend.live == [] and daemon.backend.destroyed == 2
+
+
+def _command_view(daemon: PoolDaemon, lease_id: str, argv: tuple[str, ...]) -> LeaseSandbox:
+    """A call's Sandbox over the lease's warm sandbox, taken as prepare_leased takes it."""
+    template, _ = daemon.executor.explain(prepared_call(daemon.workspace, ["true"]), ALICE)
+    ws = daemon.pools.sandbox_for(lease_id, ALICE, template)  # busy until the view is destroyed
+    return LeaseSandbox(daemon.pools, ws, CommandSpec(lease_id, ws.sandbox_id, argv, "/workspace", {}, 5_000,
+                                                      1 << 20, 1 << 20))
+
+
+def test_a_leased_sandbox_outlives_each_of_its_processes(daemon, tmp_path):
+    """Through the Sandbox and Process protocols: each command is a Process of the call's
+    view of the one warm sandbox; destroying the view hands the sandbox back to its lease
+    (the engine's sandbox stays), and the next command runs in it."""
+    lease_id = daemon.acquire()
+    seen = []
+    for n, word in enumerate(["one", "two"]):
+        view = _command_view(daemon, lease_id, ("echo", word))
+        sandbox: Sandbox = view
+        spool = OutputSpool(tmp_path / f"spool-{n}", {STDOUT: 1 << 20, STDERR: 1 << 20}, preview_bytes=64)
+        process: Process = sandbox.start(spool, b"")
+        assert process.wait(5.0) and process.output_ended()
+        assert process.collect()[0] == ExitStatus(0, "", False)
+        sandbox.destroy()
+        sandbox.destroy()  # idempotent: the lease is handed back once
+        spool.close()
+        assert spool.summary(STDOUT).path.read_bytes() == f"{word}\n".encode()
+        seen.append((sandbox.sandbox_id, sandbox.engine_id))
+        assert daemon.backend.live == [sandbox.sandbox_id]
+        assert (daemon.backend.created, daemon.backend.destroyed) == (1, 0)
+    assert seen[0] == seen[1]  # one sandbox, two processes
+    assert (view.warm.busy, view.warm.dead) == ("", False)  # the lease's again
+    daemon.pools.release(lease_id, ALICE)
+    assert gone(daemon, 1)
+
+
+def test_a_leased_sandbox_found_broken_is_retired_not_handed_back(daemon, tmp_path):
+    lease_id = daemon.acquire()
+    sandbox = _command_view(daemon, lease_id, ("true",))
+    process = sandbox.start(OutputSpool(tmp_path / "spool", {STDOUT: 64, STDERR: 64}, preview_bytes=64), b"")
+    assert process.wait(5.0) and process.collect()[0].exit_code == 0  # the command itself ended cleanly
+    assert "gone" in sandbox.broken("the sandbox's supervisor is gone").message
+    sandbox.destroy()
+    assert gone(daemon, 1)  # retired, although nothing of the command was left in it
+    with pytest.raises(SandboxdError, match="is gone"):
+        daemon.run(lease_id, ["true"])

@@ -764,8 +764,8 @@ def test_refusal_reason_stays_in_the_body():
 # ------------------------------------------------------------------ ConnectionRecord, summaries
 
 
-def test_connection_record_defaults_to_event():
-    event = ConnectionRecord(protocol="http").to_event()
+def test_connection_record_defaults_to_its_event():
+    event = ConnectionRecord(protocol="http").observed().to_payload()
     started = event.pop("startedAt")
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", started)
     assert event == {
@@ -779,14 +779,14 @@ def test_connection_record_to_event_maps_every_field():
                            address="93.184.216.34", decision="allowed", rule="*.example.com", reason="",
                            error="ConnectionResetError: reset", status=200, bytes_up=517, bytes_down=4096,
                            started_at="2026-01-02T03:04:05.000006Z", ended_at="2026-01-02T03:04:06.000007Z")
-    assert rec.to_event() == {
+    assert rec.observed().to_payload() == {
         "protocol": "connect", "method": "CONNECT", "host": "a.example.com", "port": 443,
         "address": "93.184.216.34", "decision": "allowed", "rule": "*.example.com", "reason": "",
         "error": "ConnectionResetError: reset", "status": 200, "bytesUp": 517, "bytesDown": 4096,
         "startedAt": "2026-01-02T03:04:05.000006Z", "endedAt": "2026-01-02T03:04:06.000007Z",
     }
     # The event is a fresh dict: changing it does not change the record.
-    event = rec.to_event()
+    event = rec.observed().to_payload()
     event["host"] = "changed"
     assert rec.host == "a.example.com"
 

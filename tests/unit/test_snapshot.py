@@ -13,7 +13,7 @@ import pytest
 from sandboxd.recording import snapshot
 from sandboxd.recording.filewatch import Access
 from sandboxd_contract.canonical import canonical_json
-from sandboxd.recording.snapshot import (Entry, FileEvents, HashBudget, HashCache, diff, effects, file_access_payloads, file_events,
+from sandboxd.recording.snapshot import (Entry, FileEvents, HashBudget, HashCache, diff, effects, file_access_events, file_events,
                                printable, take)
 
 
@@ -294,8 +294,8 @@ def test_names_that_are_not_utf8_are_printable_and_exact_in_base64():
     ]
     assert events.reads == [("/w/caf\u00e9-utf8", 1)]  # valid UTF-8: as it is, a pair
     assert effects(events)["reads"] == ["/w/caf\\xe9", "/w/caf\u00e9-utf8"]
-    for payload in file_access_payloads(events, 500, 2000):
-        canonical_json(payload)  # what the commit does with them: no UnicodeEncodeError
+    for event in file_access_events(events, 500, 2000):
+        canonical_json(event.to_payload())  # what the commit does with them: no UnicodeEncodeError
     gap = f"{odd}: not examined (Permission denied)"
     assert printable(gap) == "/w/caf\\xe9: not examined (Permission denied)" and printable("/w/é") == "/w/é"
 
@@ -305,13 +305,13 @@ def test_access_payloads_batch_entries_and_reads_and_read_back_as_entries():
 
     reads = [(f"/w/r{i:04}", i % 3 + 1) for i in range(4500)]
     entries = [{"path": f"/w/c{i}", "operation": "create", "sha256After": "x"} for i in range(501)]
-    payloads = file_access_payloads(FileEvents(entries, reads), 500, 2000)
+    payloads = [e.to_payload() for e in file_access_events(FileEvents(entries, reads), 500, 2000)]
     assert [len(p.get("accesses", p.get("reads"))) for p in payloads] == [500, 1, 2000, 2000, 500]
     assert all(len(p) == 1 for p in payloads)  # either form, never both
     back = [a for p in payloads for a in file_accesses(json.loads(canonical_json(p)))]
     assert back[:501] == entries
     assert back[501:] == [{"path": p, "operation": "read", "opens": n} for p, n in reads]
-    assert file_access_payloads(FileEvents([], []), 500, 2000) == []
+    assert file_access_events(FileEvents([], []), 500, 2000) == []
     # The daemon's own drafts hold tuples; a later daemon may add fields after the two.
     assert file_accesses({"reads": [("/w/t", 2), ["/w/u", 1, "later"], [3, 1]]}) == [
         {"path": "/w/t", "operation": "read", "opens": 2}, {"path": "/w/u", "operation": "read", "opens": 1}]

@@ -12,9 +12,12 @@ from sandboxd.calls.prepare import Prepared
 from sandboxd.core.errors import SandboxdError
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.events import EventDraft
+from sandboxd.ledger.event_types import (CheckedAuthorization, CommandRecord, CredentialInjected, SandboxLeaseEnded,
+                                          ToolArgsValidated, ToolCallRejected, ToolCallReplayed, ToolCallRequested,
+                                          ToolCallStarted, ToolPolicyChecked, ToolSandboxPrepared, draft)
 from sandboxd.policy.models import PreparedToolCall
 from sandboxd_contract.canonical import canonical_json
-from sandboxd.sandbox.protocol import SandboxHandle
+from sandboxd.sandbox.protocol import Sandbox
 from sandboxd.secrets.broker import ResolvedSecret
 
 # What a refusal keeps of a request's strings and lists (a refused request may be as
@@ -60,43 +63,32 @@ def request_summary(raw: Mapping[str, Any]) -> dict[str, Any]:
 def refusal_drafts(raw: Mapping[str, Any], principal: str, daemon_id: str, stage: str, exc: SandboxdError,
                    requested_id: str) -> list[EventDraft]:
     """ToolCallRequested (bounded) and ToolCallRejected."""
-    payload = bounded(request_summary(raw))
-    payload["principal"] = principal
-    payload["daemonId"] = daemon_id
     return [
-        EventDraft(ev.REQUESTED, payload),
-        EventDraft(ev.REJECTED, {"stage": stage, "code": exc.kind, "field": bounded(exc.field or ""),
-                                 "reason": bounded(exc.reason), "requestedToolCallId": requested_id[:256]}),
+        draft(ToolCallRequested.of_request(bounded(request_summary(raw)), principal=principal, daemon_id=daemon_id)),
+        draft(ToolCallRejected(stage, exc.kind, bounded(exc.field or ""), bounded(exc.reason), requested_id[:256])),
     ]
 
 
-def requested_payload(raw: Mapping[str, Any], call: PreparedToolCall, principal: str, daemon_id: str,
-                      digest: str) -> dict[str, Any]:
-    payload = request_summary(raw)
-    if digest:
-        payload["requestDigest"] = digest
-    if not call.policy.audit.record_command:
-        payload.pop("argv", None)
-        payload["argvSha256"] = "sha256:" + hashlib.sha256(canonical_json(call.argv)).hexdigest()
-    payload["principal"] = principal
-    payload["daemonId"] = daemon_id
-    return payload
+def requested_event(raw: Mapping[str, Any], call: PreparedToolCall, principal: str, daemon_id: str,
+                    digest: str) -> ToolCallRequested:
+    """An accepted request; its argv only as a digest when the policy records no commands."""
+    argv_sha256 = None if call.policy.audit.record_command else (
+        "sha256:" + hashlib.sha256(canonical_json(call.argv)).hexdigest())
+    return ToolCallRequested.of_request(request_summary(raw), principal=principal, daemon_id=daemon_id,
+                                        request_digest=digest or None, argv_sha256=argv_sha256)
 
 
-def command_record(prepared: Prepared, principal: str, policy_digest: str) -> dict[str, Any]:
+def command_record(prepared: Prepared, principal: str, policy_digest: str) -> CommandRecord:
     """audit.recordCommand: what ran, where, as whom. Environment names only: values
     may be secrets, and the policy digest already pins them."""
-    return {
-        "argv": list(prepared.call.argv), "cwd": prepared.policy.cwd, "envNames": sorted(prepared.policy.env),
-        "image": prepared.image, "imageDigest": prepared.image_digest, "backend": prepared.backend.name,
-        "policyDigest": policy_digest, "principal": principal, "workspace": prepared.plan.workspace,
-        "sandboxUser": f"{prepared.plan.uid}:{prepared.plan.gid}",
-    }
+    return CommandRecord(list(prepared.call.argv), prepared.policy.cwd, sorted(prepared.policy.env), prepared.image,
+                         prepared.image_digest, prepared.backend.name, policy_digest, principal,
+                         prepared.plan.workspace, f"{prepared.plan.uid}:{prepared.plan.gid}")
 
 
-def lease_fields(prepared: Prepared) -> dict[str, Any]:
+def lease_id(prepared: Prepared) -> str | None:
     """A leased call's events name its lease."""
-    return {"leaseId": prepared.call.runtime.lease_id} if prepared.lease is not None else {}
+    return prepared.call.runtime.lease_id if prepared.lease is not None else None
 
 
 def accepted_drafts(raw: Mapping[str, Any], prepared: Prepared, principal: str, daemon_id: str, digest: str,
@@ -104,51 +96,42 @@ def accepted_drafts(raw: Mapping[str, Any], prepared: Prepared, principal: str, 
     """ToolCallRequested, ToolArgsValidated and ToolPolicyChecked of an accepted call."""
     call, plan = prepared.call, prepared.plan
     policy_digest = prepared.policy.digest()
-    return [
-        EventDraft(ev.REQUESTED, requested_payload(raw, call, principal, daemon_id, digest)),
-        EventDraft(ev.ARGS_VALIDATED, {
-            "effectivePolicy": prepared.policy.to_json_dict(), "policyDigest": policy_digest}),
-        EventDraft(ev.POLICY_CHECKED, {
-            "decision": "allowed", "backend": prepared.backend.name, "image": prepared.image,
-            # Named now (ToolSandboxPrepared may commit with the result): a crash
-            # recovery finds the call's spooled output by it.
-            "sandboxId": prepared.sandbox_id,
-            **lease_fields(prepared),
-            "authorization": ({"grantId": call.authorization.grant_id, "approvalDigest": approved,
-                               "verified": True} if approved else {"status": call.authorization.status}),
-            "imageDigest": prepared.image_digest, "uid": plan.uid, "gid": plan.gid,
-            "workspace": plan.workspace,
-            "binds": [[b.sandbox_path, "ro" if b.read_only else "rw"] for b in plan.binds],
-            "masks": [m.sandbox_path for m in plan.masks], "notes": list(plan.notes),
-            **({"command": command_record(prepared, principal, policy_digest)}
-               if prepared.policy.record_command else {}),
-        }),
-    ]
+    authorization = (CheckedAuthorization.granted(call.authorization.grant_id, approved) if approved
+                     else CheckedAuthorization(status=call.authorization.status))
+    checked = ToolPolicyChecked(
+        backend=prepared.backend.name, image=prepared.image,
+        # Named now (ToolSandboxPrepared may commit with the result): a crash recovery
+        # finds the call's spooled output by it.
+        sandbox_id=prepared.sandbox_id, authorization=authorization, image_digest=prepared.image_digest,
+        uid=plan.uid, gid=plan.gid, workspace=plan.workspace,
+        binds=[[b.sandbox_path, "ro" if b.read_only else "rw"] for b in plan.binds],
+        masks=[m.sandbox_path for m in plan.masks], notes=list(plan.notes), lease_id=lease_id(prepared),
+        command=command_record(prepared, principal, policy_digest) if prepared.policy.record_command else None)
+    return [draft(requested_event(raw, call, principal, daemon_id, digest)),
+            draft(ToolArgsValidated(prepared.policy.to_json_dict(), policy_digest)),
+            draft(checked)]
 
 
 def credential_drafts(secrets: tuple[ResolvedSecret, ...], principal: str) -> list[EventDraft]:
-    return [EventDraft(ev.CREDENTIAL_INJECTED, {"bindingId": s.binding_id, "principal": principal,
-                                                "target": s.target}) for s in secrets]
+    return [draft(CredentialInjected(s.binding_id, principal, s.target)) for s in secrets]
 
 
-def sandbox_prepared_draft(prepared: Prepared, handle: SandboxHandle) -> EventDraft:
-    return EventDraft(ev.SANDBOX_PREPARED, {
-        "sandboxId": prepared.sandbox_id, "engineId": handle.engine_id, "backend": prepared.backend.name,
-        # handle.spec: as it ran (nsjail on cgroup v2 may keep a spawn slot's cgroup).
-        "specDigest": "sha256:" + hashlib.sha256(canonical_json(handle.spec.to_json_dict())).hexdigest(),
-        **lease_fields(prepared),
-    })
+def sandbox_prepared_draft(prepared: Prepared, sandbox: Sandbox) -> EventDraft:
+    # sandbox.spec: as it ran (nsjail on cgroup v2 may keep a spawn slot's cgroup).
+    spec_digest = "sha256:" + hashlib.sha256(canonical_json(sandbox.spec.to_json_dict())).hexdigest()
+    return draft(ToolSandboxPrepared(prepared.sandbox_id, sandbox.engine_id, prepared.backend.name, spec_digest,
+                                     lease_id(prepared)))
 
 
 def started_draft(sandbox_id: str) -> EventDraft:
     """Its id is fixed now: the stream says "started" before it is committed."""
-    return EventDraft(ev.STARTED, {"sandboxId": sandbox_id, "startedAt": ev.utc_now()}, ev.new_id("ev"))
+    return draft(ToolCallStarted(sandbox_id, ev.utc_now()), ev.new_id("ev"))
 
 
 def replayed_draft(principal: str, key: str, attached: bool) -> EventDraft:
-    return EventDraft(ev.REPLAYED, {"principal": principal, "idempotencyKey": key, "attached": attached})
+    return draft(ToolCallReplayed(principal, key, attached))
 
 
 def lease_ended_draft(sandbox_id: str) -> EventDraft:
     """A lease a killed daemon held, ended at the next start."""
-    return EventDraft(ev.SANDBOX_LEASE_ENDED, {"reason": "daemon-restarted", "sandboxId": sandbox_id})
+    return draft(SandboxLeaseEnded("daemon-restarted", sandbox_id))

@@ -5,11 +5,12 @@ the run, admission and the recorder ask the placement, never the lease."""
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, cast
+from typing import Any
 
 from sandboxd.calls.prepare import Prepared
 from sandboxd.calls.reservations import WorkspaceReservations
@@ -17,11 +18,12 @@ from sandboxd.calls.result import NetworkRecord
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.ledger.store import Database
 from sandboxd.policy.preflight import HostPlan
-from sandboxd.pools import LeaseBackend, PoolManager
+from sandboxd.pools import PoolManager
 from sandboxd.recording import snapshot
 from sandboxd.recording.recorder import FileRecorder, GatedWatch, KeptWatch, WriteRoots
 from sandboxd.sandbox.output import OutputSpool
-from sandboxd.sandbox.protocol import SandboxHandle
+from sandboxd.sandbox.engine import create_sandbox
+from sandboxd.sandbox.protocol import Process, Sandbox
 from sandboxd.secrets.broker import CredentialBroker
 
 log = logging.getLogger("sandboxd.calls.placement")
@@ -55,14 +57,14 @@ def _logged(what: str, sandbox_id: str, fn: Callable[..., Any], *args: Any) -> C
     return run
 
 
-class _Placement:
+class _Placement(ABC):
     """A context manager: its exit releases what it made, in reverse order."""
 
     def __init__(self, prepared: Prepared, db: Database):
         self.prepared = prepared
         self._db = db
         self._resources = ExitStack()
-        self.handle: SandboxHandle | None = None
+        self.sandbox: Sandbox | None = None  # once created (for a lease: taken)
         self.network = NetworkRecord()
 
     def __enter__(self) -> "_Placement":
@@ -77,20 +79,27 @@ class _Placement:
         # a write found) comes from a before/after walk of the writable mounts.
         return [(b.sandbox_path, b.host_path) for b in self.prepared.plan.binds if not b.read_only]
 
-    def create(self) -> SandboxHandle:
-        p = self.prepared
-        handle = p.backend.create(p.spec)
-        self.handle = handle
-        self._resources.callback(self._remove, handle)
-        return handle
+    @abstractmethod
+    def _make(self) -> Sandbox:
+        """The sandbox the command runs in: made now, or taken."""
 
-    def _remove(self, handle: SandboxHandle) -> None:
+    def create(self) -> Sandbox:
+        """The call's sandbox, destroyed (or handed back) when the placement exits."""
+        sandbox = self._make()
+        self.sandbox = sandbox
+        self._resources.callback(self._remove, sandbox)
+        return sandbox
+
+    def _remove(self, sandbox: Sandbox) -> None:
         try:
-            self.prepared.backend.destroy(handle)
+            sandbox.destroy()  # (a fresh one's output lands in the spool before this returns)
         except Exception:
             log.exception("destroying sandbox %s failed", self.prepared.sandbox_id)
-        if handle.reader is not None:
-            handle.reader.join(KILL_GRACE_S)  # the last bytes land before the spool closes
+
+    def start(self, spool: OutputSpool) -> Process:
+        """The call's command, in the sandbox create() made."""
+        assert self.sandbox is not None
+        return self.sandbox.start(spool, self.prepared.call.stdin)
 
 
 class FreshSandbox(_Placement):
@@ -119,7 +128,7 @@ class FreshSandbox(_Placement):
         p = self.prepared
         gate = p.attachments.gate_host_path
         watcher = GatedWatch(gate, p.plan.uid, p.plan.gid, tuple(b.sandbox_path for b in p.plan.binds),
-                             lambda: tools.fid(p.plan), p.backend.sandbox_pid, label) if gate else None
+                             lambda: tools.fid(p.plan), label) if gate else None
         return FileRecorder(watcher, self._write_roots(), tools.walk, tools.refresh, label)
 
     def open(self) -> None:
@@ -150,21 +159,24 @@ class FreshSandbox(_Placement):
         # before the command can run.
         self._db.flush()
 
-    def start(self, handle: SandboxHandle, spool: OutputSpool) -> None:
-        self.prepared.backend.start(handle, spool, self.prepared.call.stdin)
+    def _make(self) -> Sandbox:
+        p = self.prepared
+        return create_sandbox(p.backend, p.spec)
 
 
 class LeasedSandbox(_Placement):
     """A command in a leased warm sandbox, through its supervisor: the sandbox stays
-    the lease's after the command (LeaseBackend.destroy hands it back)."""
+    the lease's after the command (its LeaseSandbox view's destroy() hands it back)."""
 
     leased = True
 
     def __init__(self, prepared: Prepared, db: Database, pools: PoolManager):
         super().__init__(prepared, db)
         self._pools = pools
-        self._ws = prepared.lease
-        self._backend = cast(LeaseBackend, prepared.backend)  # prepare.Preparer.prepare_leased made it
+        lease = prepared.lease
+        assert lease is not None  # prepare.Preparer.prepare_leased made it
+        self._lease = lease
+        self._ws = lease.warm
         # Ended (cancelled, or its walk failed) before the command reached the sandbox:
         # nothing ran in it, so it stays the lease's.
         self._resources.callback(self._hand_back_unused)
@@ -182,7 +194,7 @@ class LeasedSandbox(_Placement):
         p, ws = self.prepared, self._ws
         if tools.file_watch and p.policy.record_file_access and p.plan.binds:
             watcher = KeptWatch(ws, tuple(b.sandbox_path for b in ws.prepared.plan.binds),
-                                lambda: tools.fid(ws.prepared.plan), self._backend.broken)
+                                lambda: tools.fid(ws.prepared.plan), self._lease.broken)
             return FileRecorder(watcher, self._write_roots(), tools.walk, tools.refresh, label)
         if ws.watch is not None:
             ws.watch.unrecorded()  # the sandbox's kept watch sees this command too
@@ -193,27 +205,31 @@ class LeasedSandbox(_Placement):
         the supervisor's socket."""
 
     def _hand_back_unused(self) -> None:
-        if self.handle is None:
+        if self.sandbox is None:
             self._pools.command_done(self._ws, True)
 
-    def _remove(self, handle: SandboxHandle) -> None:
+    def _make(self) -> Sandbox:
+        return self._lease  # the warm sandbox exists: the call takes it
+
+    def _remove(self, sandbox: Sandbox) -> None:
         # Before the sandbox can take the lease's next command.
         try:
-            connections, dropped, overflow = self._backend.network_records()
+            connections, dropped, overflow = self._lease.network_records()
             self.network = NetworkRecord(connections, dropped, overflow)
         except Exception:
             log.exception("reading the network records of %s failed", self.prepared.sandbox_id)
-        super()._remove(handle)
+        super()._remove(sandbox)
 
     def before_start(self) -> None:
         return None
 
-    def start(self, handle: SandboxHandle, spool: OutputSpool) -> None:
-        self.prepared.backend.start(handle, spool, self.prepared.call.stdin)
+    def start(self, spool: OutputSpool) -> Process:
+        process = super().start(spool)
         # A leased command's, while it starts (a fsync before it cost each command a
         # third of a millisecond): only a power loss in its first fraction of a
         # millisecond could lose the record that it was accepted.
         self._db.flush()
+        return process
 
 
 Placement = FreshSandbox | LeasedSandbox

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any
 
 from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, InvalidArgument, PermissionDenied
 from sandboxd.core.settings import DaemonSettings
@@ -20,7 +20,7 @@ from sandboxd.policy import images
 from sandboxd.policy.models import EffectivePolicy, PreparedToolCall, check_admission, resolve_policy
 from sandboxd.policy.preflight import HostPlan, preflight
 from sandboxd.policy.principal import Principal
-from sandboxd.pools import CommandSpec, LeaseBackend, PoolManager
+from sandboxd.pools import CommandSpec, LeaseSandbox, PoolManager
 from sandboxd.recording.filewatch import FileWatchError, reader_library
 from sandboxd.sandbox.protocol import Backend
 from sandboxd.sandbox.spec import Attachments, EgressAttachment, SandboxIdentity
@@ -44,8 +44,8 @@ class Prepared:
     attachments: Attachments = Attachments()
     # Resolved credential values: in memory only, never in a spec, event or log.
     secrets: tuple[ResolvedSecret, ...] = ()
-    # The warm sandbox a leased call runs in.
-    lease: Any = None
+    # A leased call's view of the warm sandbox it runs in (its command's Sandbox).
+    lease: LeaseSandbox | None = None
     # Every secret this call's output and events are redacted of: its own, and for a
     # leased call every one its sandbox was ever given (its tempDir outlives a command).
     redaction: Mapping[str, bytes] = field(default_factory=dict)
@@ -172,11 +172,10 @@ class Preparer:
             spec = CommandSpec(call.runtime.lease_id, ws.sandbox_id, tuple(call.argv), policy.cwd, env,
                                policy.timeout_ms, policy.max_stdout_bytes, policy.max_stderr_bytes,
                                ws.prepared.policy.temp_dir)
-            # (A LeaseBackend stands in for the sandbox's backend: the Backend protocol for one command.)
-            backend = cast(Backend, LeaseBackend(pools, ws, secret_env, secret_files))
-            leased = replace(prepared, backend=backend, spec=spec,
-                             sandbox_id=ws.sandbox_id, image_digest=ws.prepared.image_digest,
-                             attachments=Attachments(), lease=ws, secrets=secrets,
+            # The backend stays the call's own (the lease's: the pool key matched).
+            lease = LeaseSandbox(pools, ws, spec, secret_env, secret_files)
+            leased = replace(prepared, spec=spec, sandbox_id=ws.sandbox_id, image_digest=ws.prepared.image_digest,
+                             attachments=Attachments(), lease=lease, secrets=secrets,
                              redaction=ws.remember_secrets(secrets))
             undo.pop_all()
         return leased

@@ -18,7 +18,8 @@ from sandboxd.core.settings import DaemonSettings
 from sandboxd.ledger import call_rows
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import ArtifactRecord, FileArtifactStore
-from sandboxd.ledger.events import EventLog
+from sandboxd.ledger.event_types import SandboxLeased, ToolPolicyChecked, ToolSandboxPrepared, read
+from sandboxd.ledger.events import Event, EventLog
 from sandboxd.ledger.store import Database
 
 log = logging.getLogger("sandboxd.calls.recovery")
@@ -40,10 +41,9 @@ def recover_interrupted(settings: DaemonSettings, db: Database, events: EventLog
     unfinished = call_rows.unfinished_calls(db)
     for tool_call_id in unfinished:
         trace = events.for_call(tool_call_id)
-        named = [e.payload for e in trace if e.type in (ev.POLICY_CHECKED, ev.SANDBOX_PREPARED)
-                 and isinstance(e.payload.get("sandboxId"), str) and e.payload["sandboxId"]]
-        leased = any(p.get("leaseId") for p in named)
-        records = (salvage_output(settings, artifacts, tool_call_id, named[-1]["sandboxId"], leased)
+        named = [t for t in (_sandbox_naming(e) for e in trace) if t is not None]
+        leased = any(t.lease_id for t in named)
+        records = (salvage_output(settings, artifacts, tool_call_id, named[-1].sandbox_id, leased)
                    if named else [])
         ended = interrupted_call(tool_call_id, records, ev.new_id("ev"), ev.new_id("ev"))
         with db.transaction() as conn:
@@ -54,13 +54,24 @@ def recover_interrupted(settings: DaemonSettings, db: Database, events: EventLog
     return len(unfinished)
 
 
+def _sandbox_naming(event: Event) -> ToolPolicyChecked | ToolSandboxPrepared | None:
+    """The events of a call that name its sandbox (and its lease): admission's and the
+    sandbox's preparation, when they name one."""
+    if event.type not in (ev.POLICY_CHECKED, ev.SANDBOX_PREPARED):
+        return None
+    typed = read(event)
+    assert isinstance(typed, (ToolPolicyChecked, ToolSandboxPrepared))
+    return typed if isinstance(typed.sandbox_id, str) and typed.sandbox_id else None
+
+
 def close_open_leases(db: Database, events: EventLog) -> None:
     """Leases a killed daemon held end on the record: their sandboxes were reaped
     with everything else it left."""
     leases = call_rows.open_leases(db)
     for lease_id in leases:
         trace = events.for_call(lease_id)
-        events.record(lease_id, trace[-1].event_id, [lease_ended_draft(trace[0].payload.get("sandboxId", ""))])
+        leased = SandboxLeased.from_payload(trace[0].payload)
+        events.record(lease_id, trace[-1].event_id, [lease_ended_draft(leased.sandbox_id)])
     if leases:
         log.warning("ended %d leases an earlier run of this daemon held", len(leases))
 

@@ -13,6 +13,7 @@ from sandboxd.core.errors import Aborted, AlreadyExists, FailedPrecondition, Int
 from sandboxd.ledger import call_rows
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import FileArtifactStore
+from sandboxd.ledger.event_types import ToolCallExpired, ToolCallStarted, ToolPolicyChecked, ToolResultValidated
 from sandboxd.ledger.events import EventLog
 from sandboxd.ledger.store import Database
 from sandboxd.sandbox.output import MAX_CHUNK_BYTES, STDERR, STDOUT
@@ -74,7 +75,7 @@ class ReplayRun:
         recorded = [e for e in self._events if e.type == ev.RESULT_VALIDATED]
         if not recorded:
             raise InternalError(f"call {tool_call_id} has no recorded result")
-        self.result: dict[str, Any] = recorded[-1].payload["result"]
+        self.result: dict[str, Any] = dict(ToolResultValidated.from_payload(recorded[-1].payload).result)
         # Opened now: a retention sweep from here on removes nothing this replay reads.
         self._outputs: list[tuple[int, IO[bytes]]] = []
         store = records.artifacts
@@ -90,7 +91,8 @@ class ReplayRun:
         expired = [e for e in self._events if e.type == ev.EXPIRED]
         if expired or not named <= {r.artifact_id for r in stored}:
             self.close()
-            when = expired[-1].payload.get("expiredAt", expired[-1].time) if expired else "just now"
+            when = (ToolCallExpired.from_payload(expired[-1].payload).expired_at or expired[-1].time) if expired \
+                else "just now"
             raise FailedPrecondition(f"call {tool_call_id}, the first with this key, expired ({when}) under the "
                                      "retention period: its output is gone, so it cannot be answered again, and "
                                      "the key is not run twice; its trace remains", field="runtime.idempotencyKey",
@@ -111,11 +113,12 @@ class ReplayRun:
     def stream(self, is_active: Callable[[], bool] = _always) -> Iterator[StreamItem]:
         by_type = {e.type: e for e in self._events}
         checked = by_type[ev.POLICY_CHECKED]
-        yield StreamItem("accepted", checked.event_id, {
-            "backend": checked.payload.get("backend", ""), "image": checked.payload.get("image", "")})
+        policy = ToolPolicyChecked.from_payload(checked.payload)
+        yield StreamItem("accepted", checked.event_id, {"backend": policy.backend, "image": policy.image})
         started = by_type.get(ev.STARTED)
         if started is not None:
-            yield StreamItem("started", started.event_id, {"sandboxId": started.payload.get("sandboxId", "")})
+            yield StreamItem("started", started.event_id,
+                             {"sandboxId": ToolCallStarted.from_payload(started.payload).sandbox_id})
         try:
             for stream, f in self._outputs:
                 offset = 0

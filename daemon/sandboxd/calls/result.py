@@ -13,6 +13,8 @@ from sandboxd.egress.records import ConnectionRecord, summarize_external_calls
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import ArtifactRecord
 from sandboxd.ledger.events import EventDraft
+from sandboxd.ledger.event_types import (ArtifactPersisted, CountedAttempts, DestinationCount, FileAccessObserved,
+                                          NetworkAccessObserved, OutputDigest, ToolCallFinished, ToolResultValidated, draft)
 from sandboxd.policy.models import EffectivePolicy
 from sandboxd.recording import snapshot
 from sandboxd.recording.recorder import FileRecord
@@ -96,9 +98,7 @@ def artifact_json(r: ArtifactRecord) -> dict[str, Any]:
 
 
 def persisted(r: ArtifactRecord) -> EventDraft:
-    return EventDraft(ev.ARTIFACT_PERSISTED, {
-        "artifactId": r.artifact_id, "kind": r.kind, "contentHash": r.content_hash, "sizeBytes": r.size_bytes,
-    }, r.event_id)
+    return draft(ArtifactPersisted(r.artifact_id, r.kind, r.content_hash, r.size_bytes), r.event_id)
 
 
 def result_of(end: CallEnd, validated_id: str) -> dict[str, Any]:
@@ -131,24 +131,20 @@ def result_of(end: CallEnd, validated_id: str) -> dict[str, Any]:
 def observation_drafts(files: FileRecord, network: NetworkRecord) -> list[EventDraft]:
     """FileAccessObserved and NetworkAccessObserved. Accesses go in batches: a test run
     touches thousands of files, and one event per path would cost the log more than the run."""
-    drafts = [EventDraft(ev.FILE_ACCESS, payload) for payload in
-              snapshot.file_access_payloads(files.events, FILE_ENTRIES_PER_EVENT, FILE_READS_PER_EVENT)]
+    drafts = [draft(e) for e in
+              snapshot.file_access_events(files.events, FILE_ENTRIES_PER_EVENT, FILE_READS_PER_EVENT)]
     if files.incomplete:
-        drafts.append(EventDraft(ev.FILE_ACCESS, {"accesses": [], "incomplete": files.incomplete}))
-    drafts += [EventDraft(ev.NETWORK_ACCESS, c.to_event()) for c in network.connections]
+        drafts.append(draft(FileAccessObserved(accesses=[], incomplete=files.incomplete)))
+    drafts += [draft(c.observed()) for c in network.connections]
     if network.dropped:
-        drafts.append(EventDraft(ev.NETWORK_ACCESS, {
-            "dropped": network.dropped,
-            "reason": "more attempts than the call's record holds: the rest are counted by destination",
-            "byDestination": [{"host": h, "port": port, "decision": d, "attempts": n, "bytesUp": up,
-                               "bytesDown": down} for (h, port, d), (n, up, down) in sorted(network.overflow.items())],
-        }))
+        counted = CountedAttempts(network.dropped, by_destination=[
+            DestinationCount(h, port, d, n, up, down) for (h, port, d), (n, up, down) in sorted(network.overflow.items())])
+        drafts.append(draft(NetworkAccessObserved(counted=counted)))
     return drafts
 
 
-def _stream_digest(summary: StreamSummary) -> dict[str, Any]:
-    return {"producedBytes": summary.produced_bytes, "storedBytes": summary.stored_bytes,
-            "sha256": summary.content_hash}
+def _stream_digest(summary: StreamSummary) -> OutputDigest:
+    return OutputDigest(summary.produced_bytes, summary.stored_bytes, summary.content_hash)
 
 
 def finished_call(end: CallEnd, finished_id: str, validated_id: str,
@@ -160,13 +156,10 @@ def finished_call(end: CallEnd, finished_id: str, validated_id: str,
     result = result_of(end, validated_id)
     drafts = observation_drafts(end.files, end.network)
     drafts += [
-        EventDraft(ev.FINISHED, {
-            "exitCode": result["exitCode"], "signal": result["signal"], "timedOut": end.timed_out,
-            "oomKilled": result["oomKilled"], "cancelled": bool(end.cancel_reason),
-            "failure": end.failure.message if end.failure else "", "usage": result["usage"],
-            "stdout": _stream_digest(end.stdout), "stderr": _stream_digest(end.stderr),
-        }, finished_id),
-        EventDraft(ev.RESULT_VALIDATED, {"result": result}, validated_id),
+        draft(ToolCallFinished(result["exitCode"], result["signal"], end.timed_out, result["oomKilled"],
+                               bool(end.cancel_reason), end.failure.message if end.failure else "", result["usage"],
+                               _stream_digest(end.stdout), _stream_digest(end.stderr)), finished_id),
+        draft(ToolResultValidated(result), validated_id),
     ] + [persisted(r) for r in end.artifacts]
     if redact is not None:
         # Before anything is hashed into the log: a sandbox can name a file, a host or a
@@ -183,8 +176,8 @@ def interrupted_call(tool_call_id: str, artifacts: list[ArtifactRecord], finishe
     result["artifacts"] = [artifact_json(r) for r in artifacts]
     result["provenance"] = {"eventId": validated_id, "artifactRefs": [r.artifact_id for r in artifacts]}
     drafts = [
-        EventDraft(ev.FINISHED, {"interrupted": True, "exitCode": -1}, finished_id),
-        EventDraft(ev.RESULT_VALIDATED, {"result": result}, validated_id),
+        draft(ToolCallFinished.interrupted_call(), finished_id),
+        draft(ToolResultValidated(result), validated_id),
     ] + [persisted(r) for r in artifacts]
     return FinishedCall(result, drafts, finished_id)
 
@@ -214,8 +207,9 @@ def redact_sandbox_strings(drafts: list[EventDraft], result: dict[str, Any],
         if d.type in SANDBOX_WORDED_EVENTS:
             d = replace(d, payload=_redact_tree(d.payload, redact))
         elif d.type == ev.FINISHED:
-            d = replace(d, payload={**d.payload, "failure": redact(d.payload["failure"])})
+            finished = ToolCallFinished.from_payload(d.payload)
+            d = draft(replace(finished, failure=redact(finished.failure or "")), d.event_id)
         elif d.type == ev.RESULT_VALIDATED:
-            d = replace(d, payload={**d.payload, "result": result})
+            d = draft(ToolResultValidated(result), d.event_id)
         out.append(d)
     return out, result

@@ -26,7 +26,7 @@ from sandboxd.ledger.events import EventDraft, EventLog
 from sandboxd.ledger.store import Database
 from sandboxd.recording.recorder import FileRecord, FileRecorder
 from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool, StreamSummary
-from sandboxd.sandbox.protocol import ExitStatus, ResourceUsage, SandboxHandle
+from sandboxd.sandbox.protocol import ExitStatus, Process, ResourceUsage
 
 log = logging.getLogger("sandboxd.calls.run")
 # A command still running this long after its start has ToolCallStarted committed on its own.
@@ -97,7 +97,7 @@ class CallRun:
         self._result: dict[str, Any] | None = None
         self._result_event_id = ""
         self._cancel_reason = ""
-        self._handle: SandboxHandle | None = None
+        self._process: Process | None = None  # once started, for a cancel to kill
         self._thread = threading.Thread(target=self._run, name=f"call-{tool_call_id}", daemon=True)
         self._ran = threading.Event()  # set once the run has ended, on whichever thread
         self.accepted_event_id = last_event_id
@@ -116,10 +116,10 @@ class CallRun:
             if self._result is not None or self._cancel_reason:
                 return False
             self._cancel_reason = reason or "cancelled"
-            handle = self._handle
-        if handle is not None:
+            process = self._process
+        if process is not None:
             try:
-                self.prepared.backend.kill(handle)
+                process.kill()
             except SandboxdError as exc:
                 log.error("cancel of %s could not kill its sandbox: %s", self.tool_call_id, exc)
         return True
@@ -212,24 +212,24 @@ class CallRun:
         if p.secrets:
             self._record(credential_drafts(p.secrets, self._principal))
         recorder.before_create()
-        handle = placement.create()
-        with self._cond:
-            self._handle = handle
-            if self._cancel_reason:
-                return
+        sandbox = placement.create()
+        if self._cancelled():
+            return
         recorder.sandbox_created()
         placement.before_start()
         ending.t0 = time.monotonic()
-        placement.start(handle, self.spool)
+        process = placement.start(self.spool)
+        with self._cond:
+            self._process = process  # a cancel from here on kills it (before: _announce_start does)
         # Digested while a jail or container comes up (the spec's digest took a
         # millisecond between create and start, on every call's path).
-        self._prepared_event = sandbox_prepared_draft(p, handle)
-        recorder.sandbox_started(handle)
-        self._announce_start(handle)
-        self._wait(handle, ending)
-        ending.status, ending.usage = p.backend.collect(handle)
+        self._prepared_event = sandbox_prepared_draft(p, sandbox)
+        recorder.sandbox_started(process)
+        self._announce_start(process)
+        self._wait(process, ending)
+        ending.status, ending.usage = process.collect()
 
-    def _announce_start(self, handle: SandboxHandle) -> None:
+    def _announce_start(self, process: Process) -> None:
         """ToolSandboxPrepared and ToolCallStarted: a command that ends within
         STARTED_COMMIT_AFTER_S has them in its result's commit (a commit of their own took
         a third of a millisecond beside a short command); a longer one gets that commit
@@ -242,35 +242,35 @@ class CallRun:
             self._started_event_id = self._pending_started[-1].event_id
             self._cond.notify_all()
             if self._cancel_reason:
-                self.prepared.backend.kill(handle)
+                process.kill()
 
-    def _wait(self, handle: SandboxHandle, ending: _Ending) -> None:
-        backend, timeout_s = self.prepared.backend, self.prepared.policy.timeout_ms / 1000
+    def _wait(self, process: Process, ending: _Ending) -> None:
+        timeout_s = self.prepared.policy.timeout_ms / 1000
         deadline = time.monotonic() + timeout_s
-        ended = backend.wait(handle, min(STARTED_COMMIT_AFTER_S, timeout_s))
+        ended = process.wait(min(STARTED_COMMIT_AFTER_S, timeout_s))
         if not ended:
             self._record(self._pending_started, durable=False)
             self._pending_started = []
-            ended = backend.wait(handle, max(0.0, deadline - time.monotonic()))
+            ended = process.wait(max(0.0, deadline - time.monotonic()))
         if not ended:
             with self._cond:
                 ending.timed_out = not self._cancel_reason
-            backend.kill(handle)
-            if not backend.wait(handle, KILL_GRACE_S):
+            process.kill()
+            if not process.wait(KILL_GRACE_S):
                 raise FailedPrecondition("the sandbox did not end after SIGKILL")
 
     def _record_unstarted(self) -> None:
         """A sandbox that was made but whose command never started is still on record."""
-        handle = self._placement.handle
-        if handle is None or self._started_event_id:
+        sandbox = self._placement.sandbox
+        if sandbox is None or self._started_event_id:
             return
         try:
-            self._record([self._prepared_event or sandbox_prepared_draft(self.prepared, handle)], durable=False)
+            self._record([self._prepared_event or sandbox_prepared_draft(self.prepared, sandbox)], durable=False)
         except Exception:
             log.exception("recording the sandbox of %s failed", self.tool_call_id)
 
     def _refresh_if_ran(self, recorder: FileRecorder) -> None:
-        if self._placement.handle is not None:
+        if self._placement.sandbox is not None:
             recorder.refresh_unseen()
 
     def _conclude(self, ending: _Ending, files: FileRecord) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.event_types import ConnectionAttempt, NetworkAccessObserved
@@ -38,10 +37,6 @@ class ConnectionRecord:
         return NetworkAccessObserved(attempt=ConnectionAttempt(
             self.protocol, self.method, self.host, self.port, self.address, self.decision, self.rule, self.reason,
             self.error, self.status, self.bytes_up, self.bytes_down, self.started_at, self.ended_at))
-
-    def to_event(self) -> dict[str, Any]:
-        """The event's payload (callers move to `draft(record.observed())`)."""
-        return self.observed().to_payload()
 
 
 @dataclass

@@ -318,8 +318,10 @@ class ToolResultValidated:
 
 
 @dataclass(frozen=True)
-class ArtifactPersisted:
-    TYPE: ClassVar[str] = ev.ARTIFACT_PERSISTED
+class ArtifactFacts:
+    """An artifact by id, kind, content hash and size: as persisted (ArtifactPersisted)
+    and as retention names the ones it removed (RemovedArtifact, in ToolCallExpired)."""
+
     artifact_id: str
     kind: str
     content_hash: str
@@ -332,6 +334,16 @@ class ArtifactPersisted:
     @classmethod
     def from_payload(cls, p: Mapping[str, Any]) -> Self:
         return cls(p.get("artifactId", ""), p.get("kind", ""), p.get("contentHash", ""), p.get("sizeBytes", 0))
+
+
+@dataclass(frozen=True)
+class ArtifactPersisted(ArtifactFacts):
+    TYPE: ClassVar[str] = ev.ARTIFACT_PERSISTED
+
+
+@dataclass(frozen=True)
+class RemovedArtifact(ArtifactFacts):
+    """One of the artifacts a ToolCallExpired names as removed."""
 
 
 @dataclass(frozen=True)
@@ -371,22 +383,6 @@ class ToolCallReplayed:
     @classmethod
     def from_payload(cls, p: Mapping[str, Any]) -> Self:
         return cls(p.get("principal", ""), p.get("idempotencyKey", ""), p.get("attached", False))
-
-
-@dataclass(frozen=True)
-class RemovedArtifact:
-    artifact_id: str
-    kind: str
-    content_hash: str
-    size_bytes: int
-
-    def to_payload(self) -> dict[str, Any]:
-        return {"artifactId": self.artifact_id, "kind": self.kind, "contentHash": self.content_hash,
-                "sizeBytes": self.size_bytes}
-
-    @classmethod
-    def from_payload(cls, p: Mapping[str, Any]) -> Self:
-        return cls(p.get("artifactId", ""), p.get("kind", ""), p.get("contentHash", ""), p.get("sizeBytes", 0))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""One command in a leased warm sandbox, run through the sandbox's supervisor: the
-Backend protocol for a process in a sandbox that outlives it. create() makes nothing
-(the sandbox exists) and destroy() removes nothing: it hands the sandbox back to its
-lease when nothing of the command is left in it, and otherwise has it retired."""
+"""One command in a leased warm sandbox, run through the sandbox's supervisor. The warm
+sandbox outlives its commands: each call sees it as a `LeaseSandbox` (the Sandbox
+protocol), whose start() runs the call's command as a `LeasedCommand` (a Process) and
+whose destroy() removes nothing: it hands the sandbox back to its lease when nothing of
+the command is left in it, and otherwise has it retired."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from typing import Any, Protocol
 from sandboxd.core.errors import FailedPrecondition, InternalError
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.egress.records import ConnectionRecord
-from sandboxd.pools.leftovers import all_alive, sandbox_processes, sandbox_task_count
+from sandboxd.pools.leftovers import kill_leftovers, sandbox_processes
 from sandboxd.pools.supervisor import CommandIO, CommandPipes, command_message, exit_answer, send_command
 from sandboxd.pools.warm import WarmSandbox
 from sandboxd.sandbox.output import OutputSpool
-from sandboxd.sandbox.protocol import ExitStatus, ResourceUsage, SandboxHandle
+from sandboxd.sandbox.protocol import ExitStatus, ResourceUsage
 
 log = logging.getLogger("sandboxd.pools.lease")
 
@@ -58,71 +59,76 @@ class SandboxKeeper(Protocol):
     def command_done(self, ws: WarmSandbox, healthy: bool) -> None: ...
 
 
-class LeaseBackend:
-    """The Backend protocol for one command in a leased sandbox, through its supervisor."""
+class LeaseSandbox:
+    """One call's view of its leased warm sandbox (the Sandbox protocol): start() runs the
+    call's command through the supervisor; destroy() hands the sandbox back to the lease,
+    or has it retired if the command broke it or left something in it."""
 
-    def __init__(self, pools: SandboxKeeper, ws: WarmSandbox, secret_env: dict[str, str] | None = None,
-                 secret_files: dict[str, bytes] | None = None):
-        self._pools = pools
-        self._ws = ws
+    def __init__(self, keeper: SandboxKeeper, ws: WarmSandbox, command: CommandSpec,
+                 secret_env: dict[str, str] | None = None, secret_files: dict[str, bytes] | None = None):
+        self._keeper = keeper
+        self.warm = ws
+        self._command = command
         # Credential values for the command's environment: sent to the supervisor only.
         self._secret_env = dict(secret_env or {})
         # sandbox path (under tempDir) -> content: the supervisor writes each for this
         # command only, from a memfd (never a file on the host's disk).
         self._secret_files = dict(secret_files or {})
-        self.name = ws.prepared.backend.name
-        self._conn: socket.socket | None = None
-        self._io: CommandIO | None = None  # the running command's descriptors
-        self._status: int | None = None
-        self._done = threading.Event()
-        self._healthy = True
-        # Set when the command's end found nothing of it left in the sandbox: nothing
-        # can start another process there until the next command, so destroy() need not
-        # look again.
-        self._found_clean = False
+        self.healthy = True  # False: the sandbox is retired after this call, never leased on
+        self._process: LeasedCommand | None = None
+        self._refused = False  # the supervisor refused the command: nothing ran
+        self._given_back = False
 
-    def create(self, spec: CommandSpec) -> SandboxHandle:
-        return SandboxHandle(self._ws.sandbox_id, self._ws.handle.engine_id, spec)
+    @property
+    def sandbox_id(self) -> str:
+        return self.warm.sandbox_id
+
+    @property
+    def engine_id(self) -> str:
+        return self.warm.handle.engine_id
+
+    @property
+    def spec(self) -> CommandSpec:
+        return self._command
 
     def broken(self, why: str) -> InternalError:
         """The sandbox cannot take this command: it is replaced, never leased on."""
-        self._healthy = False
+        self.healthy = False
         return InternalError(why)
 
     def network_records(self) -> NetworkRecords:
         """What this command's connections through the sandbox's proxy were (the
         endpoint is emptied for the next command)."""
-        proxy = self._pools.proxy
-        if self._ws.endpoint is None or proxy is None:
+        proxy = self._keeper.proxy
+        if self.warm.endpoint is None or proxy is None:
             return [], 0, {}
-        return proxy.take_records(self._ws.endpoint)
+        return proxy.take_records(self.warm.endpoint)
 
-    def start(self, handle: SandboxHandle, sink: OutputSpool, stdin: bytes) -> None:
-        spec: CommandSpec = handle.spec
-        if self._ws.endpoint is not None:
+    def start(self, spool: OutputSpool, stdin: bytes) -> LeasedCommand:
+        spec, ws = self._command, self.warm
+        if ws.endpoint is not None:
             self.network_records()  # anything from before this command is nobody's
         env = {**spec.env, **self._secret_env}
         payload = command_message(spec.cwd, spec.argv, env, spec.temp_dir, tuple(self._secret_files))
         pipes = CommandPipes.open(self._secret_files.values())
-        conn = self._ws.control  # the supervisor's own connection: one command at a time
+        conn = ws.control  # the supervisor's own connection: one command at a time
         try:
             answer = send_command(conn, payload, pipes.theirs())
         except OSError as exc:
             pipes.close_ours()
-            self._healthy = False
+            self.healthy = False
             raise InternalError(f"the sandbox's supervisor did not take the command: {exc}") from None
         finally:
             pipes.close_theirs()
         if not answer.startswith(b"P "):
             pipes.close_ours()
             if not answer:
-                self._healthy = False  # the supervisor is gone
+                self.healthy = False  # the supervisor is gone
                 raise InternalError("the sandbox's supervisor is gone")
             # A refusal ("E why"): nothing ran, the supervisor waits for the next command.
-            self._done.set()
+            self._refused = True
             raise FailedPrecondition("the sandbox's supervisor refused the command: "
                                      + answer[2:200].decode("utf-8", "replace"))
-        self._conn = conn
         in_w = pipes.in_w
         if not stdin:
             os.close(in_w)
@@ -130,9 +136,58 @@ class LeaseBackend:
         # Both output pipes, stdin and the supervisor's answer are served by whoever
         # waits for the command (wait()), on its thread: a thread of their own, and the
         # hand-off back from it, cost a short command a quarter of a millisecond.
-        self._io = CommandIO(pipes.out_r, pipes.err_r, in_w, memoryview(stdin), sink, conn.fileno())
+        io = CommandIO(pipes.out_r, pipes.err_r, in_w, memoryview(stdin), spool, conn.fileno())
+        self._process = LeasedCommand(self, conn, io)
+        return self._process
 
-    def _serve(self, handle: SandboxHandle, timeout_s: float) -> bool:
+    def destroy(self) -> None:
+        """The sandbox stays (it is the lease's) if nothing of the command is left in it.
+        The supervisor kills what it can see; a process it cannot see (nsjail's /proc
+        hides non-dumpable ones) still counts in the sandbox's cgroup, and then the
+        sandbox is retired rather than handed the next command. Once: a second call is nothing."""
+        if self._given_back:
+            return
+        self._given_back = True
+        healthy = False  # unless shown below: a failure here retires the sandbox
+        try:
+            process = self._process
+            if process is None:
+                healthy = self.healthy and self._refused
+            else:
+                self._process = None
+                ended = process.finish()
+                healthy = self.healthy and ended
+        finally:
+            # Always: a sandbox left busy would never be removed, nor leave its pool's count.
+            self._keeper.command_done(self.warm, healthy)
+
+
+class LeasedCommand:
+    """A command the supervisor of a leased sandbox spawned (the Process protocol); its
+    bytes are moved by whoever waits for it, on that thread."""
+
+    def __init__(self, sandbox: LeaseSandbox, conn: socket.socket, io: CommandIO):
+        self._sandbox = sandbox
+        self._ws = sandbox.warm
+        self._conn = conn
+        self._io: CommandIO | None = io  # its descriptors, until it ended and was drained
+        self._status: int | None = None
+        self._done = threading.Event()
+        self._output_closed = threading.Event()
+        # Set when the command's end found nothing of it left in the sandbox: nothing
+        # can start another process there until the next command, so finish() need not
+        # look again.
+        self._found_clean = False
+
+    def _unhealthy(self) -> None:
+        self._sandbox.healthy = False
+
+    def wait(self, timeout_s: float) -> bool:
+        if self._io is None:  # served to the end already
+            return self._done.wait(timeout_s) and self._output_closed.wait(5.0)
+        return self._serve(timeout_s)
+
+    def _serve(self, timeout_s: float) -> bool:
         """Moves the command's bytes until it has ended and its output is drained (True)
         or `timeout_s` passes (False)."""
         io = self._io
@@ -154,17 +209,16 @@ class LeaseBackend:
                     elif fd in io.streams:
                         io.drain(fd)
         except OSError as exc:
-            log.warning("command channel of %s broke: %s", handle.sandbox_id, exc)
-            self._healthy = False
+            log.warning("command channel of %s broke: %s", self._ws.sandbox_id, exc)
+            self._unhealthy()
         io.close()
         self._io = None
-        handle.output_closed.set()
+        self._output_closed.set()
         self._done.set()
         return True
 
     def _answer(self, io: CommandIO) -> None:
         """The supervisor's "X <status>" (or its end: the sandbox broke)."""
-        assert self._conn is not None
         try:
             answer = self._conn.recv(256)
         except OSError:
@@ -175,46 +229,28 @@ class LeaseBackend:
             self._status = status
             self._kill_leftovers()
         else:
-            self._healthy = False
+            self._unhealthy()
         self._done.set()
 
     def _kill_leftovers(self) -> None:
-        """What the supervisor could not see (nsjail's hidepid hides non-dumpable
-        processes) is still in the sandbox's cgroup: killed from outside, by host pid."""
         ws = self._ws
-        baseline = ws.baseline_pids
-        if baseline is None:
+        if ws.baseline_pids is None:
             return
-        intact = all_alive(ws.baseline_pidfds)
-        if intact and sandbox_task_count(ws.prepared.spec) == len(ws.baseline_pidfds):
-            self._found_clean = True  # one read instead of listing the tree (~0.3 ms)
-            return
-        if ws.baseline_pidfds and not intact:
+        check = kill_leftovers(ws.baseline_pids, ws.baseline_pidfds, ws.prepared.spec)
+        if not check.intact:
             log.warning("a process the sandbox %s started with is gone: it is retired after this command",
                         ws.sandbox_id)
-            self._healthy = False
-        present = sandbox_processes(ws.prepared.spec)
-        left = (present or set()) - baseline
-        self._found_clean = present is not None and not left
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._unhealthy()
+        self._found_clean = check.clean
 
-    def wait(self, handle: SandboxHandle, timeout_s: float) -> bool:
-        if self._io is None:  # never started, or served to the end already
-            return self._done.wait(timeout_s) and handle.output_closed.wait(5.0)
-        return self._serve(handle, timeout_s)
-
-    def kill(self, handle: SandboxHandle) -> None:
-        if self._conn is not None and not self._done.is_set():
+    def kill(self) -> None:
+        if not self._done.is_set():
             try:
                 self._conn.send(b"K")
             except OSError:
-                self._healthy = False
+                self._unhealthy()
 
-    def collect(self, handle: SandboxHandle) -> tuple[ExitStatus, ResourceUsage]:
+    def collect(self) -> tuple[ExitStatus, ResourceUsage]:
         status = self._status if self._status is not None else -1
         if status < 0:
             return ExitStatus(-1, "", False), ResourceUsage(0, 0)
@@ -222,23 +258,22 @@ class LeaseBackend:
         sig = signal.Signals(-code).name if code < 0 else ""
         return ExitStatus(128 - code if code < 0 else code, sig, False), ResourceUsage(0, 0)
 
-    def destroy(self, handle: SandboxHandle) -> None:
-        """The sandbox stays (it is the lease's) if nothing of the command is left in it.
-        The supervisor kills what it can see; a process it cannot see (nsjail's /proc
-        hides non-dumpable ones) still counts in the sandbox's cgroup, and then the
-        sandbox is retired rather than handed the next command."""
-        healthy = False  # unless shown below: a failure here retires the sandbox
-        try:
-            if self._io is not None:  # it never ended, not even after SIGKILL: retired
-                self._io.close()
-                self._io = None
-                self._healthy = False
-            if self._healthy and self._ws.baseline_pids is not None and not self._found_clean:
-                self._await_leftovers_gone(self._ws.baseline_pids)
-            healthy = self._healthy and self._done.is_set()
-        finally:
-            # Always: a sandbox left busy would never be removed, nor leave its pool's count.
-            self._pools.command_done(self._ws, healthy)
+    def pid(self) -> int:
+        return self._ws.init_pid()
+
+    def output_ended(self) -> bool:
+        return self._output_closed.is_set()
+
+    def finish(self) -> bool:
+        """Whether the command ended leaving nothing of it in the sandbox (its descriptors
+        closed either way)."""
+        if self._io is not None:  # it never ended, not even after SIGKILL: retired
+            self._io.close()
+            self._io = None
+            self._unhealthy()
+        if self._sandbox.healthy and self._ws.baseline_pids is not None and not self._found_clean:
+            self._await_leftovers_gone(self._ws.baseline_pids)
+        return self._sandbox.healthy and self._done.is_set()
 
     def _await_leftovers_gone(self, baseline: set[int]) -> None:
         """Gives what was killed half a second to leave the cgroup; the sandbox is retired
@@ -251,6 +286,6 @@ class LeaseBackend:
             if time.monotonic() > deadline:
                 log.warning("command left %d process(es) in %s: the sandbox is retired", len(left),
                             self._ws.sandbox_id)
-                self._healthy = False
+                self._unhealthy()
                 return
             time.sleep(0.01)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import select
+import signal
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -74,3 +76,28 @@ def sandbox_processes(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> set[int
         except OSError:
             pass  # removed meanwhile
     return pids
+
+
+@dataclass(frozen=True)
+class LeftoverCheck:
+    """What a command's end found in its warm sandbox."""
+    clean: bool  # nothing of the command is left (so nothing need be looked for again)
+    intact: bool  # every process the sandbox started with still lives
+
+
+def kill_leftovers(baseline: set[int], baseline_pidfds: tuple[int, ...], spec: Any) -> LeftoverCheck:
+    """What the supervisor could not see (nsjail's hidepid hides non-dumpable processes)
+    is still in the sandbox's cgroup: killed from outside, by host pid. A command that
+    killed a process the sandbox started with (to hide one of its own in the task count)
+    is found by listing the tree, and the sandbox is not intact."""
+    intact = all_alive(baseline_pidfds)
+    if intact and sandbox_task_count(spec) == len(baseline_pidfds):
+        return LeftoverCheck(clean=True, intact=True)  # one read instead of listing the tree (~0.3 ms)
+    present = sandbox_processes(spec)
+    left = (present or set()) - baseline
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return LeftoverCheck(clean=present is not None and not left, intact=intact or not baseline_pidfds)

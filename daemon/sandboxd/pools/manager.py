@@ -1,9 +1,10 @@
 """Warm sandboxes and leases. A pool holds sandboxes for one (workspace, image, backend,
 policy class); each runs the shim's supervisor instead of a command. A lease hands one
 sandbox to one principal; Execute calls naming the lease run through the supervisor
-(LeaseBackend), so each command still gets its own timeout, output caps, events and
-artifacts, and its leftover processes are killed when it ends. A released or expired
-lease's sandbox is destroyed, never handed to anyone else: the pool makes a fresh one.
+(pools/lease.py: the sandbox outlives each command), so each command still gets its own
+timeout, output caps, events and artifacts, and its leftover processes are killed when
+it ends. A released or expired lease's sandbox is destroyed, never handed to anyone
+else: the pool makes a fresh one.
 
 The manager is given what it needs at construction (settings, the ledger, the egress
 proxy, the workspace reservations, how to resolve an image and where to stage mounts):

@@ -20,7 +20,7 @@ from sandboxd.recording import snapshot
 from sandboxd.recording.filewatch import MAX_PATHS as MAX_WATCHED_PATHS
 from sandboxd.recording.filewatch import FileWatch, FileWatchError, GateArrival
 from sandboxd.recording.live_snapshot import LiveSnapshots
-from sandboxd.sandbox.protocol import SandboxHandle
+from sandboxd.sandbox.protocol import Process
 
 log = logging.getLogger("sandboxd.recording.recorder")
 # How long a started sandbox may take to show a process the file watch can attach to.
@@ -95,12 +95,11 @@ class GatedWatch:
     walks_before_create = False  # the sandbox's mounts are written only by its command
 
     def __init__(self, gate_path: str, uid: int, gid: int, mounts: tuple[str, ...], fid: Callable[[], bool],
-                 sandbox_pid: Callable[[SandboxHandle], int], label: str):
+                 label: str):
         self._gate_path = gate_path
         self._uid, self._gid = uid, gid
         self._mounts = mounts
         self._fid = fid
-        self._sandbox_pid = sandbox_pid
         self._label = label
         self._arrival: GateArrival | None = None
         self._gate_fd = -1
@@ -115,7 +114,7 @@ class GatedWatch:
     def created(self) -> FileWatch | None:
         return None
 
-    def started(self, handle: SandboxHandle) -> FileWatch:
+    def started(self, process: Process) -> FileWatch:
         """Attaches a fanotify watch to the call's own mounts, then lets the command go."""
         watch = FileWatch(0, self._mounts, fid=self._fid())
         try:
@@ -123,7 +122,7 @@ class GatedWatch:
         except FileWatchError as exc:
             raise FailedPrecondition(f"file-access recording could not start: {exc}") from None
         try:
-            pid = self._await_sandbox(handle)
+            pid = self._await_sandbox(process)
             try:
                 watch.attach(pid)
             except FileWatchError as exc:
@@ -140,14 +139,14 @@ class GatedWatch:
         self._gate_fd = fd
         return watch
 
-    def _await_sandbox(self, handle: SandboxHandle) -> int:
+    def _await_sandbox(self, process: Process) -> int:
         deadline = time.monotonic() + GATE_TIMEOUT_S
         pid = 0
-        while not pid and time.monotonic() < deadline and not handle.output_closed.is_set():
+        while not pid and time.monotonic() < deadline and not process.output_ended():
             # The shim opens the gate once the sandbox is up: its mounts are final.
             # (Without the inotify instance, the sandbox's pid says when it is up.)
             if self._arrival is None or self._arrival.wait(0.05):
-                pid = self._sandbox_pid(handle)
+                pid = process.pid()
                 if not pid:
                     time.sleep(0.0005)
         if not pid:
@@ -210,7 +209,7 @@ class KeptWatch:
         ws.watch.begin()
         return ws.watch
 
-    def started(self, handle: SandboxHandle) -> FileWatch | None:
+    def started(self, process: Process) -> FileWatch | None:
         return None
 
     @staticmethod
@@ -257,7 +256,7 @@ class FileRecorder:
         if self._watcher is not None:
             self._watch = self._watcher.created() or self._watch
 
-    def sandbox_started(self, handle: SandboxHandle) -> None:
+    def sandbox_started(self, process: Process) -> None:
         if self._watcher is None or self._watcher.walks_before_create:
             return
         if self._writable:
@@ -265,7 +264,7 @@ class FileRecorder:
             # well under a millisecond; a thread for it cost more).
             self._before = self._walk_before()
         # The command waits at the gate until its mounts are watched.
-        self._watch = self._watcher.started(handle)
+        self._watch = self._watcher.started(process)
 
     def _walk_before(self) -> snapshot.Snapshot:
         """A walk that fails fails the call (it never runs unrecorded)."""

@@ -22,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
+from sandboxd.ledger.event_types import FileAccessObserved
+
 
 MAX_ENTRIES = 200_000
 # Deeper directories are not walked (each level holds a descriptor while it is walked).
@@ -356,12 +358,13 @@ def file_events(accesses: Iterable[tuple[str, int, int]], changes: list[dict[str
     return FileEvents(out, reads)
 
 
-def file_access_payloads(files: FileEvents, entries_per_event: int, reads_per_event: int) -> list[dict[str, Any]]:
-    """The payloads of a call's FileAccessObserved events: each holds either
-    {"accesses": [entry, ...]} or {"reads": [[path, opens], ...]}."""
+def file_access_events(files: FileEvents, entries_per_event: int, reads_per_event: int) -> list[FileAccessObserved]:
+    """A call's FileAccessObserved events: each holds either a batch of entries
+    (`accesses`) or of [path, opens] pairs (`reads`)."""
     entries, reads = files
-    return ([{"accesses": entries[i:i + entries_per_event]} for i in range(0, len(entries), entries_per_event)]
-            + [{"reads": reads[i:i + reads_per_event]} for i in range(0, len(reads), reads_per_event)])
+    return ([FileAccessObserved(accesses=entries[i:i + entries_per_event])
+             for i in range(0, len(entries), entries_per_event)]
+            + [FileAccessObserved(reads=reads[i:i + reads_per_event]) for i in range(0, len(reads), reads_per_event)])
 
 
 def _printable(entry: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,10 @@
-"""The one Backend protocol that every sandbox engine implements (Docker, nsjail). A
-backend is told a spec, its own compiler's (DockerSpec, NsjailSpec: `Any` here, the
-engine's business); it never sees a policy."""
+"""The sandbox layer's two seams. `Backend`: the verbs every engine implements (Docker,
+nsjail, the fake), by handle; a backend is told a spec, its own compiler's (DockerSpec,
+NsjailSpec: `Any` here, the engine's business), and never sees a policy. `Sandbox` and
+`Process`: what a call runs in and what it runs, kept apart as containerd and gVisor keep
+them: a Sandbox is created and destroyed, a Process is started in it, waited on, killed
+and collected. A fresh sandbox is one over an engine (sandbox/engine.py); a leased warm
+sandbox is one that outlives each of its processes (pools/lease.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +39,54 @@ class ExitStatus:
 class ResourceUsage:
     cpu_ms: int
     peak_memory_bytes: int
+
+
+class RunSpec(Protocol):
+    """A spec as a sandbox ran it: its canonical form is what ToolSandboxPrepared digests."""
+
+    def to_json_dict(self) -> dict[str, Any]: ...
+
+
+class Process(Protocol):
+    """One command running in a sandbox."""
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once it ended and its output is drained; False at the timeout."""
+
+    def kill(self) -> None:
+        """Kills it (its whole process tree) now; nothing once it ended."""
+
+    def collect(self) -> tuple[ExitStatus, ResourceUsage]:
+        """Exit status and resource usage once it ended."""
+
+    def pid(self) -> int:
+        """A host pid inside its running sandbox (the mounts final): the sandbox's init,
+        which a file watch attaches by; 0 while there is none."""
+
+    def output_ended(self) -> bool:
+        """True once its output reached EOF: nothing of it can come up any more."""
+
+
+class Sandbox(Protocol):
+    """What a call's command runs in: created before it, destroyed after it."""
+
+    @property
+    def sandbox_id(self) -> str: ...
+
+    @property
+    def engine_id(self) -> str:
+        """The engine's name for it (container id, jail pid, ...)."""
+
+    @property
+    def spec(self) -> RunSpec:
+        """The spec it runs the command as (ToolSandboxPrepared's digest)."""
+
+    def start(self, spool: OutputSpool, stdin: bytes) -> Process:
+        """Starts the command, its output pumped into `spool` until EOF."""
+
+    def destroy(self) -> None:
+        """Done with it: removed with everything it held (a fresh sandbox), or given
+        back (a leased one). Idempotent."""
 
 
 class Backend(Protocol):
