@@ -115,3 +115,62 @@ def test_importing_every_daemon_module_starts_no_thread():
     assert out.returncode == 0, out.stderr[-4000:]
     started = json.loads(out.stdout.strip().splitlines()[-1])
     assert not started, f"imports that started threads: {started}"
+
+
+def import_cycles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in imports:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(imports.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(imports.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    cycles.append(sorted(group))
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_cycle_and_only_cycles():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) == []
+
+
+def test_no_module_of_the_daemon_imports_itself_back():
+    """Between any two modules, also within a package and behind TYPE_CHECKING (grimp
+    reads every import statement)."""
+    import grimp
+
+    graph = grimp.build_graph("sandboxd", "sandboxd_contract")
+    imports = {m: {i for i in graph.find_modules_directly_imported_by(m) if i.split(".")[0] in
+                   ("sandboxd", "sandboxd_contract")} for m in graph.modules}
+    assert len(imports) > 100
+    assert import_cycles(imports) == []
