@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from sandboxd.api.limits import LimitInterceptor, StreamWatchdog
@@ -30,7 +31,9 @@ from sandboxd.backends.cgroups import layout_for
 from sandboxd.backends.nsjail.backend import NsjailBackend
 from sandboxd.backends.nsjail.compile import NSJAIL_CGROUP_ROOT
 from sandboxd.calls.executor import CallExecutor
-from sandboxd.calls.prepare import STAGING_SUBDIR
+from sandboxd.calls.janitor import Janitor
+from sandboxd.calls.prepare import STAGING_SUBDIR, resolve_allowed_image, staging_dir
+from sandboxd.calls.reservations import WorkspaceReservations
 from sandboxd.calls.recovery import clean_spool
 from sandboxd.core import hostdirs, hostfacts
 from sandboxd.core.errors import BackendUnavailable, SandboxdError
@@ -304,16 +307,20 @@ def _build_executor(settings: DaemonSettings, sandboxing: _Sandboxing, ledger: _
     proxy, no_proxy_reason = _start_egress(settings, cleanup)
     broker = CredentialBroker(settings.credentials, settings.secrets_dir, dir_fd=dirs["secrets_dir"])
     broker.purge()
+    # The pools are made first and given what they share with the calls (the workspace
+    # reservations, the janitor's checkpoints), never the executor.
+    reservations, janitor = WorkspaceReservations(), Janitor(ledger.checkpoints)
+    pools = PoolManager(settings, daemon_id=daemon_id, shim=sandboxing.shim or None, proxy=proxy, db=ledger.db,
+                        events=ledger.events, checkpoint_soon=janitor.checkpoint_soon, workspaces=reservations,
+                        resolve_image=partial(resolve_allowed_image, settings.allowed_images),
+                        staging_dir=partial(staging_dir, settings.runtime_dir))
     executor = CallExecutor(settings, ledger.db, ledger.events, ledger.artifacts, sandboxing.backends, daemon_id,
                             sandboxing.unavailable, proxy=proxy, no_proxy_reason=no_proxy_reason,
                             checkpoints=ledger.checkpoints, shim=sandboxing.shim or None,
-                            no_shim_reason=sandboxing.no_shim_reason, broker=broker)
+                            no_shim_reason=sandboxing.no_shim_reason, broker=broker, pools=pools,
+                            reservations=reservations, janitor=janitor)
     cleanup.callback(executor.shutdown, 0.0)
-    executor.pools = PoolManager(settings, daemon_id=daemon_id, shim=sandboxing.shim or None, proxy=proxy,
-                                 db=ledger.db, events=ledger.events, checkpoint_soon=executor.checkpoint_soon,
-                                 workspaces=executor.workspaces, resolve_image=executor.resolve_allowed_image,
-                                 staging_dir=executor.staging_dir)
-    cleanup.callback(executor.pools.shutdown)
+    cleanup.callback(pools.shutdown)
     interrupted = executor.recover_interrupted()
     if interrupted:
         log.warning("recorded %d calls that an earlier run of this daemon never finished", interrupted)

@@ -12,12 +12,16 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sandboxd.calls.executor import CallExecutor
+from sandboxd.calls.janitor import Janitor
+from sandboxd.calls.prepare import resolve_allowed_image, staging_dir
+from sandboxd.calls.reservations import WorkspaceReservations
 from sandboxd.core.errors import BackendUnavailable, ResourceExhausted, SandboxdError
 from sandboxd.core.settings import DaemonSettings, PoolSettings, QuotaSettings
 from sandboxd.ledger import events as ev
@@ -80,12 +84,13 @@ def daemon(tmp_path: Path) -> Iterator[PoolDaemon]:
     db = Database(settings.db_path)
     events = EventLog(db)
     backend = FakeBackend(deadline_slack_s=None)
+    reservations, janitor = WorkspaceReservations(), Janitor(None)
+    pools = PoolManager(settings, daemon_id=DAEMON_ID, shim=None, proxy=None, db=db, events=events,
+                        checkpoint_soon=janitor.checkpoint_soon, workspaces=reservations,
+                        resolve_image=partial(resolve_allowed_image, settings.allowed_images),
+                        staging_dir=partial(staging_dir, settings.runtime_dir))
     executor = CallExecutor(settings, db, events, FileArtifactStore(settings.blob_dir, db), {"fake": backend},
-                            DAEMON_ID)
-    pools = executor.pools = PoolManager(
-        settings, daemon_id=DAEMON_ID, shim=None, proxy=None, db=db, events=events,
-        checkpoint_soon=executor.checkpoint_soon, workspaces=executor.workspaces,
-        resolve_image=executor.resolve_allowed_image, staging_dir=executor.staging_dir)
+                            DAEMON_ID, pools=pools, reservations=reservations, janitor=janitor)
     try:
         yield PoolDaemon(executor, pools, backend, events, workspace)
     finally:

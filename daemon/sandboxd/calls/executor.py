@@ -58,11 +58,15 @@ class CallExecutor:
                  backends: Mapping[str, Backend], daemon_id: str, unavailable: Mapping[str, str] | None = None,
                  proxy: EgressProxy | None = None, no_proxy_reason: str = "disabled",
                  checkpoints: CheckpointFile | None = None, shim: str | None = None,
-                 no_shim_reason: str = "not installed", broker: CredentialBroker | None = None):
+                 no_shim_reason: str = "not installed", broker: CredentialBroker | None = None,
+                 pools: PoolManager | None = None, reservations: WorkspaceReservations | None = None,
+                 janitor: Janitor | None = None):
+        """`pools`, `reservations` and `janitor` are shared with the pool manager, which
+        is made first and given them (never the executor)."""
         self.settings = settings
         self.shim = shim
         self.broker = broker or CredentialBroker(settings.credentials, settings.secrets_dir)
-        self.pools: PoolManager | None = None  # set by main once the executor exists
+        self.pools = pools
         self.checkpoints = checkpoints
         self.proxy = proxy
         self.db = db
@@ -77,13 +81,13 @@ class CallExecutor:
         # finds nothing to rescan but what its own command did.
         self.live_snapshots = LiveSnapshots(self.hashes, refresh_after_s=REFRESH_WRITE_ROOTS_AFTER_S)
         self._table = CallTable()
-        self._reservations = WorkspaceReservations()
+        self._reservations = reservations or WorkspaceReservations()
         self._preparer = Preparer(settings, self.backends, dict(unavailable or {}), daemon_id, self.broker, proxy,
                                   no_proxy_reason, shim, no_shim_reason, lambda: self.pools)
         self._recording = RecordingTools(settings.file_watch, self.walk_write_roots,
                                          self.live_snapshots.refresh_soon, self.fid_watch)
         # Each finished call's housekeeping, on a thread of its own.
-        self._janitor = Janitor(checkpoints)
+        self._janitor = janitor or Janitor(checkpoints)
         self._admission = Admission(settings, db, self, daemon_id, self._table, self._preparer, self._janitor,
                                     self._placement_for, self._new_run)
         self._janitor.start()

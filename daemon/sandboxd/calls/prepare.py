@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, InvalidArgument, PermissionDenied
@@ -181,16 +182,24 @@ class Preparer:
         return leased
 
     def resolve_allowed_image(self, backend: Backend, image: str) -> str:
-        """The digest of the local image `image` names, which must itself carry an
-        allowed name: an allowed name that the engine resolves to another image (a short
-        id, a name it cleans up) is refused, on every backend."""
-        digest, names = backend.resolve_image(image)
-        if not images.allowed_resolution(names, self._settings.allowed_images):
-            shown = ", ".join(names[:5]) or "no name"
-            raise PermissionDenied(f"image {image!r} resolves to {digest[:19]} ({shown}), which is not in the "
-                                   "daemon's allowed images", field="runtime.image")
-        return digest
+        return resolve_allowed_image(self._settings.allowed_images, backend, image)
 
     def staging_dir(self, sandbox_id: str) -> str:
-        """Where a new sandbox's workspace roots are bound before the engine mounts them."""
-        return str(self._settings.runtime_dir / STAGING_SUBDIR / sandbox_id)
+        return staging_dir(self._settings.runtime_dir, sandbox_id)
+
+
+def resolve_allowed_image(allowed_images: tuple[str, ...], backend: Backend, image: str) -> str:
+    """The digest of the local image `image` names, which must itself carry an allowed
+    name: an allowed name that the engine resolves to another image (a short id, a name
+    it cleans up) is refused, on every backend."""
+    digest, names = backend.resolve_image(image)
+    if not images.allowed_resolution(names, allowed_images):
+        shown = ", ".join(names[:5]) or "no name"
+        raise PermissionDenied(f"image {image!r} resolves to {digest[:19]} ({shown}), which is not in the "
+                               "daemon's allowed images", field="runtime.image")
+    return digest
+
+
+def staging_dir(runtime_dir: Path, sandbox_id: str) -> str:
+    """Where a new sandbox's workspace roots are bound before the engine mounts them."""
+    return str(runtime_dir / STAGING_SUBDIR / sandbox_id)
