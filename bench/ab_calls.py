@@ -77,6 +77,7 @@ def main() -> int:
     ap.add_argument("--old", required=True, help="the other tree (a checkout with its natives built)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--block", type=int, default=10, help="calls of each path per round")
+    ap.add_argument("--only", default="", help="measure only the paths whose name contains this")
     args = ap.parse_args()
     old = Path(args.old).resolve()
     daemons = {"old": start("old", f"{old}/daemon:{old}/client"), "new": start("new", "")}
@@ -92,6 +93,8 @@ def main() -> int:
             for k in ("old", "new") if r % 2 == 0 else ("new", "old"):
                 lease_ids = {b: leases[(k, b)].lease_id for b in BACKENDS}
                 for name, b, request, timer, share in paths(workspaces[k], recorded[k], lease_ids):
+                    if args.only not in f"{name} on {b}":
+                        continue
                     if (name, b) not in names:
                         names.append((name, b))
                     block = [timer(clients[k], request) for _ in range(max(2, int(args.block * share)))]
