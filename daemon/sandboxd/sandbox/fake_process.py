@@ -9,22 +9,13 @@ import threading
 from collections.abc import Callable, Sequence
 
 from sandboxd.sandbox.protocol import ExitStatus, ResourceUsage
+from sandboxd.sandbox.signals import signal_name
 
 __all__ = ["KILLED_EXIT_CODE", "FakeProcess", "Program"]
 
 KILLED_EXIT_CODE = 128 + signal_module.SIGKILL
 # A program: the running process and its arguments (argv[1:]) -> its exit code.
 Program = Callable[["FakeProcess", Sequence[str]], int]
-
-
-def _signal_name(exit_code: int) -> str:
-    """As Docker reports a command that died of signal N: 128+N."""
-    if 128 < exit_code < 128 + 65:
-        try:
-            return signal_module.Signals(exit_code - 128).name
-        except ValueError:
-            return f"SIG{exit_code - 128}"
-    return ""
 
 
 class FakeProcess:
@@ -63,7 +54,7 @@ class FakeProcess:
         with self._lock:
             if self._status is not None:
                 return False
-            self._status = ExitStatus(exit_code, _signal_name(exit_code), oom_killed)
+            self._status = ExitStatus(exit_code, signal_name(exit_code), oom_killed)
         self._on_end()
         return True
 

@@ -27,7 +27,7 @@ from sandboxd.backends.docker.errors import CONFLICT, NOT_FOUND, EngineRefused, 
 from sandboxd.backends.docker.output import (WRITER_GRACE_S, frame_size_needed, make_stdio_fifos, open_stdio_fifos,
                                              parse_frames, pump_fifos, remove_stdio_fifos)
 from sandboxd.core.hostfacts import CGROUP_ROOT
-from sandboxd.backends.signals import signal_name
+from sandboxd.sandbox.signals import signal_name
 from sandboxd.core.errors import BackendUnavailable, InternalError, SandboxdError
 from sandboxd.policy.models import EffectivePolicy
 from sandboxd.policy.preflight import HostPlan

@@ -69,7 +69,7 @@ from sandboxd.backends.nsjail.jail_cgroup import (CGROUP_DRAIN_S, KILL_SWEEP_S, 
 from sandboxd.backends.nsjail.pipes import attach, log_tail, memfd, output_pipes
 from sandboxd.backends.nsjail.rootfs import ImageExports
 from sandboxd.backends.nsjail.slots import SLOT_PREFIX, Early, Slot, SlotPool, spawn_in_cgroup
-from sandboxd.backends.signals import signal_name
+from sandboxd.sandbox.signals import signal_name
 from sandboxd.core import assets
 from sandboxd.core.errors import BackendUnavailable, InternalError
 from sandboxd.policy.models import EffectivePolicy

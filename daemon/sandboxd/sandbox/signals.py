@@ -1,4 +1,5 @@
-"""How both engines report a command killed by a signal: as 128+N, N the signal."""
+"""How every engine reports a command killed by a signal: as 128+N, N the signal (Docker,
+nsjail, and the fake backend that stands in for them)."""
 
 from __future__ import annotations
 
