@@ -28,7 +28,7 @@ from sandboxd.backends.docker.backend import (
     remove_stdio_fifos,
 )
 from sandboxd.backends.docker.compile import compile_docker
-from sandboxd.backends.signals import signal_name
+from sandboxd.sandbox.signals import signal_name
 from sandboxd.sandbox.spec import SandboxIdentity
 from sandboxd.core.errors import BackendUnavailable
 from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool
