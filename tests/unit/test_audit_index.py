@@ -175,7 +175,7 @@ def run_call(log: EventLog, tcid: str, *, status: str = "success", exit_code: in
 
 
 def reject(log: EventLog, tcid: str, code: str = "PERMISSION_DENIED", stage: str = "verification", **req: Any) -> None:
-    """CallExecutor._reject: the request and its refusal in one transaction."""
+    """CallExecutor.record_refusal: the request and its refusal in one transaction."""
     log.record(tcid, "", [requested(**req), rejected(code, stage)])
 
 

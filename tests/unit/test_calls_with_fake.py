@@ -277,3 +277,23 @@ def test_an_engine_that_cannot_resolve_the_image_refuses_before_anything_is_made
     assert daemon.payload(exc.tool_call_id, ev.REJECTED)["code"] == "BACKEND_UNAVAILABLE"
     assert daemon.backend.created == 0
     assert daemon.run(["true"])["status"] == "success"  # the quota's slot was given back
+
+
+def test_a_cleanup_step_that_fails_still_ends_the_call_on_the_record(daemon, monkeypatch):
+    """A bug while the run unwinds (here: the file recorder's exit raises after doing
+    its work) must not leave the call unrecorded, its slot held or its caller waiting."""
+    from sandboxd.recording import recorder
+
+    done_exit = recorder.FileRecorder.__exit__
+
+    def failing_exit(self, *exc_info):
+        done_exit(self, *exc_info)
+        raise ValueError("a bug in a cleanup step")
+
+    monkeypatch.setattr(recorder.FileRecorder, "__exit__", failing_exit)
+    result = daemon.run(["echo", "hi"])
+    assert (result["status"], result["error"]["code"]) == ("error", "INTERNAL")
+    assert ev.RESULT_VALIDATED in daemon.types(result["toolCallId"])
+    leaves_nothing(daemon)
+    monkeypatch.undo()
+    assert daemon.run(["echo", "after"])["status"] == "success"  # alice's one slot was given back

@@ -279,3 +279,13 @@ def test_the_proxy_record_builds_its_event_through_the_type():
                               started_at="t0", ended_at="t1")
     assert record.observed() == NetworkAccessObserved(attempt=ATTEMPT)
     assert draft(record.observed()).type == ev.NETWORK_ACCESS
+
+
+def test_nested_objects_of_another_shape_read_as_empty_never_raise():
+    """An edited or early log may hold anything where an object belongs: recovery and
+    replay read such events at start (a reader that raised stopped the daemon)."""
+    checked = ToolPolicyChecked.from_payload({"sandboxId": "sbx-1", "authorization": "granted"})
+    assert (checked.sandbox_id, checked.authorization) == ("sbx-1", CheckedAuthorization())
+    validated = ToolResultValidated.from_payload({"result": ["not", "an", "object"]})
+    assert (validated.result, validated.status) == ({}, "error")
+    assert ToolResultValidated.from_payload({"result": {"error": "text"}}).error_code == ""

@@ -96,7 +96,7 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
             raw = call_to_json(request.call) if request is not None else {}
             asked = raw.get("toolCallId")
             requested = asked if isinstance(asked, str) else ""
-            self._executor._reject(tool_call_id, raw, caller.name, "admission", exc, requested)
+            self._executor.record_refusal(tool_call_id, raw, caller.name, "admission", exc, requested)
         except Exception:  # refused all the same; the daemon's log says why it is not on record
             log.exception("recording the refusal of %s %s failed", method, tool_call_id)
 

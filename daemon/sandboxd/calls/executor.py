@@ -18,8 +18,8 @@ from typing import Any
 from sandboxd.calls.admission import Admission, CallTable, Submitted
 from sandboxd.calls.janitor import Janitor
 from sandboxd.calls.placement import Placement, RecordingTools, placement_for
-from sandboxd.calls.prepare import STAGING_SUBDIR, Prepared, Preparer
-from sandboxd.calls.recovery import clean_spool, recover_interrupted
+from sandboxd.calls.prepare import Prepared, Preparer
+from sandboxd.calls.recovery import recover_interrupted
 from sandboxd.calls.replay import AttachedRun, ReplayRun
 from sandboxd.calls.reservations import WorkspaceReservations
 from sandboxd.calls.run import CallRun
@@ -43,8 +43,7 @@ from sandboxd.sandbox.output import OutputSpool
 from sandboxd.sandbox.protocol import Backend
 from sandboxd.secrets.broker import CredentialBroker
 
-__all__ = ["AttachedRun", "CallExecutor", "CallRun", "Prepared", "ReplayRun", "STAGING_SUBDIR", "StreamItem",
-           "clean_spool"]
+__all__ = ["AttachedRun", "CallExecutor", "CallRun", "Prepared", "ReplayRun", "StreamItem"]
 
 log = logging.getLogger("sandboxd.calls.executor")
 # A cancellation's reason is kept in the call's recorded result.
@@ -83,7 +82,7 @@ class CallExecutor:
         self._table = CallTable()
         self._reservations = reservations or WorkspaceReservations()
         self._preparer = Preparer(settings, self.backends, dict(unavailable or {}), daemon_id, self.broker, proxy,
-                                  no_proxy_reason, shim, no_shim_reason, lambda: self.pools)
+                                  no_proxy_reason, shim, no_shim_reason, pools)
         self._recording = RecordingTools(settings.file_watch, self.walk_write_roots,
                                          self.live_snapshots.refresh_soon, self.fid_watch)
         # Each finished call's housekeeping, on a thread of its own.
@@ -113,10 +112,6 @@ class CallExecutor:
         """Off the caller's path: the recorded call's spool removed and the log's head
         checkpointed (janitor.py)."""
         self._janitor.after_call(spool, tool_call_id)
-
-    def checkpoint_soon(self) -> None:
-        """The log's head checkpointed off the caller's path (a refusal, a lease's events)."""
-        self._janitor.checkpoint_soon()
 
     def checkpoint(self, force: bool = False) -> None:
         self._janitor.checkpoint(force)
@@ -150,8 +145,8 @@ class CallExecutor:
         With `start` False, a new call is the caller's to run at once (`run_here`)."""
         return self._admission.submit(raw, caller, start)
 
-    def _reject(self, tool_call_id: str, raw: Mapping[str, Any], principal: str, stage: str,
-                exc: SandboxdError, requested_id: str = "") -> None:
+    def record_refusal(self, tool_call_id: str, raw: Mapping[str, Any], principal: str, stage: str,
+                       exc: SandboxdError, requested_id: str = "") -> None:
         """A refusal on record (api/: a request refused before it reached the executor)."""
         self._admission.reject(tool_call_id, raw, principal, stage, exc, requested_id)
 
@@ -180,27 +175,6 @@ class CallExecutor:
         call = parse_call(raw_call)
         prepared = self._preparer.prepare(call, call.tool_call_id or "explain", caller, resolve_credentials=False)
         return prepared, list(prepared.plan.notes)
-
-    def resolve_allowed_image(self, backend: Backend, image: str) -> str:
-        """The digest of the local image `image` names, which must itself carry an
-        allowed name (prepare.Preparer.resolve_allowed_image)."""
-        return self._preparer.resolve_allowed_image(backend, image)
-
-    def staging_dir(self, sandbox_id: str) -> str:
-        """Where a new sandbox's workspace roots are bound before the engine mounts them."""
-        return self._preparer.staging_dir(sandbox_id)
-
-    @property
-    def workspaces(self) -> WorkspaceReservations:
-        """The workspace reservations of calls and pool sandboxes (pools.PoolManager's `workspaces`)."""
-        return self._reservations
-
-    def reserve_workspace(self, tool_call_id: str, plan: HostPlan) -> None:
-        """A call that can write a workspace runs alone on it (reservations.py)."""
-        self._reservations.reserve(tool_call_id, plan)
-
-    def release_workspace(self, holder: str) -> None:
-        self._reservations.release(holder)
 
     # -- records -----------------------------------------------------------------------
     def check_access(self, tool_call_id: str, caller: Principal) -> None:

@@ -27,8 +27,6 @@ from sandboxd.sandbox.protocol import Process, Sandbox
 from sandboxd.secrets.broker import CredentialBroker
 
 log = logging.getLogger("sandboxd.calls.placement")
-# After a kill, how long the engine gets to end the process tree before we give up.
-KILL_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -102,11 +100,10 @@ class _Placement(ABC):
         return self.sandbox.start(spool, self.prepared.call.stdin)
 
 
-class FreshSandbox(_Placement):
+class FreshPlacement(_Placement):
     """A sandbox made for one call: its egress endpoint, its secrets' files and the
     sandbox itself, each undone after the command."""
 
-    leased = False
 
     def __init__(self, prepared: Prepared, db: Database, reservations: WorkspaceReservations,
                  proxy: EgressProxy | None, broker: CredentialBroker):
@@ -164,11 +161,10 @@ class FreshSandbox(_Placement):
         return create_sandbox(p.backend, p.spec)
 
 
-class LeasedSandbox(_Placement):
+class LeasedPlacement(_Placement):
     """A command in a leased warm sandbox, through its supervisor: the sandbox stays
     the lease's after the command (its LeaseSandbox view's destroy() hands it back)."""
 
-    leased = True
 
     def __init__(self, prepared: Prepared, db: Database, pools: PoolManager):
         super().__init__(prepared, db)
@@ -232,13 +228,13 @@ class LeasedSandbox(_Placement):
         return process
 
 
-Placement = FreshSandbox | LeasedSandbox
+Placement = FreshPlacement | LeasedPlacement
 
 
 def placement_for(prepared: Prepared, db: Database, reservations: WorkspaceReservations,
                   proxy: EgressProxy | None, broker: CredentialBroker, pools: PoolManager | None) -> Placement:
     """Fresh or leased: decided here, once per call."""
     if prepared.lease is None:
-        return FreshSandbox(prepared, db, reservations, proxy, broker)
+        return FreshPlacement(prepared, db, reservations, proxy, broker)
     assert pools is not None
-    return LeasedSandbox(prepared, db, pools)
+    return LeasedPlacement(prepared, db, pools)

@@ -7,7 +7,7 @@ the lease's sandbox and a command spec for its supervisor instead."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -67,7 +67,7 @@ def records_files(policy: EffectivePolicy, settings: DaemonSettings, plan: HostP
 class Preparer:
     def __init__(self, settings: DaemonSettings, backends: Mapping[str, Backend], unavailable: Mapping[str, str],
                  daemon_id: str, broker: CredentialBroker, proxy: EgressProxy | None, no_proxy_reason: str,
-                 shim: str | None, no_shim_reason: str, pools: Callable[[], PoolManager | None]):
+                 shim: str | None, no_shim_reason: str, pools: PoolManager | None):
         self._settings = settings
         self._backends = backends
         self._unavailable = unavailable
@@ -77,7 +77,7 @@ class Preparer:
         self._no_proxy_reason = no_proxy_reason
         self._shim = shim
         self._no_shim_reason = no_shim_reason
-        self._pools = pools  # set on the executor after it is built
+        self._pools = pools
         self._inheritable = {n: os.environ[n] for n in settings.inheritable_env if n in os.environ}
 
     def prepare(self, call: PreparedToolCall, tool_call_id: str, caller: Principal | None, *,
@@ -158,7 +158,7 @@ class Preparer:
         sandbox (its policy class must match) and a command spec for its supervisor."""
         prepared = self.prepare(call, tool_call_id, caller, resolve_credentials=False, sandbox=False)
         secrets = self._broker.resolve(call, prepared.policy, caller.name) if call.credential_refs else ()
-        pools = self._pools()
+        pools = self._pools
         if pools is None:
             raise FailedPrecondition("this daemon keeps no pools", field="runtime.leaseId")
         ws = pools.sandbox_for(call.runtime.lease_id, caller, prepared)

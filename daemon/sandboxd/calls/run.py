@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sandboxd.calls.acceptance import credential_drafts, sandbox_prepared_draft, started_draft
-from sandboxd.calls.placement import KILL_GRACE_S, Placement, RecordingTools
+from sandboxd.calls.placement import Placement, RecordingTools
 from sandboxd.calls.prepare import Prepared
 from sandboxd.calls.replay import Answer, ReplayRun
 from sandboxd.calls.result import CallEnd, FinishedCall, error_result, finished_call
@@ -29,6 +29,8 @@ from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool, StreamSummary
 from sandboxd.sandbox.protocol import ExitStatus, Process, ResourceUsage
 
 log = logging.getLogger("sandboxd.calls.run")
+# After a kill, how long the engine gets to end the process tree before we give up.
+KILL_GRACE_S = 10.0
 # A command still running this long after its start has ToolCallStarted committed on its own.
 STARTED_COMMIT_AFTER_S = 0.05
 
@@ -188,20 +190,26 @@ class CallRun:
         ending = _Ending()
         placement = self._placement
         recorder = placement.recorder(self._recording, self.prepared.sandbox_id)
-        with ExitStack() as cleanup:  # unwound in reverse: nothing here may keep the next from running
-            cleanup.callback(self.spool.close)
-            cleanup.callback(self._refresh_if_ran, recorder)
-            cleanup.enter_context(placement)  # the sandbox destroyed, its endpoint and secrets released
-            cleanup.enter_context(recorder)  # the watch read out and the after-walk, before the removal
-            cleanup.callback(self._record_unstarted)  # failed or cancelled before it started
-            try:
-                self._run_command(recorder, ending)
-            except SandboxdError as exc:
-                ending.failure = exc
-                log.error("call %s failed in the backend: %s", self.tool_call_id, exc.message)
-            except Exception as exc:  # never let a bug leave the sandbox running
-                ending.failure = SandboxdError("internal error while running the sandbox")
-                log.exception("call %s: unexpected error: %s", self.tool_call_id, exc)
+        try:
+            with ExitStack() as cleanup:  # unwound in reverse: a step that fails never skips the next
+                cleanup.callback(self.spool.close)
+                cleanup.callback(self._refresh_if_ran, recorder)
+                cleanup.enter_context(placement)  # the sandbox destroyed, its endpoint and secrets released
+                cleanup.enter_context(recorder)  # the watch read out and the after-walk, before the removal
+                cleanup.callback(self._record_unstarted)  # failed or cancelled before it started
+                try:
+                    self._run_command(recorder, ending)
+                except SandboxdError as exc:
+                    ending.failure = exc
+                    log.error("call %s failed in the backend: %s", self.tool_call_id, exc.message)
+                except Exception as exc:  # never let a bug leave the sandbox running
+                    ending.failure = SandboxdError("internal error while running the sandbox")
+                    log.exception("call %s: unexpected error: %s", self.tool_call_id, exc)
+        except Exception as exc:
+            # A cleanup step failed (every other one still ran): the call still ends on
+            # the record, and gives back its slot and its workspace.
+            ending.failure = ending.failure or SandboxdError("internal error while releasing the sandbox")
+            log.exception("call %s: releasing its sandbox failed: %s", self.tool_call_id, exc)
         self._conclude(ending, recorder.record)
 
     def _run_command(self, recorder: FileRecorder, ending: _Ending) -> None:

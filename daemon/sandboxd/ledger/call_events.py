@@ -20,6 +20,11 @@ from sandboxd.ledger import events as ev
 _REQUEST_OWN_KEYS = ("principal", "daemonId", "stdinBytes", "stdinSha256", "requestDigest", "argvSha256")
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """A nested object as read: an edited or early log may hold anything there."""
+    return value if isinstance(value, Mapping) else {}
+
+
 def _put(payload: dict[str, Any], key: str, value: Any) -> None:
     """An optional key: written when set (None means the daemon did not write it)."""
     if value is not None:
@@ -187,7 +192,7 @@ class ToolPolicyChecked:
     def from_payload(cls, p: Mapping[str, Any]) -> Self:
         command = p.get("command")
         return cls(p.get("backend", ""), p.get("image", ""), p.get("sandboxId", ""),
-                   CheckedAuthorization.from_payload(p.get("authorization") or {}), p.get("imageDigest", ""),
+                   CheckedAuthorization.from_payload(_mapping(p.get("authorization"))), p.get("imageDigest", ""),
                    p.get("uid", 0), p.get("gid", 0), p.get("workspace", ""), p.get("binds", []),
                    p.get("masks", []), p.get("notes", []), p.get("decision", "allowed"), p.get("leaseId"),
                    CommandRecord.from_payload(command) if isinstance(command, Mapping) else None)
@@ -301,7 +306,7 @@ class ToolResultValidated:
 
     @classmethod
     def from_payload(cls, p: Mapping[str, Any]) -> Self:
-        return cls(p.get("result") or {})
+        return cls(_mapping(p.get("result")))
 
     # What the index reads of the result (an edited log may hold anything).
     @property
@@ -314,7 +319,7 @@ class ToolResultValidated:
 
     @property
     def error_code(self) -> str:
-        return str((self.result.get("error") or {}).get("code", ""))
+        return str(_mapping(self.result.get("error")).get("code", ""))
 
 
 @dataclass(frozen=True)

@@ -278,7 +278,11 @@ class FileRecorder:
                  tb: TracebackType | None) -> None:
         self._stop()
         if self._watch is not None:
-            self.record = file_record(self._accesses, self._watch, self._before, self._after)
+            try:
+                self.record = file_record(self._accesses, self._watch, self._before, self._after)
+            except Exception as err:  # the call's result is still recorded, saying so
+                log.exception("making the file record of %s failed", self._label)
+                self.record = FileRecord(incomplete=[f"the file record could not be made: {err}"])
 
     def _stop(self) -> None:
         """The watch read out and the write roots walked after the command; nothing here
