@@ -39,6 +39,7 @@ from sandboxd.core import hostdirs, hostfacts
 from sandboxd.core.errors import BackendUnavailable, SandboxdError
 from sandboxd.core.hostfacts import HostFacts
 from sandboxd.core.metrics import MetricsServer, render
+from sandboxd.core.mounts import unmount
 from sandboxd.core.settings import DaemonSettings, load_settings
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.ledger import audit
@@ -98,6 +99,7 @@ class Daemon:
     retention: RetentionSweeper | None = None
     audit_index: audit.AuditIndex | None = None
     watchdog: StreamWatchdog | None = None
+    mounted_secrets: bool = False  # the secrets tmpfs is this daemon's to unmount at stop
 
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.grace_period_s if grace_s is None else grace_s
@@ -123,6 +125,8 @@ class Daemon:
             self.audit_index.stop()
             self.audit_index.db.close()
         self.db.close()
+        if self.mounted_secrets:
+            _unmount_secrets(self.settings)
         log.info("stopped")
 
 
@@ -305,7 +309,7 @@ def _start_sandboxing(settings: DaemonSettings, daemon_id: str, host: HostFacts,
 def _build_executor(settings: DaemonSettings, sandboxing: _Sandboxing, ledger: _Ledger, dirs: dict[str, int],
                     daemon_id: str, cleanup: ExitStack) -> tuple[CallExecutor, EgressProxy | None]:
     proxy, no_proxy_reason = _start_egress(settings, cleanup)
-    broker = CredentialBroker(settings.credentials, settings.secrets_dir, dir_fd=dirs["secrets_dir"])
+    broker = CredentialBroker(settings.credentials, settings.secrets_path, dir_fd=dirs["secrets_dir"])
     broker.purge()
     # The pools are made first and given what they share with the calls (the workspace
     # reservations, the janitor's checkpoints), never the executor.
@@ -357,6 +361,15 @@ def _serve(settings: DaemonSettings, daemon_id: str, executor: CallExecutor, led
     return server, limits, relay
 
 
+def _unmount_secrets(settings: DaemonSettings) -> None:
+    """The secrets tmpfs this daemon mounted goes with it (its sandboxes' secrets were
+    released already)."""
+    try:
+        unmount(str(settings.secrets_path))
+    except OSError as exc:
+        log.error("could not unmount the secrets tmpfs %s: %s", settings.secrets_path, exc.strerror)
+
+
 def _close_all(fds: Iterable[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -373,6 +386,10 @@ def build_daemon(settings: DaemonSettings, host: HostFacts) -> Daemon:
         # (another local user may have made one first under /tmp or /dev/shm).
         dirs = hostdirs.check_daemon_dirs(settings)
         cleanup.callback(_close_all, dirs.values())
+        dirs["secrets_dir"], mounted_secrets = hostdirs.open_secrets_dir(
+            settings.secrets_path, daemon_mounts=settings.secrets_dir is None)
+        if mounted_secrets:  # a tmpfs found there (a killed run's) stays for the next start
+            cleanup.callback(unmount, str(settings.secrets_path))
         daemon_id = _daemon_id(settings)
         lock_fd = hold_daemon_lock(daemon_id)  # open, and locked, while the process lives
         cleanup.callback(os.close, lock_fd)
@@ -391,7 +408,7 @@ def build_daemon(settings: DaemonSettings, host: HostFacts) -> Daemon:
         retention.start()  # serving first: a backlog of expired calls never delays start-up
         cleanup.pop_all()  # built: from now on Daemon.stop takes it down
     return Daemon(settings, server, executor, ledger.db, daemon_id, relay, proxy, metrics, retention,
-                  ledger.audit_index, watchdog=limits.watchdog)
+                  ledger.audit_index, watchdog=limits.watchdog, mounted_secrets=mounted_secrets)
 
 
 def _metrics_text(executor: CallExecutor, audit_index: audit.AuditIndex, retention: RetentionSweeper) -> str:

@@ -19,6 +19,7 @@ import yaml
 from sandboxd_client import SandboxdClient
 
 from sandboxd.api.server import serving
+from sandboxd.core.mounts import unmount
 
 SANDBOXD = str(Path(sys.executable).with_name("sandboxd"))
 WORKSPACE_UID = 1000
@@ -77,6 +78,9 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        # The secrets tmpfs the daemon mounts below its runtime dir: a killed daemon left
+        # it (its next start keeps it); a test's directories are removed after this.
+        unmount(str(self.base / "runtime" / "secrets"))
         return self.proc.returncode
 
     def log(self) -> str:
@@ -124,7 +128,6 @@ def make_daemon(base: Path, env: dict[str, str] | None = None, **settings) -> Da
         # Tests never reach real DNS: every name the proxy may resolve is in `hosts`.
         "egress": {"socket_dir": str(base / "egress"), "system_dns": False},
         "runtime_dir": str(base / "runtime"),
-        "secrets_dir": str(base / "secrets"),
     }
     config["egress"].update(settings.pop("egress", {}))
     if "docker" not in TEST_BACKENDS:

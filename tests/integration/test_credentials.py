@@ -89,7 +89,8 @@ def test_env_and_file_targets_carry_the_values(bc, broker_daemon):
         {"bindingId": "cmdtok", "principal": "root", "target": {"file": "/tmp/creds/cmd.txt"}},
     ]
     # Nothing is left on the daemon's tmpfs once the sandbox is gone.
-    assert not list((broker_daemon.base / "secrets").glob("*/*"))
+    assert (broker_daemon.base / "runtime" / "secrets").is_dir()
+    assert not list((broker_daemon.base / "runtime" / "secrets").glob("*/*"))
 
 
 def test_printed_secrets_never_reach_the_client_the_artifacts_or_the_trace(bc, broker_daemon):

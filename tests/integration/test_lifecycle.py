@@ -368,3 +368,4 @@ def test_a_daemon_that_fails_halfway_unwinds_what_it_made(tmp_path, docker_engin
     assert wait_for(lambda: not new_threads(), timeout_s=30), new_threads()
     assert wait_for(lambda: not new_fds(), timeout_s=10), sorted(new_fds().values())
     assert not settings.socket_path.exists()
+    assert not os.path.ismount(settings.secrets_path)  # the secrets tmpfs it mounted is gone

@@ -14,7 +14,8 @@ import pytest
 from sandboxd.core import hostdirs
 from sandboxd.secrets.broker import CredentialBroker, ResolvedSecret
 from sandboxd.core.errors import FailedPrecondition
-from sandboxd.core.hostdirs import check_daemon_dirs, ensure_private_dir, filesystem_type, require_memory_filesystem
+from sandboxd.core.hostdirs import (check_daemon_dirs, ensure_private_dir, filesystem_type, open_secrets_dir,
+                                     require_memory_filesystem)
 from sandboxd.core.settings import DaemonSettings
 
 from .test_credentials import SANDBOX_GID, SANDBOX_UID, SECRETS, after_mkdir
@@ -232,15 +233,14 @@ class TestCheckDaemonDirs:
         s = settings_under(tmp_path)
         got = check_daemon_dirs(s)
         try:
-            assert set(got) == {"state_dir", "runtime_dir", "secrets_dir", "socket_path", "egress.socket_dir",
-                                "nsjail.rootfs_dir"}
-            paths = {"state_dir": s.state_dir, "runtime_dir": s.runtime_dir, "secrets_dir": s.secrets_dir,
+            assert set(got) == {"state_dir", "runtime_dir", "socket_path", "egress.socket_dir", "nsjail.rootfs_dir"}
+            paths = {"state_dir": s.state_dir, "runtime_dir": s.runtime_dir,
                      "socket_path": s.socket_path.parent, "egress.socket_dir": s.egress.socket_dir,
                      "nsjail.rootfs_dir": s.nsjail.rootfs_dir}
             for name, fd in got.items():
                 assert same_dir(fd, paths[name]), name
             modes = {name: stat.S_IMODE(p.stat().st_mode) for name, p in paths.items()}
-            assert modes == {"state_dir": 0o700, "runtime_dir": 0o711, "secrets_dir": 0o711, "socket_path": 0o755,
+            assert modes == {"state_dir": 0o700, "runtime_dir": 0o711, "socket_path": 0o755,
                              "egress.socket_dir": 0o711, "nsjail.rootfs_dir": 0o755}
         finally:
             for fd in got.values():
@@ -255,7 +255,7 @@ class TestCheckDaemonDirs:
         assert "egress.socket_dir" not in got and "nsjail.rootfs_dir" not in got
         assert not (tmp_path / "egress").exists()
 
-    @pytest.mark.parametrize("setting", ["state_dir", "runtime_dir", "secrets_dir", "egress.socket_dir"])
+    @pytest.mark.parametrize("setting", ["state_dir", "runtime_dir", "egress.socket_dir"])
     def test_a_planted_dir_refuses_and_closes_what_was_opened(self, tmp_path, setting):
         planted = bobs_dir(tmp_path / "planted", 0o755)
         key, _, sub = setting.partition(".")
@@ -266,6 +266,40 @@ class TestCheckDaemonDirs:
             check_daemon_dirs(s)
         assert exc.value.field == setting and "uid 1001" in exc.value.reason
         assert open_fds() == before
+
+
+# -------------------------------------------------------------------- the secrets dir
+
+class TestSecretsDir:
+    def test_the_defaults_are_below_no_directory_another_user_may_write_in(self):
+        s = DaemonSettings()
+        assert s.secrets_dir is None and s.secrets_path == s.runtime_dir / "secrets"
+        for path in (s.state_dir, s.runtime_dir, s.secrets_path, s.egress.socket_dir, s.nsjail.rootfs_dir):
+            assert not any(part in ("tmp", "shm") for part in path.parts), path
+
+    def test_an_operators_tmpfs_is_used_as_it_is(self, fds):
+        path = Path("/dev/shm") / f"sandboxd-unit-{os.getpid()}"
+        try:
+            fd, mounted = open_secrets_dir(path, daemon_mounts=False)
+            fds.append(fd)
+            assert not mounted and same_dir(fd, path) and stat.S_IMODE(path.stat().st_mode) == 0o711
+        finally:
+            os.rmdir(path)
+
+    def test_an_operators_dir_on_a_disk_is_refused_and_closed(self, tmp_path):
+        before = open_fds()
+        with pytest.raises(FailedPrecondition) as exc:
+            open_secrets_dir(tmp_path / "secrets", daemon_mounts=False)
+        assert exc.value.field == "secrets_dir" and "not a tmpfs" in exc.value.reason
+        assert open_fds() == before
+
+    def test_a_planted_dir_is_refused_before_anything_is_mounted(self, tmp_path):
+        planted = bobs_dir(tmp_path / "planted", 0o755)
+        before = open_fds()
+        with pytest.raises(FailedPrecondition) as exc:
+            open_secrets_dir(planted, daemon_mounts=True)
+        assert exc.value.field == "secrets_dir" and "uid 1001" in exc.value.reason
+        assert open_fds() == before and not os.path.ismount(planted)
 
 
 # -------------------------------------------------------------------- memory filesystems

@@ -12,26 +12,17 @@ mounts as the sandbox user, can traverse it; no other local user can (a read roo
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
 import stat
 
 from sandboxd.sandbox.spec import StagedBind, StagedMask, Staging
-from sandboxd.core.safe_open import AT_FDCWD, RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, libc, openat2
+from sandboxd.core.safe_open import AT_FDCWD, RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
 from sandboxd.core.errors import FailedPrecondition
+from sandboxd.core.mounts import MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, MS_RDONLY, mount, unmount
 
 log = logging.getLogger("sandboxd.staging")
 
-_MS_RDONLY = 0x1
-_MS_NOSUID = 0x2
-_MS_NODEV = 0x4
-_MS_NOEXEC = 0x8
-_MS_BIND = 0x1000
-_MS_PRIVATE = 0x40000
-_MNT_DETACH = 0x2
-_UMOUNT_NOFOLLOW = 0x8
 
 
 def _same(fd: int, dev: int, ino: int) -> bool:
@@ -66,21 +57,12 @@ def _open_root(ws_fd: int, staging: Staging, bind: StagedBind) -> int:
                          RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS, bind.dev, bind.ino, bind.host_path)
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    lib = libc()
-    if lib.mount(os.fsencode(source) if source else None, os.fsencode(target),
-                  os.fsencode(fstype) if fstype else None, ctypes.c_ulong(flags),
-                  os.fsencode(data) if data else None) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mounting on {target}: {os.strerror(err)}")
-
-
 def _bind_mount(source_fd: int, target: str) -> None:
-    _mount(f"/proc/self/fd/{source_fd}", target, None, _MS_BIND)
+    mount(f"/proc/self/fd/{source_fd}", target, None, MS_BIND)
     # Private, before any mask goes on it: a bind of a shared mount (systemd makes / shared)
     # is the source's peer, and a mask placed on it would appear on the owner's own
     # workspace too, and stay there if the daemon died. (The target is the daemon's path.)
-    _mount(None, target, None, _MS_PRIVATE)
+    mount(None, target, None, MS_PRIVATE)
 
 
 def _place_mask(staging: Staging, mask: StagedMask) -> None:
@@ -107,22 +89,14 @@ def _place_mask(staging: Staging, mask: StagedMask) -> None:
                                      field="policy.filesystem.blockedPaths")
         target = f"/proc/self/fd/{fd}"
         if mask.kind == "dir":
-            _mount("tmpfs", target, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,mode=0500")
+            mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0500")
         else:
             # The mask file is root's with mode 000: nothing a sandbox user can read or
             # write, so it needs no read-only remount (which could only name the new
             # mount by a path; the engine's own read-only mask goes on top as well).
-            _mount(staging.mask_file, target, None, _MS_BIND)
+            mount(staging.mask_file, target, None, MS_BIND)
     finally:
         os.close(fd)
-
-
-def _unmount(target: str) -> None:
-    # Never through a symlink: the directory is the sandbox user's, who may plant one.
-    if libc().umount2(os.fsencode(target), _MNT_DETACH | _UMOUNT_NOFOLLOW) != 0:
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOENT):  # not a mount point (never bound), or gone
-            raise OSError(err, f"unmounting {target}: {os.strerror(err)}")
 
 
 def _make_directory(directory: str) -> None:
@@ -175,7 +149,7 @@ def release(directory: str) -> None:
     for name in names:
         target = os.path.join(directory, name)
         try:
-            _unmount(target)
+            unmount(target)
             if os.path.isdir(target) and not os.path.islink(target):
                 os.rmdir(target)
             else:

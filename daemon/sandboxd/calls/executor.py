@@ -64,7 +64,7 @@ class CallExecutor:
         is made first and given them (never the executor)."""
         self.settings = settings
         self.shim = shim
-        self.broker = broker or CredentialBroker(settings.credentials, settings.secrets_dir)
+        self.broker = broker or CredentialBroker(settings.credentials, settings.secrets_path)
         self.pools = pools
         self.checkpoints = checkpoints
         self.proxy = proxy

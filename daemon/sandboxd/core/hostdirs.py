@@ -20,12 +20,16 @@ import stat
 from pathlib import Path
 
 from sandboxd.core.errors import FailedPrecondition
+from sandboxd.core.mounts import MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, mount, unmount
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 # Modes of the components the daemon creates on the way to one of its directories:
 # they hold nothing but the next component.
 _PARENT_MODE = 0o755
+# The daemon's own tmpfs for secrets: a secret is at most 64 KiB (secrets.broker), so
+# 64 MiB and 65,536 files is room for about a thousand; root's, traversable only.
+SECRETS_TMPFS_OPTIONS = "mode=0711,uid=0,gid=0,size=64m,nr_inodes=65536"
 
 
 def ensure_private_dir(path: str | os.PathLike, mode: int, *, setting: str, set_mode: bool = True) -> int:
@@ -70,7 +74,6 @@ def check_daemon_dirs(settings) -> dict[str, int]:
         ("state_dir", settings.state_dir, 0o700, True),
         # Traversable, not listable: nsjail binds what is in them as the sandbox user.
         ("runtime_dir", settings.runtime_dir, 0o711, True),
-        ("secrets_dir", settings.secrets_dir, 0o711, True),
         # The public socket's directory may be a shared one (/run): checked, never re-moded.
         ("socket_path", settings.socket_path.parent, 0o755, False),
     ]
@@ -87,6 +90,36 @@ def check_daemon_dirs(settings) -> dict[str, int]:
             os.close(fd)
         raise
     return out
+
+
+def open_secrets_dir(path: Path, *, daemon_mounts: bool) -> tuple[int, bool]:
+    """The secrets directory, checked like the others and on a memory filesystem. When
+    `daemon_mounts` (the default place, below the runtime dir), a directory on a disk
+    gets a tmpfs of the daemon's own mounted on it: private (no propagation to other
+    mount namespaces), nosuid, nodev, noexec and size-capped. A tmpfs already there (left
+    by a run that was killed) is kept: start-up purges what is in it. An operator's own
+    `secrets_dir` must already be on one; a directory on a disk is refused.
+    Returns the descriptor and whether this call mounted the tmpfs."""
+    fd = ensure_private_dir(path, 0o711, setting="secrets_dir")
+    mounted = False
+    try:
+        if daemon_mounts and filesystem_type(fd) not in _MEMORY_FILESYSTEMS:
+            mount("tmpfs", f"/proc/self/fd/{fd}", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, SECRETS_TMPFS_OPTIONS)
+            mounted = True
+            os.close(fd)
+            fd = -1
+            # The path again, now that the tmpfs covers it (the descriptor held the disk's
+            # directory); the new descriptor names the tmpfs's root, a mount of its own.
+            fd = ensure_private_dir(path, 0o711, setting="secrets_dir")
+            mount(None, f"/proc/self/fd/{fd}", None, MS_PRIVATE)
+        require_memory_filesystem(fd, path, setting="secrets_dir")
+        return fd, mounted
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        if mounted:
+            unmount(os.fspath(path))
+        raise
 
 
 def filesystem_type(fd: int) -> str:

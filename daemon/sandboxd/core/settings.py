@@ -297,8 +297,11 @@ class DaemonSettings(BaseModel):
     tcp: TcpSettings | None = None
     # binding id -> source and permissions (credentials.py).
     credentials: dict[str, CredentialBinding] = Field(default_factory=dict)
-    # Where secrets are written for the sandboxes: a tmpfs (never on disk).
-    secrets_dir: Path = Path("/dev/shm/sandboxd-secrets")
+    # Where secrets are written for the sandboxes, never on a disk. Unset: <runtime_dir>/secrets,
+    # on a tmpfs the daemon mounts there itself (no other local user can make, fill or
+    # read it first, as one could a name under /dev/shm). Set: a directory the operator
+    # keeps on a tmpfs (refused otherwise).
+    secrets_dir: Path | None = None
     # The static shim run inside sandboxes (native/sandbox-shim.c, `make native`), and the
     # directory it is installed into: traversable by sandbox users (nsjail binds as them).
     shim_binary: Path = Field(default_factory=lambda: packaged(SHIM))
@@ -367,6 +370,10 @@ class DaemonSettings(BaseModel):
         uid = lookup(self.socket_owner, lambda n: pwd.getpwnam(n).pw_uid, -1)
         gid = lookup(self.socket_group, lambda n: grp.getgrnam(n).gr_gid, -1)
         return uid, gid
+
+    @property
+    def secrets_path(self) -> Path:
+        return self.secrets_dir if self.secrets_dir is not None else self.runtime_dir / "secrets"
 
     @property
     def internal_dir(self) -> Path:

@@ -80,7 +80,7 @@ def resolve_workspace(raw: str, settings: DaemonSettings, owner_uid: int | None 
     # shim, gates and output FIFOs, secrets, egress sockets), which another sandbox
     # must never see.
     forbidden = (str(DOCKER_SOCKET),) + _resolved((DOCKER_SOCKET, settings.state_dir, settings.socket_path,
-                                                   settings.runtime_dir, settings.secrets_dir,
+                                                   settings.runtime_dir, settings.secrets_path,
                                                    settings.egress.socket_dir))
     for f in forbidden:
         if _within(f, real) or _within(real, f):
