@@ -148,7 +148,8 @@ def _start_nsjail(settings: DaemonSettings, daemon_id: str, shim: str, host: Hos
     ns = settings.nsjail
     layout = layout_for(host.cgroup_version, host.cgroup_root, join_exec=settings.cgroup_exec_binary)
     backend = NsjailBackend(ns.rootfs_dir, seccomp_profile_path=settings.seccomp_profile, shim_binary=shim,
-                            nsjail_binary=ns.nsjail_binary, init_binary=ns.init_binary,
+                            nsjail_binary=ns.nsjail_binary, nsjail_binary_sha256=ns.nsjail_binary_sha256,
+                            init_binary=ns.init_binary,
                             docker_host=settings.docker_host, warm_slots=ns.warm_slots,
                             cgroup_layout=layout, cgroup_exec_binary=settings.cgroup_exec_binary)
     backend.check()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from sandboxd.core.settings import DOCKER_SOCKET, DaemonSettings, LimitSettings, load_settings
 
@@ -204,3 +206,98 @@ def test_rpc_limits_have_bounded_defaults():
 def test_rpc_limits_refuse_what_would_disable_them(field, value):
     with pytest.raises(ValueError, match=field):
         DaemonSettings(rpc_limits={field: value})
+
+
+# ------------------------------------------------------------------ modes (octal in YAML)
+
+
+def load_yaml(tmp_path, text: str) -> DaemonSettings:
+    path = tmp_path / "sandboxd.yaml"
+    path.write_text(text)
+    return load_settings(path)
+
+
+@pytest.mark.parametrize("spelled", ["0o666", "0666", '"0o666"', '"0666"', "'0O666'"])
+def test_a_mode_is_read_in_octal_however_yaml_spells_it(tmp_path, spelled):
+    assert load_yaml(tmp_path, f"socket_mode: {spelled}\n").socket_mode == 0o666
+
+
+def test_a_mode_given_in_python_is_taken_as_given(tmp_path):
+    assert make(tmp_path, socket_mode=0o640).socket_mode == 0o640
+    assert make(tmp_path, socket_mode=420).socket_mode == 0o644
+
+
+@pytest.mark.parametrize("spelled, reason", [
+    ("666", "666 is written in decimal (= 0o1232)"),  # never silently 0o666
+    ("438", "written in decimal (= 0o666)"),
+    ("0o999", "not an octal mode"),
+    ('"0999"', "not an octal mode"),
+    ("rw", "not an octal mode"),
+    ('"666"', "not an octal mode"),
+    ("-1", "outside 0o0..0o777"),
+    ("0o1777", "outside 0o0..0o777"),
+    ("0o17777", "outside 0o0..0o777"),
+    ("true", "not a mode"),
+    ("[1]", "not a mode"),
+])
+def test_a_mode_that_is_no_octal_permission_is_refused_with_its_field(tmp_path, spelled, reason):
+    with pytest.raises(ValueError) as exc:
+        load_yaml(tmp_path, f"socket_mode: {spelled}\n")
+    assert "socket_mode" in str(exc.value) and reason in str(exc.value)
+
+
+def test_decimal_ints_elsewhere_are_plain_ints(tmp_path):
+    s = load_yaml(tmp_path, "max_concurrent_calls: 40\nprincipals: {0: root, 1000: alice}\n")
+    assert s.max_concurrent_calls == 40 and type(s.max_concurrent_calls) is int
+    assert s.principals == {0: "root", 1000: "alice"}
+
+
+def test_every_mode_setting_reads_octal():
+    """A *_mode setting added later must take the same octal forms (FileMode)."""
+    from sandboxd.core.settings import _file_mode
+
+    def modes(model: type) -> list[str]:
+        found = []
+        for name, field in model.model_fields.items():
+            if name.endswith("_mode"):
+                found.append(name)
+                assert any(getattr(m, "func", None) is _file_mode for m in field.metadata), name
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                found += modes(ann)
+        return found
+
+    assert modes(DaemonSettings) == ["socket_mode"]
+
+
+# ------------------------------------------------------------------ the README's examples
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+# A YAML block is a daemon config when one of its top-level keys is a setting, a policy
+# when all are policy sections; every block must be one of the two.
+POLICY_SECTIONS = {"filesystem", "network", "environment", "process", "audit", "credentialRefs"}
+
+
+def readme_yaml_blocks() -> list[str]:
+    return re.findall(r"^```yaml\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+
+
+def test_every_daemon_config_block_of_the_readme_loads(tmp_path):
+    """As the daemon loads --config. Files the examples name under /etc/sandboxd exist
+    here in a temporary directory (the TCP listener's certificates must be files)."""
+    etc = tmp_path / "etc"
+    configs = 0
+    for block in readme_yaml_blocks():
+        keys = set(yaml.safe_load(block))
+        if keys & set(DaemonSettings.model_fields):
+            text = block.replace("/etc/sandboxd/", f"{etc}/")
+            for name in re.findall(rf"{re.escape(str(etc))}/[\w./-]+", text):
+                Path(name).parent.mkdir(parents=True, exist_ok=True)
+                Path(name).touch()
+            path = tmp_path / f"readme-{configs}.yaml"
+            path.write_text(text)
+            load_settings(path)  # raises with the field path and the reason
+            configs += 1
+        else:
+            assert keys <= POLICY_SECTIONS, f"a README YAML block that is neither config nor policy: {keys}"
+    assert configs >= 4

