@@ -192,9 +192,69 @@ def test_nul_in_root_is_refused_with_index():
 # ------------------------------------------------------------------ conflicts
 
 
-def test_read_write_root_conflict_via_alias():
-    exc = refused(InvalidArgument, resolve, {"filesystem": {"readRoots": ["/workspace/a"], "writeRoots": ["/workspace/b", "a/"]}})
-    assert exc.field == "policy.filesystem.writeRoots[1]"
+def test_a_root_both_read_and_written_is_a_write_root():
+    # The seed's policy as a client writes it literally: read-write, not a conflict.
+    p = resolve({"filesystem": {"readRoots": ["/workspace"], "writeRoots": ["/workspace"]}})
+    assert p.read_roots == () and p.write_roots == ("/workspace",)
+
+
+def test_a_root_both_read_and_written_via_an_alias_is_a_write_root():
+    p = resolve({"filesystem": {"readRoots": ["/workspace/a", "/workspace/c"], "writeRoots": ["/workspace/b", "a/"]}})
+    assert p.read_roots == ("/workspace/c",) and p.write_roots == ("/workspace/b", "/workspace/a")
+
+
+def test_repeated_roots_collapse_in_both_lists():
+    p = resolve({"filesystem": {"readRoots": ["src", "/workspace/src/", "/workspace/src", "/workspace"],
+                                "writeRoots": ["out", "/workspace/out", "/workspace/out", "out/."]}})
+    assert p.read_roots == ("/workspace",) and p.write_roots == ("/workspace/out",)
+
+
+def test_a_read_root_inside_a_write_root_stays_a_read_only_part_of_it():
+    # What the caller asked for, never more: out/sub stays read-only inside writable out.
+    p = resolve({"filesystem": {"readRoots": ["/workspace/out/sub", "/workspace/src"], "writeRoots": ["/workspace/out"]}})
+    assert p.read_roots == ("/workspace/out/sub", "/workspace/src") and p.write_roots == ("/workspace/out",)
+
+
+def test_a_read_root_below_a_write_root_below_a_read_root_stays():
+    # /workspace/a/b's nearest root is the write root /workspace/a, not the read root /workspace.
+    p = resolve({"filesystem": {"readRoots": ["/workspace", "/workspace/a/b"], "writeRoots": ["/workspace/a"]}})
+    assert p.read_roots == ("/workspace", "/workspace/a/b") and p.write_roots == ("/workspace/a",)
+    q = resolve({"filesystem": {"readRoots": ["/workspace/a"], "writeRoots": ["/workspace", "/workspace/a/b"]}})
+    assert q.read_roots == ("/workspace/a",) and q.write_roots == ("/workspace", "/workspace/a/b")
+
+
+def test_a_root_inside_another_of_its_kind_is_dropped():
+    p = resolve({"filesystem": {"readRoots": ["/workspace/a/b", "/workspace/a"],
+                                "writeRoots": ["/workspace/o", "/workspace/o/deep/er", "/tmp/x/y", "/tmp/x"]}})
+    assert p.read_roots == ("/workspace/a",) and p.write_roots == ("/workspace/o", "/tmp/x")
+
+
+def test_a_sibling_that_only_shares_a_prefix_is_not_nested():
+    p = resolve({"filesystem": {"readRoots": ["/workspace/outside"], "writeRoots": ["/workspace/out"]}})
+    assert p.read_roots == ("/workspace/outside",) and p.write_roots == ("/workspace/out",)
+
+
+@pytest.mark.parametrize("fs", [
+    {"readRoots": ["/workspace", "/workspace/src"], "writeRoots": ["/workspace/out", "/workspace/out/y"]},
+    {"readRoots": ["/workspace/src", "/workspace"], "writeRoots": ["/workspace/out/y", "/workspace/out"]},
+    {"readRoots": ["/workspace/src", "/workspace"], "writeRoots": ["/workspace/out", "out/y", "out"]},
+])
+def test_normalized_roots_do_not_depend_on_the_order_given(fs):
+    p = resolve({"filesystem": fs})
+    assert p.read_roots == ("/workspace",) and p.write_roots == ("/workspace/out",)
+
+
+def test_the_effective_policy_shows_the_normalized_roots():
+    # What ToolArgsValidated records and ExplainPolicy returns.
+    p = resolve({"filesystem": {"readRoots": ["/workspace", "/workspace/src/x"], "writeRoots": ["/workspace/src", "/workspace"]}})
+    shown = p.to_json_dict()
+    assert shown["readRoots"] == ["/workspace/src/x"] and shown["writeRoots"] == ["/workspace"]
+
+
+def test_a_covered_root_inside_a_blocked_path_is_still_refused():
+    exc = refused(InvalidArgument, resolve, {"filesystem": {
+        "readRoots": ["/workspace/secret/inner"], "writeRoots": ["/workspace"], "blockedPaths": ["secret"]}})
+    assert exc.field == "policy.filesystem.readRoots[0]"
 
 
 def test_nested_read_and_write_roots_are_allowed():

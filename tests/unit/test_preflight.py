@@ -137,6 +137,34 @@ def test_read_and_write_roots_become_binds(host):
                           _bind("/workspace/out", host.ws / "out", False))
 
 
+def test_a_root_both_read_and_written_is_one_writable_bind(host):
+    # Writable, so the call counts as a writer (calls/reservations.py), and blocked paths stay masked.
+    mkfile(host.ws / ".env")
+    plan = plan_for(host, {"readRoots": ["/workspace"], "writeRoots": ["/workspace"], "blockedPaths": [".env"]})
+    assert plan.binds == (_bind("/workspace", host.ws, read_only=False),)
+    assert _shapes(plan.masks) == (("/workspace/.env", "file"),)
+
+
+def test_a_write_root_inside_a_read_root_is_bound_writable_after_its_parent(host):
+    mkfile(host.ws / "out" / "token")
+    mkfile(host.ws / ".env")
+    plan = plan_for(host, {"writeRoots": ["out"], "readRoots": ["/workspace", "src"],
+                           "blockedPaths": ["out/token", ".env"]})
+    assert plan.binds == (_bind("/workspace", host.ws, read_only=True), _bind("/workspace/out", host.ws / "out", False))
+    assert set(_shapes(plan.masks)) == {("/workspace/out/token", "file"), ("/workspace/.env", "file")}
+
+
+def test_a_dropped_root_is_not_looked_at_but_its_parent_is(host):
+    # out/sub is covered by out, a root of its own kind (and never checked); out itself is
+    # still refused as a symlink.
+    (host.ws / "real").mkdir()
+    (host.ws / "out").symlink_to(host.ws / "real")
+    exc = refused(PermissionDenied, plan_for, host, {"readRoots": ["out/sub", "out"]})
+    assert exc.field == "policy.filesystem.readRoots[0]"
+    exc = refused(PermissionDenied, plan_for, host, {"writeRoots": ["out/sub", "out"]})
+    assert exc.field == "policy.filesystem.writeRoots[0]"
+
+
 def test_write_roots_in_temp_dir_produce_no_bind(host):
     (host.ws / "out").mkdir()
     plan = plan_for(host, {"readRoots": [], "writeRoots": ["/tmp", "/tmp/build", "/workspace/out"]})

@@ -153,7 +153,9 @@ class PreparedToolCall(_Model):
 @dataclass(frozen=True)
 class EffectivePolicy:
     """A SandboxPolicy with every default applied, every path normalized to an
-    absolute sandbox path, and every limit within the daemon's maxima."""
+    absolute sandbox path, the roots reduced to the fewest giving the same view (a root
+    both read and written is a write root: _normalized_roots), and every limit within
+    the daemon's maxima."""
 
     cwd: str
     read_roots: tuple[str, ...]
@@ -373,9 +375,6 @@ def _resolve_filesystem(call: PreparedToolCall) -> _Filesystem:
     read_roots = paths(fs.read_roots, "readRoots", (WORKSPACE,))
     write_roots = paths(fs.write_roots, "writeRoots", (WORKSPACE, temp_dir))
     blocked = paths(fs.blocked_paths, "blockedPaths", (WORKSPACE,))
-    for i, p in enumerate(write_roots):
-        if p in read_roots:
-            raise InvalidArgument(f"{p} is both a read root and a write root", field=f"{fs_prefix}.writeRoots[{i}]")
     for i, p in enumerate(blocked):
         if p == WORKSPACE:
             raise InvalidArgument("blocking all of /workspace: use empty roots instead", field=f"{fs_prefix}.blockedPaths[{i}]")
@@ -383,6 +382,7 @@ def _resolve_filesystem(call: PreparedToolCall) -> _Filesystem:
         for i, root in enumerate(roots):
             if any(is_within(root, b) for b in blocked):
                 raise InvalidArgument(f"{root} lies inside a blocked path", field=f"{fs_prefix}.{name}[{i}]")
+    read_roots, write_roots = _normalized_roots(read_roots, write_roots)
 
     cwd_raw = call.cwd or fs.cwd or WORKSPACE
     cwd_field = "cwd" if call.cwd else f"{fs_prefix}.cwd"
@@ -392,6 +392,28 @@ def _resolve_filesystem(call: PreparedToolCall) -> _Filesystem:
     if any(is_within(cwd, b) for b in blocked):
         raise InvalidArgument(f"{cwd} is a blocked path", field=cwd_field)
     return _Filesystem(cwd, read_roots, write_roots, blocked, temp_dir)
+
+
+def _normalized_roots(read_roots: tuple[str, ...], write_roots: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The fewest roots giving the same view (each list normalized and deduplicated).
+    A path in both lists is a write root (a write root is readable too). A root whose
+    nearest enclosing root is of its own kind adds nothing and is dropped; one inside a
+    root of the other kind stays: a writable directory in a read-only view, or a
+    read-only one in a writable view (what the caller asked for, never more). The order
+    given is kept: binds follow it."""
+    writes = set(write_roots)
+    every = writes | set(read_roots)
+
+    def enclosed_by_its_kind(path: str, writable: bool) -> bool:
+        enclosing = [root for root in every if root != path and is_within(path, root)]
+        if not enclosing:
+            return False
+        nearest = max(enclosing, key=len)  # normalized paths: the longest is the deepest
+        return (nearest in writes) == writable
+
+    kept_writes = tuple(p for p in write_roots if not enclosed_by_its_kind(p, True))
+    kept_reads = tuple(p for p in read_roots if p not in writes and not enclosed_by_its_kind(p, False))
+    return kept_reads, kept_writes
 
 
 def _resolve_domains(net: NetworkPolicy) -> tuple[str, ...]:
