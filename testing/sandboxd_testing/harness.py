@@ -133,8 +133,19 @@ def make_daemon(base: Path, env: dict[str, str] | None = None, **settings) -> Da
     if "docker" not in TEST_BACKENDS:
         config["default_backend"] = "nsjail"
     config.update(settings)
-    d.config.write_text(yaml.safe_dump(config))
+    d.config.write_text(yaml.safe_dump(octal_modes(config)))
     return d
+
+
+def octal_modes(value: Any) -> Any:
+    """`value` with every int under a `*_mode` key written as an octal string: the
+    daemon refuses a mode spelled in decimal, which is how safe_dump writes ints."""
+    if isinstance(value, dict):
+        return {k: f"0o{v:o}" if str(k).endswith("_mode") and isinstance(v, int) and not isinstance(v, bool)
+                else octal_modes(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [octal_modes(v) for v in value]
+    return value
 
 
 def prepared_call(workspace: Path, argv: list[str], policy: dict | None = None, **extra) -> dict:

@@ -160,9 +160,21 @@ def test_a_dropped_root_is_not_looked_at_but_its_parent_is(host):
     (host.ws / "real").mkdir()
     (host.ws / "out").symlink_to(host.ws / "real")
     exc = refused(PermissionDenied, plan_for, host, {"readRoots": ["out/sub", "out"]})
-    assert exc.field == "policy.filesystem.readRoots[0]"
+    assert exc.field == "policy.filesystem.readRoots[1]"  # the caller's index, not the reduced list's
     exc = refused(PermissionDenied, plan_for, host, {"writeRoots": ["out/sub", "out"]})
-    assert exc.field == "policy.filesystem.writeRoots[0]"
+    assert exc.field == "policy.filesystem.writeRoots[1]"
+
+
+def test_a_refusal_names_the_callers_own_entry_after_roots_merge(host):
+    (host.ws / "a").mkdir()
+    (host.ws / "src").mkdir(exist_ok=True)
+    (host.ws / "real").mkdir()
+    (host.ws / "link").symlink_to(host.ws / "real")
+    # "a" becomes a write root and "src" repeats: "link" is readRoots[3] as the caller wrote it.
+    exc = refused(PermissionDenied, plan_for, host, {"readRoots": ["a", "src", "src/", "link"], "writeRoots": ["a"]})
+    assert exc.field == "policy.filesystem.readRoots[3]"
+    exc = refused(PermissionDenied, plan_for, host, {"readRoots": ["link"], "writeRoots": ["a", "a", "link"]})
+    assert exc.field == "policy.filesystem.writeRoots[2]"
 
 
 def test_write_roots_in_temp_dir_produce_no_bind(host):

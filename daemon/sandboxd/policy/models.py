@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 from sandboxd_contract.canonical import canonical_json
 
 from sandboxd.policy.egress_rules import normalize_pattern
+from sandboxd.policy.roots import is_within, normalized_roots
 from sandboxd.core.errors import InvalidArgument, PermissionDenied, Unimplemented
 from sandboxd.core.settings import LimitSettings
 
@@ -154,7 +155,7 @@ class PreparedToolCall(_Model):
 class EffectivePolicy:
     """A SandboxPolicy with every default applied, every path normalized to an
     absolute sandbox path, the roots reduced to the fewest giving the same view (a root
-    both read and written is a write root: _normalized_roots), and every limit within
+    both read and written is a write root: roots.normalized_roots), and every limit within
     the daemon's maxima."""
 
     cwd: str
@@ -177,6 +178,12 @@ class EffectivePolicy:
     record_command: bool = True
     record_file_access: bool = True
     record_network_access: bool = True
+    # Each root -> the field the caller named it in first ("policy.filesystem.readRoots[2]"):
+    # normalizing drops and merges roots, so a refusal names the caller's own index.
+    root_fields: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    def root_field(self, path: str, kind: str, index: int) -> str:
+        return self.root_fields.get(path, f"policy.filesystem.{kind}[{index}]")
 
     @property
     def proxied(self) -> bool:
@@ -290,10 +297,6 @@ def normalize_sandbox_path(raw: str, field: str, base: str = WORKSPACE) -> str:
     return path
 
 
-def is_within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 def _limit(value: int | None, default: int, maximum: int, field: str, unit: str) -> int:
     if not value:
         return default
@@ -311,6 +314,7 @@ class _Filesystem:
     write_roots: tuple[str, ...]
     blocked: tuple[str, ...]
     temp_dir: str
+    root_fields: dict[str, str]
 
 
 def resolve_policy(
@@ -331,6 +335,7 @@ def resolve_policy(
         write_roots=fs.write_roots,
         blocked_paths=fs.blocked,
         temp_dir=fs.temp_dir,
+        root_fields=fs.root_fields,
         egress=net.egress,
         allow_domains=allow_domains,
         deny_private_networks=net.deny_private_networks,
@@ -361,6 +366,8 @@ def _resolve_filesystem(call: PreparedToolCall) -> _Filesystem:
     if temp_dir == "/" or is_within(temp_dir, WORKSPACE) or any(is_within(temp_dir, p) for p in _FORBIDDEN_MOUNT_PARENTS):
         raise InvalidArgument("must be a directory outside /workspace, /proc, /sys and /dev", field=f"{fs_prefix}.tempDir")
 
+    first_named: dict[str, str] = {}
+
     def paths(values: list[str], name: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
         out: list[str] = []
         for i, raw in enumerate(values):
@@ -370,6 +377,7 @@ def _resolve_filesystem(call: PreparedToolCall) -> _Filesystem:
                 raise InvalidArgument(f"{p} must lie inside {' or '.join(allowed)}", field=where)
             if p not in out:
                 out.append(p)
+                first_named.setdefault(f"{name}:{p}", where)
         return tuple(out)
 
     read_roots = paths(fs.read_roots, "readRoots", (WORKSPACE,))
@@ -382,7 +390,7 @@ def _resolve_filesystem(call: PreparedToolCall) -> _Filesystem:
         for i, root in enumerate(roots):
             if any(is_within(root, b) for b in blocked):
                 raise InvalidArgument(f"{root} lies inside a blocked path", field=f"{fs_prefix}.{name}[{i}]")
-    read_roots, write_roots = _normalized_roots(read_roots, write_roots)
+    read_roots, write_roots = normalized_roots(read_roots, write_roots)
 
     cwd_raw = call.cwd or fs.cwd or WORKSPACE
     cwd_field = "cwd" if call.cwd else f"{fs_prefix}.cwd"
@@ -391,29 +399,10 @@ def _resolve_filesystem(call: PreparedToolCall) -> _Filesystem:
         raise InvalidArgument(f"{cwd} must lie inside /workspace or tempDir", field=cwd_field)
     if any(is_within(cwd, b) for b in blocked):
         raise InvalidArgument(f"{cwd} is a blocked path", field=cwd_field)
-    return _Filesystem(cwd, read_roots, write_roots, blocked, temp_dir)
-
-
-def _normalized_roots(read_roots: tuple[str, ...], write_roots: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The fewest roots giving the same view (each list normalized and deduplicated).
-    A path in both lists is a write root (a write root is readable too). A root whose
-    nearest enclosing root is of its own kind adds nothing and is dropped; one inside a
-    root of the other kind stays: a writable directory in a read-only view, or a
-    read-only one in a writable view (what the caller asked for, never more). The order
-    given is kept: binds follow it."""
-    writes = set(write_roots)
-    every = writes | set(read_roots)
-
-    def enclosed_by_its_kind(path: str, writable: bool) -> bool:
-        enclosing = [root for root in every if root != path and is_within(path, root)]
-        if not enclosing:
-            return False
-        nearest = max(enclosing, key=len)  # normalized paths: the longest is the deepest
-        return (nearest in writes) == writable
-
-    kept_writes = tuple(p for p in write_roots if not enclosed_by_its_kind(p, True))
-    kept_reads = tuple(p for p in read_roots if p not in writes and not enclosed_by_its_kind(p, False))
-    return kept_reads, kept_writes
+    # A root kept as a write root that was also a read root is named by its writeRoots entry.
+    root_fields = {p: first_named[f"readRoots:{p}"] for p in read_roots}
+    root_fields.update({p: first_named[f"writeRoots:{p}"] for p in write_roots})
+    return _Filesystem(cwd, read_roots, write_roots, blocked, temp_dir, root_fields)
 
 
 def _resolve_domains(net: NetworkPolicy) -> tuple[str, ...]:

@@ -271,11 +271,11 @@ def preflight(policy: EffectivePolicy, workspace_raw: str, settings: DaemonSetti
     fs = "policy.filesystem"
     binds: list[Bind] = []
     for i, p in enumerate(policy.read_roots):
-        binds.append(_check_root(workspace, p, f"{fs}.readRoots[{i}]", read_only=True))
+        binds.append(_check_root(workspace, p, policy.root_field(p, "readRoots", i), read_only=True))
     for i, p in enumerate(policy.write_roots):
         if is_within(p, policy.temp_dir):
             continue  # already writable: it is the tmpfs
-        binds.append(_check_root(workspace, p, f"{fs}.writeRoots[{i}]", read_only=False))
+        binds.append(_check_root(workspace, p, policy.root_field(p, "writeRoots", i), read_only=False))
 
     masks: list[Mask] = []
     notes: list[str] = []
