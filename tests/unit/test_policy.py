@@ -244,6 +244,14 @@ def test_normalized_roots_do_not_depend_on_the_order_given(fs):
     assert p.read_roots == ("/workspace",) and p.write_roots == ("/workspace/out",)
 
 
+def test_the_record_and_digest_leave_out_which_field_named_a_root():
+    # Which entry named a root words refusals only: the same roots are the same policy.
+    a = resolve({"filesystem": {"readRoots": ["/workspace", "/workspace/src"]}})
+    b = resolve({"filesystem": {"readRoots": ["/workspace/src", "/workspace"]}})
+    assert a.root_fields != b.root_fields
+    assert "rootFields" not in a.to_json_dict() and a.digest() == b.digest()
+
+
 def test_the_effective_policy_shows_the_normalized_roots():
     # What ToolArgsValidated records and ExplainPolicy returns.
     p = resolve({"filesystem": {"readRoots": ["/workspace", "/workspace/src/x"], "writeRoots": ["/workspace/src", "/workspace"]}})
@@ -422,8 +430,24 @@ def test_limit_above_maximum_is_refused(name, max_attr, eff_attr, unit):
 @pytest.mark.parametrize("name, max_attr, eff_attr, unit", PROCESS_LIMITS)
 def test_limit_at_maximum_is_accepted(name, max_attr, eff_attr, unit):
     maximum = getattr(LIMITS, max_attr)
-    p = resolve({"process": {name: maximum}})
+    # tempDir is memory: its maximum needs the memory to hold it.
+    extra = {"maxMemoryMb": LIMITS.max_memory_mb} if name == "maxTmpSizeMb" else {}
+    p = resolve({"process": {name: maximum, **extra}})
     assert getattr(p, eff_attr) == maximum * unit
+
+
+@pytest.mark.parametrize("memory_mb, expected_tmp_mb", [(0, 256), (512, 256), (256, 192), (128, 96), (6, 5), (1, 1)])
+def test_temp_dir_defaults_to_what_the_memory_limit_leaves(memory_mb, expected_tmp_mb):
+    # The default (256 MB) shrinks so that a full tempDir leaves a quarter of the memory.
+    p = resolve({"process": {"maxMemoryMb": memory_mb}} if memory_mb else None)
+    assert p.tmp_size_bytes == expected_tmp_mb * MB
+
+
+def test_a_temp_dir_the_memory_cannot_hold_is_refused_with_the_reason():
+    exc = refused(InvalidArgument, resolve, {"process": {"maxMemoryMb": 128, "maxTmpSizeMb": 97}})
+    assert exc.field == "policy.process.maxTmpSizeMb"
+    assert "at most 96 MB" in exc.reason and "OOM" in exc.reason
+    assert resolve({"process": {"maxMemoryMb": 128, "maxTmpSizeMb": 96}}).tmp_size_bytes == 96 * MB
 
 
 @pytest.mark.parametrize("name, max_attr, eff_attr, unit", PROCESS_LIMITS)

@@ -114,6 +114,10 @@ class Layout:
         """The directory whose cgroup.procs and pids.current cover the whole sandbox."""
         raise NotImplementedError
 
+    def memory_dir(self, cgroup: str) -> str:
+        """The directory of the sandbox's memory controller (its OOM events)."""
+        raise NotImplementedError
+
     def limits(self, memory_bytes: int, pids_max: int, cpu_quota_us: int, cpu_period_us: int) -> dict[str, str]:
         raise NotImplementedError
 
@@ -332,6 +336,9 @@ class V1(Layout):
     def oom_kills(self, cgroup: str) -> int:
         return _keyed(f"{self.root}/memory/{cgroup}/memory.oom_control", "oom_kill")
 
+    def memory_dir(self, cgroup: str) -> str:
+        return f"{self.root}/memory/{cgroup}"
+
     def enter_thread(self, cgroup: str) -> None:
         tid = str(threading.get_native_id())
         for d in self.dirs(cgroup):
@@ -350,6 +357,9 @@ class V2(Layout):
         return [f"{self.root}/{cgroup}"]
 
     def pids_dir(self, cgroup: str) -> str:
+        return f"{self.root}/{cgroup}"
+
+    def memory_dir(self, cgroup: str) -> str:
         return f"{self.root}/{cgroup}"
 
     def limits(self, memory_bytes: int, pids_max: int, cpu_quota_us: int, cpu_period_us: int) -> dict[str, str]:

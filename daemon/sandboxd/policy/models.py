@@ -214,7 +214,11 @@ class EffectivePolicy:
         return known
 
 
-_EFFECTIVE_POLICY_KEYS = tuple((f.name, to_camel(f.name)) for f in fields(EffectivePolicy))
+# root_fields only words refusals: it stays out of the record and the digest (two
+# policies that reduce to the same roots are the same policy).
+_EFFECTIVE_POLICY_KEYS = tuple(
+    (f.name, to_camel(f.name)) for f in fields(EffectivePolicy) if f.name != "root_fields"
+)
 
 
 def check_strings(value: Any, path: str = "") -> None:
@@ -305,6 +309,23 @@ def _limit(value: int | None, default: int, maximum: int, field: str, unit: str)
     return value
 
 
+def _tmp_size_mb(asked: int | None, limits: LimitSettings, memory_mb: int, pp: str) -> int:
+    """tempDir's size. It is a tmpfs, so what is written there is memory, charged to the
+    sandbox's limit: a tempDir that could grow past what the limit leaves the processes
+    would end in an OOM kill instead of ENOSPC. A quarter of the memory always stays
+    for the processes: the default shrinks to fit, and a policy asking for more is
+    refused with the reason."""
+    room = memory_mb - memory_mb // 4
+    if not asked:
+        return max(1, min(limits.default_tmp_size_mb, room))  # never 0: a tmpfs of size 0 has no limit
+    size = _limit(asked, limits.default_tmp_size_mb, limits.max_tmp_size_mb, f"{pp}.maxTmpSizeMb", "MB")
+    if size > room:
+        raise InvalidArgument(f"a {size} MB tempDir is memory (a tmpfs) within maxMemoryMb {memory_mb}: full, it would "
+                              f"leave the processes less than a quarter of it and end in an OOM kill, not ENOSPC; "
+                              f"at most {room} MB, or raise maxMemoryMb", field=f"{pp}.maxTmpSizeMb")
+    return size
+
+
 @dataclass(frozen=True)
 class _Filesystem:
     """A policy's filesystem section, resolved: normalized paths checked against each other."""
@@ -329,6 +350,7 @@ def resolve_policy(
     env = _resolve_env(call, fs.temp_dir, inheritable_env)
     proc = policy.process
     pp = "policy.process"
+    memory_mb = _limit(proc.max_memory_mb, limits.default_memory_mb, limits.max_memory_mb, f"{pp}.maxMemoryMb", "MB")
     return EffectivePolicy(
         cwd=fs.cwd,
         read_roots=fs.read_roots,
@@ -341,13 +363,13 @@ def resolve_policy(
         deny_private_networks=net.deny_private_networks,
         env=env,
         timeout_ms=_limit(proc.timeout_ms, limits.default_timeout_ms, limits.max_timeout_ms, f"{pp}.timeoutMs", "ms"),
-        memory_bytes=_limit(proc.max_memory_mb, limits.default_memory_mb, limits.max_memory_mb, f"{pp}.maxMemoryMb", "MB") * 2**20,
+        memory_bytes=memory_mb * 2**20,
         max_stdout_bytes=_limit(proc.max_stdout_bytes, limits.default_stdout_bytes, limits.max_output_bytes, f"{pp}.maxStdoutBytes", "bytes"),
         max_stderr_bytes=_limit(proc.max_stderr_bytes, limits.default_stderr_bytes, limits.max_output_bytes, f"{pp}.maxStderrBytes", "bytes"),
         max_pids=_limit(proc.max_pids, limits.default_pids, limits.max_pids, f"{pp}.maxPids", "processes"),
         cpu_millicores=_limit(proc.cpu_millicores, limits.default_cpu_millicores, limits.max_cpu_millicores, f"{pp}.cpuMillicores", "millicores"),
         max_file_size_bytes=_limit(proc.max_file_size_mb, limits.default_file_size_mb, limits.max_file_size_mb, f"{pp}.maxFileSizeMb", "MB") * 2**20,
-        tmp_size_bytes=_limit(proc.max_tmp_size_mb, limits.default_tmp_size_mb, limits.max_tmp_size_mb, f"{pp}.maxTmpSizeMb", "MB") * 2**20,
+        tmp_size_bytes=_tmp_size_mb(proc.max_tmp_size_mb, limits, memory_mb, pp) * 2**20,
         record_command=policy.audit.record_command,
         record_file_access=policy.audit.record_file_access,
         record_network_access=policy.audit.record_network_access,

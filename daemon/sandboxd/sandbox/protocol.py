@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from sandboxd.policy.models import EffectivePolicy
@@ -26,6 +27,13 @@ class SandboxHandle:
     # Set when the sandbox's output streams reached EOF: its process tree is gone.
     output_closed: threading.Event = field(default_factory=threading.Event)
     reader: threading.Thread | None = None
+    # Ends the backend's OOM watch of this sandbox (backends/oom_guard.py), once it ran.
+    unwatch_oom: Callable[[], None] | None = None
+
+    def stop_oom_watch(self) -> None:
+        unwatch, self.unwatch_oom = self.unwatch_oom, None
+        if unwatch is not None:
+            unwatch()
 
 
 @dataclass(frozen=True)

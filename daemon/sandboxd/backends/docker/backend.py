@@ -22,6 +22,7 @@ from typing import Any
 
 from sandboxd.backends import backstop, staging
 from sandboxd.backends.cgroups import cgroup_usage
+from sandboxd.backends.oom_guard import OomGuard
 from sandboxd.backends.docker.compile import DockerSpec, cgroup_parent_for, compile_docker
 from sandboxd.backends.docker.errors import CONFLICT, NOT_FOUND, EngineRefused, dockerd
 from sandboxd.backends.docker.output import (WRITER_GRACE_S, frame_size_needed, make_stdio_fifos, open_stdio_fifos,
@@ -133,6 +134,7 @@ class DockerBackend:
         self._seccomp_name = os.path.basename(seccomp_path)
         self._seccomp_json = load_seccomp_profile(seccomp_path)
         self._mask_file = mask_file
+        self._oom = OomGuard()
         with dockerd("make a client"):
             self._api: Any = docker.APIClient(base_url=docker_host or "unix:///var/run/docker.sock",
                                               version="auto", timeout=120)
@@ -208,6 +210,7 @@ class DockerBackend:
                 undo.callback(raw.close)
                 self._api.start(handle.engine_id)
             undo.pop_all()  # the pumps' from here on
+        self._watch_oom(handle)
         if fifos:
             threading.Thread(target=self._pump, args=(raw, sink, handle, wake_w), daemon=True,
                              name=f"attach-{handle.sandbox_id}").start()
@@ -220,6 +223,16 @@ class DockerBackend:
         if spec.stdin_open:
             threading.Thread(target=self._feed, args=(raw, stdin), daemon=True,
                              name=f"stdin-{handle.sandbox_id}").start()
+
+    def _watch_oom(self, handle: SandboxHandle) -> None:
+        """An OOM kill of any of its processes ends the whole container (oom_guard.py)."""
+        rel = f"{handle.spec.cgroup_parent.strip('/')}/{handle.engine_id}"
+        v1 = f"{CGROUP_ROOT}/memory/{rel}"
+        try:
+            handle.unwatch_oom = self._oom.watch(v1 if os.path.isdir(v1) else f"{CGROUP_ROOT}/{rel}",
+                                                 lambda: self.kill(handle))
+        except OSError as exc:  # gone already (it ended at once); its end says if it was an OOM kill
+            log.debug("no OOM watch for %s: %s", handle.sandbox_id, exc)
 
     @staticmethod
     def _feed(raw: socket.socket, data: bytes) -> None:
@@ -292,6 +305,7 @@ class DockerBackend:
                 raise InternalError(f"dockerd failed to kill the sandbox: {exc.explanation}") from None
 
     def collect(self, handle: SandboxHandle) -> tuple[ExitStatus, ResourceUsage]:
+        handle.stop_oom_watch()
         with dockerd("report how the sandbox ended"):
             code = int(self._api.wait(handle.engine_id, timeout=30)["StatusCode"])
             state = self._api.inspect_container(handle.engine_id)["State"]
@@ -299,6 +313,7 @@ class DockerBackend:
         return status, cgroup_usage(handle.spec.cgroup_parent)
 
     def destroy(self, handle: SandboxHandle) -> None:
+        handle.stop_oom_watch()
         self._remove(handle.engine_id)
         remove_cgroup(handle.spec.cgroup_parent)
         self._release_host_parts(handle.spec)

@@ -13,6 +13,7 @@ How a jail runs:
   (compile_nsjail renders it) from a memfd and logs, at warning level, to another
   memfd that collect() reads: its messages never mix into the command's stderr.
 - PID 1 of the jail is the host's static tini, as docker-init is PID 1 of a container.
+- An OOM kill of any of its processes ends the whole jail (backends/oom_guard.py).
 - The per-sandbox cgroup (v1: memory, pids, cpu, cpuacct; or v2: cgroups.py) is made
   and limited here, not by nsjail: nsjail would put the jail in a child cgroup it
   deletes when the jail ends, taking the OOM-kill count with it. nsjail itself is born
@@ -28,18 +29,9 @@ How a jail runs:
 - Output: the jail's stdout and stderr are two pipes that one thread reads into the
   OutputSpool; stdin is the call's bytes then EOF, or /dev/null.
 
-Known differences from Docker (also in compile_nsjail):
-- egress 'open' is refused (Unimplemented): nsjail would share the host's network
-  namespace, which is not what Docker's bridge gives.
-- Seccomp is the Docker profile itself (seccomp_bpf.py, loaded by the shim as the
-  jail's first process), so 32-bit calls get its errnos as in a container; a syscall
-  newer than the profile gets EPERM where runc's stub gives ENOSYS.
-- /proc is read-only as a whole (Docker: read-write with read-only parts); /sys is
-  empty; tmpfs mounts and /dev belong to the sandbox user (read-only where they must
-  not be written); the image's files show as owned by nobody; no HOSTNAME variable
-  (Docker adds HOSTNAME=<container hostname> to the environment).
-- When no slot is ready (a burst of calls), the spawn pays the grace period itself
-  (~0.3 ms instead with /sys/kernel/rcu_expedited=1, a host-wide setting left alone).
+Known differences from Docker: compile.py's module doc. When no slot is ready (a burst of
+calls), the spawn pays the grace period itself (~0.3 ms instead with
+/sys/kernel/rcu_expedited=1, a host-wide setting left alone).
 """
 
 
@@ -66,7 +58,8 @@ from sandboxd.backends.nsjail.host import (find_nsjail_binary, is_static_elf, un
                                            verified_nsjail, write_program)
 from sandboxd.backends.nsjail.jail import Jail, check_reachable, ensure_mount_points
 from sandboxd.backends.nsjail.jail_cgroup import (CGROUP_DRAIN_S, KILL_SWEEP_S, cgroup_limits, make_cgroups,
-                                                  remove_cgroups)
+                                                  remove_cgroups, watch_oom)
+from sandboxd.backends.oom_guard import OomGuard
 from sandboxd.backends.nsjail.pipes import attach, log_tail, memfd, output_pipes
 from sandboxd.backends.nsjail.rootfs import ImageExports
 from sandboxd.backends.nsjail.slots import SLOT_PREFIX, Early, Slot, SlotPool, spawn_in_cgroup
@@ -120,6 +113,7 @@ class NsjailBackend:
         self._lock = threading.Lock()
         self._jails: dict[str, Jail] = {}
         self._slots = SlotPool(warm_slots, self._binary, self._layout)
+        self._oom = OomGuard()
         self._checked_binary: tuple[int, ...] = ()  # its identity when check() hashed it
 
     # -- availability ---------------------------------------------------------------
@@ -266,7 +260,9 @@ class NsjailBackend:
             early.log_fd = -1  # the jail's from here on (closed in destroy)
         with self._lock:
             self._jails[sandbox_id] = Jail(spec, config_fd, log_fd, slot, early)
-        return SandboxHandle(sandbox_id=sandbox_id, engine_id=spec.cgroup, spec=spec)
+        handle = SandboxHandle(sandbox_id=sandbox_id, engine_id=spec.cgroup, spec=spec)
+        handle.unwatch_oom = watch_oom(self._oom, layout, spec.cgroup, lambda: self.kill(handle))
+        return handle
 
     @staticmethod
     def _limit(layout: Layout, spec: NsjailSpec, limits: dict[str, str], slot: Slot | None,
@@ -398,6 +394,7 @@ class NsjailBackend:
             log.error("processes of %s survived SIGKILL for %.1f s", handle.sandbox_id, KILL_SWEEP_S)
 
     def collect(self, handle: SandboxHandle) -> tuple[ExitStatus, ResourceUsage]:
+        handle.stop_oom_watch()
         jail = self._jail(handle)
         if jail.proc is None:
             raise InternalError("the jail was never started")
@@ -416,6 +413,7 @@ class NsjailBackend:
         return status, layout.usage(jail.spec.cgroup)
 
     def destroy(self, handle: SandboxHandle) -> None:
+        handle.stop_oom_watch()
         with self._lock:
             jail = self._jails.pop(handle.sandbox_id, None)
         spec: NsjailSpec = handle.spec

@@ -22,6 +22,11 @@ What differs from Docker, and why (the backend's module doc has the rest):
   the init: one profile for both backends, and a call of another ABI (i386's int 0x80)
   gets the profile's errno as in Docker. nsjail's own kafel policies cannot do that:
   kafel kills any call whose architecture is not the host's before its rules run.
+  A syscall newer than the profile gets EPERM where runc's stub gives ENOSYS.
+- egress 'open' without denyPrivateNetworks is refused (Unimplemented): nsjail would
+  share the host's network namespace, which is not what Docker's bridge gives.
+- /proc is read-only as a whole (Docker: read-write with read-only parts); /sys is
+  empty; /dev belongs to the sandbox user; no HOSTNAME variable (Docker adds one).
 """
 
 from __future__ import annotations

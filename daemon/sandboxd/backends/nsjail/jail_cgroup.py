@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import logging
 
+from collections.abc import Callable
+
 from sandboxd.backends.cgroups import Layout
+from sandboxd.backends.oom_guard import OomGuard
 from sandboxd.backends.nsjail.compile import NsjailSpec
 
 log = logging.getLogger("sandboxd.nsjail")
@@ -34,3 +37,13 @@ def remove_cgroups(layout: Layout, cgroup: str, timeout_s: float = CGROUP_DRAIN_
     if left:
         log.error("could not remove cgroups %s", left)
     return not left
+
+
+def watch_oom(guard: OomGuard, layout: Layout, cgroup: str, kill: Callable[[], None]) -> Callable[[], None] | None:
+    """An OOM kill of any process of the jail ends all of it (oom_guard.py); None when
+    the cgroup cannot be watched (logged: collect() still reports the OOM kill)."""
+    try:
+        return guard.watch(layout.memory_dir(cgroup), kill)
+    except OSError as exc:
+        log.warning("no OOM watch for %s: %s", cgroup, exc)
+        return None
