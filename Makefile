@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # The native helpers are built into the package, where the daemon finds them (core/assets.py).
 ASSETS := daemon/sandboxd/assets
 
-.PHONY: run test unit integration lint venv docker images native proto proto-check bench clean cgroup2-vm
+.PHONY: run test unit integration lint venv docker images native proto proto-check bench clean cgroup2-vm wheels docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,6 +48,7 @@ docker:
 
 images: docker
 	images/build.sh default
+	images/build.sh minimal
 	images/build.sh busybox
 
 proto: venv
@@ -57,7 +58,16 @@ proto-check: venv
 	PYTHON=$(PY) scripts/gen-proto.sh --check
 
 run: venv images native
+	scripts/demo-workspace.sh >/dev/null
 	$(VENV)/bin/sandboxd $(if $(CONFIG),--config $(CONFIG))
+
+# The three wheels (docs/INSTALL.md), checked against each other, into dist/.
+wheels: venv native
+	PYTHON=$(PY) scripts/build-wheels.sh dist
+
+# docs/CONFIGURATION.md and its JSON schema, from core/settings.py.
+docs: venv
+	$(PY) scripts/gen-config-docs.py
 
 unit: venv native
 	$(VENV)/bin/pytest -q tests/unit $(PYTEST_ARGS)
@@ -91,4 +101,4 @@ bench: venv images native $(VENV)/.bench-stamp
 	$(PY) bench/file_access.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info $(ASSETS)/sandbox-shim $(ASSETS)/*.so $(ASSETS)/sandboxd-cgroup-exec
+	rm -rf $(VENV) build dist *.egg-info $(ASSETS)/sandbox-shim $(ASSETS)/*.so $(ASSETS)/sandboxd-cgroup-exec
