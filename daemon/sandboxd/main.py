@@ -30,7 +30,9 @@ from sandboxd.backends.hostlocks import daemon_running, hold_daemon_lock, remove
 from sandboxd.backends.cgroups import layout_for
 from sandboxd.backends.nsjail.backend import NsjailBackend
 from sandboxd.backends.nsjail.compile import NSJAIL_CGROUP_ROOT
+from sandboxd import __version__
 from sandboxd.calls.executor import CallExecutor
+from sandboxd.check import dir_findings, load_config, render_errors, run_check
 from sandboxd.calls.janitor import Janitor
 from sandboxd.calls.prepare import STAGING_SUBDIR, resolve_allowed_image, staging_dir
 from sandboxd.calls.reservations import WorkspaceReservations
@@ -40,7 +42,7 @@ from sandboxd.core.errors import BackendUnavailable, SandboxdError
 from sandboxd.core.hostfacts import HostFacts
 from sandboxd.core.metrics import MetricsServer, render
 from sandboxd.core.mounts import unmount
-from sandboxd.core.settings import DaemonSettings, load_settings
+from sandboxd.core.settings import DaemonSettings
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.ledger import audit
 from sandboxd.ledger.artifacts import FileArtifactStore
@@ -424,27 +426,43 @@ def _metrics_text(executor: CallExecutor, audit_index: audit.AuditIndex, retenti
     return text + (executor.pools.metrics() if executor.pools is not None else "")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sandboxd", description="The execution boundary for agent tool calls.")
+    parser.add_argument("--version", action="version", version=f"sandboxd {__version__}")
     parser.add_argument("--config", help="YAML settings file (embedded defaults otherwise)")
     parser.add_argument("--socket", dest="socket_path", help="Unix socket to serve on")
     parser.add_argument("--state-dir", help="directory for the database, artifacts and spool")
     parser.add_argument("--workspace-root", action="append", dest="workspace_roots",
                         help="directory whose subdirectories may be workspaces (repeatable)")
     parser.add_argument("--log-level", default=None)
-    args = parser.parse_args(argv)
+    commands = parser.add_subparsers(dest="command", metavar="{check}", help="without one: start the daemon")
+    check = commands.add_parser("check", help="say what will work on this host and why not (changes nothing)")
+    check.add_argument("--config", default=argparse.SUPPRESS, help="YAML settings file, validated as the daemon "
+                       "would load it (embedded defaults otherwise)")
+    check.add_argument("--json", action="store_true", help="a JSON list of findings instead of lines")
+    return parser.parse_args(argv)
 
-    try:
-        settings = load_settings(args.config or os.environ.get("SANDBOXD_CONFIG"),
-                                 socket_path=args.socket_path, state_dir=args.state_dir,
-                                 workspace_roots=args.workspace_roots, log_level=args.log_level)
-    except (OSError, ValueError) as exc:
-        print(f"sandboxd: bad configuration: {exc}", file=sys.stderr)
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    config_path = args.config or os.environ.get("SANDBOXD_CONFIG")
+    if args.command == "check":
+        return run_check(config_path, as_json=args.json)
+    settings, errors = load_config(config_path, socket_path=args.socket_path, state_dir=args.state_dir,
+                                   workspace_roots=args.workspace_roots, log_level=args.log_level)
+    if settings is None:  # refused before anything is made
+        print(render_errors(config_path, errors), file=sys.stderr)
         return 2
     handler = logging.StreamHandler()
     handler.setFormatter(JsonLogFormatter())
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
 
+    # Looked at before any is made: a directory start-up would refuse leaves no other made.
+    refused = [f for f in dir_findings(settings) if f.status == "fail"]
+    for finding in refused:
+        log.error("cannot start: %s: %s", finding.field or finding.probe, finding.reason)
+    if refused:
+        return 1
     try:
         daemon = build_daemon(settings, hostfacts.probe())  # the host probed once, here
     except SandboxdError as exc:

@@ -65,11 +65,10 @@ def ensure_private_dir(path: str | os.PathLike, mode: int, *, setting: str, set_
         raise
 
 
-def check_daemon_dirs(settings) -> dict[str, int]:
-    """Every directory the daemon owns outside its state dir's children, checked and
-    opened: {setting name: descriptor}. The state dir's own children (spool, blobs, the
-    relay's rpc dir) are safe through it (root's, 0700). On a refusal, the descriptors
-    opened so far are closed."""
+def daemon_dirs(settings) -> list[tuple[str, Path, int, bool]]:
+    """(setting name, path, mode, whether an existing one is re-moded) of every directory
+    the daemon owns outside its state dir's children, the secrets dir aside (it is
+    opened after them: open_secrets_dir)."""
     wanted: list[tuple[str, Path, int, bool]] = [
         ("state_dir", settings.state_dir, 0o700, True),
         # Traversable, not listable: nsjail binds what is in them as the sandbox user.
@@ -81,15 +80,68 @@ def check_daemon_dirs(settings) -> dict[str, int]:
         wanted.append(("egress.socket_dir", settings.egress.socket_dir, 0o711, True))
     if settings.nsjail.enabled:
         wanted.append(("nsjail.rootfs_dir", settings.nsjail.rootfs_dir, 0o755, True))
+    return wanted
+
+
+def check_daemon_dirs(settings) -> dict[str, int]:
+    """Every directory the daemon owns outside its state dir's children, checked and
+    opened: {setting name: descriptor}. The state dir's own children (spool, blobs, the
+    relay's rpc dir) are safe through it (root's, 0700). On a refusal, the descriptors
+    opened so far are closed."""
     out: dict[str, int] = {}
     try:
-        for name, path, mode, set_mode in wanted:
+        for name, path, mode, set_mode in daemon_dirs(settings):
             out[name] = ensure_private_dir(path, mode, setting=name, set_mode=set_mode)
     except BaseException:
         for fd in out.values():
             os.close(fd)
         raise
     return out
+
+
+def inspect_private_dir(path: str | os.PathLike, *, setting: str) -> str:
+    """What ensure_private_dir would find, making and changing nothing (`sandboxd check`,
+    and the start's look before it makes anything): "" when the directory is there and
+    would be accepted as it is, else the first missing component (it, and what lies
+    below it, would be made). Refused as ensure_private_dir refuses (FailedPrecondition
+    naming `setting`); an existing directory's mode is not compared (it would be set)."""
+    text = os.fspath(path)
+    parts = _components(text, setting)
+    euid = os.geteuid()
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        _check_component(os.fstat(fd), "/", euid, setting, text, final=False)
+        walked = ""
+        for i, name in enumerate(parts):
+            walked += "/" + name
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                return walked
+            except OSError as exc:
+                raise _refusal(fd, name, walked, setting, text, exc) from None
+            os.close(fd)
+            fd = child
+            _check_component(os.fstat(fd), walked, euid, setting, text, final=i == len(parts) - 1)
+        return ""
+    finally:
+        os.close(fd)
+
+
+def inspect_secrets_dir(path: Path, *, daemon_mounts: bool) -> str:
+    """What open_secrets_dir would find, making and mounting nothing: as
+    inspect_private_dir, and an operator's own directory (not `daemon_mounts`) must be on
+    a memory filesystem already, or be made on one (its nearest existing parent's)."""
+    missing = inspect_private_dir(path, setting="secrets_dir")
+    if daemon_mounts:
+        return missing
+    existing = os.path.dirname(missing) if missing else os.fspath(path)
+    fd = os.open(existing or "/", _DIR_FLAGS)
+    try:
+        require_memory_filesystem(fd, path, setting="secrets_dir")
+    finally:
+        os.close(fd)
+    return missing
 
 
 def open_secrets_dir(path: Path, *, daemon_mounts: bool) -> tuple[int, bool]:

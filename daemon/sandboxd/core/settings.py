@@ -407,15 +407,15 @@ class DaemonSettings(BaseModel):
         state = self.state_dir.resolve()
         for root in self.workspace_roots:
             if not root.is_absolute():
-                raise ValueError(f"workspace root {root} must be absolute")
+                raise ValueError(f"workspace_roots: workspace root {root} must be absolute")
             real = root.resolve()
             if real == Path("/"):
-                raise ValueError("workspace root / would expose the whole host")
+                raise ValueError("workspace_roots: workspace root / would expose the whole host")
             if _is_within(state, real) or _is_within(real, state):
-                raise ValueError(f"workspace root {root} overlaps the state dir {state}, which may never be mounted")
+                raise ValueError(f"workspace_roots: workspace root {root} overlaps the state dir {state}, which may never be mounted")
             for forbidden in (DOCKER_SOCKET.resolve(), self.socket_path.resolve()):
                 if _is_within(forbidden, real):
-                    raise ValueError(f"workspace root {root} contains {forbidden}, which may never be mounted")
+                    raise ValueError(f"workspace_roots: workspace root {root} contains {forbidden}, which may never be mounted")
         return self
 
     def socket_ownership(self) -> tuple[int, int] | None:

@@ -1,0 +1,189 @@
+"""The daemon's configuration, loaded exactly as the daemon's start loads it
+(core.settings.load_settings), with every error told as a field path and a reason:
+an unknown key (and the setting it may have meant), a wrong type (and what was given),
+a mode written in decimal, a malformed sha256, a YAML syntax error (its line), a file
+that cannot be read. Then what the settings' models cannot see but would stop the
+daemon's start halfway: a default backend that does not exist or is disabled, an
+unknown log level, socket owner or group, a malformed metrics address. Used by the
+daemon's start (before it makes anything) and by `sandboxd check`."""
+
+from __future__ import annotations
+
+import difflib
+import grp
+import logging
+import os
+import pwd
+import re
+import typing
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from sandboxd.check.report import BACKENDS
+from sandboxd.core.settings import DaemonSettings, load_settings
+
+# A reason that starts with a setting's own path ("nsjail.nsjail_binary_sha256: ...",
+# as the settings' validators write them): the path is taken from it.
+_PATH_PREFIX = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*): (.+)", re.DOTALL)
+_SHOWN_INPUT_CHARS = 60
+
+
+class ConfigError(NamedTuple):
+    field: str  # the setting's path ("limits.max_pids", "workspace_roots[1]"); "" for the file itself
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.reason}" if self.field else self.reason
+
+
+def load_config(path: str | os.PathLike[str] | None,
+                **overrides: Any) -> tuple[DaemonSettings | None, list[ConfigError]]:
+    """The settings (None when they do not load) and every error found; `overrides`
+    are the start's command-line settings, as load_settings takes them. A file that
+    loads is then checked for what would stop the start (start_problems)."""
+    try:
+        settings = load_settings(path, **overrides)
+    except OSError as exc:
+        return None, [ConfigError("", f"{path}: cannot be read: {exc.strerror or exc}")]
+    except yaml.YAMLError as exc:
+        return None, [ConfigError("", f"{path}: not valid YAML: {_yaml_reason(exc)}")]
+    except ValidationError as exc:
+        return None, [validation_error(e) for e in exc.errors()]
+    except ValueError as exc:  # the file is no mapping
+        return None, [ConfigError("", str(exc))]
+    problems = start_problems(settings)
+    return (None if problems else settings), problems
+
+
+def render_errors(path: str | os.PathLike[str] | None, errors: Sequence[ConfigError]) -> str:
+    """The daemon's message for a configuration it refuses: one line per error."""
+    source = os.fspath(path) if path else "the embedded defaults and the command line"
+    count = f"{len(errors)} error{'s' if len(errors) != 1 else ''}"
+    return "\n".join([f"sandboxd: bad configuration ({source}): {count}"] + [f"  {e}" for e in errors])
+
+
+def _yaml_reason(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+    return str(exc)
+
+
+def validation_error(error: Any) -> ConfigError:
+    """One of pydantic's errors (ValidationError.errors()) as a path and a reason."""
+    loc = tuple(error.get("loc", ()))
+    kind, message = error.get("type", ""), str(error.get("msg", ""))
+    key_error = bool(loc) and loc[-1] == "[key]"
+    if key_error:
+        loc = loc[:-1]
+    path = field_path(loc)
+    if kind == "extra_forbidden":
+        return ConfigError(path, _unknown_key(loc))
+    if kind == "missing":
+        return ConfigError(path, "required, but missing")
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if message.startswith(prefix):
+            message = message[len(prefix):]
+            match = _PATH_PREFIX.fullmatch(message)
+            if match and _names_a_setting(match.group(1), path):
+                return ConfigError(match.group(1), match.group(2))
+            return ConfigError(path, message)
+    reason = f"{message} (got {_shown(error.get('input'))})"
+    return ConfigError(path, f"the key: {reason}" if key_error else reason)
+
+
+def field_path(loc: Sequence[Any]) -> str:
+    """("limits", "max_pids") -> "limits.max_pids"; ("workspace_roots", 1) -> "workspace_roots[1]"."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _shown(value: Any) -> str:
+    text = repr(int(value)) if isinstance(value, int) and not isinstance(value, bool) else repr(value)
+    return text if len(text) <= _SHOWN_INPUT_CHARS else text[:_SHOWN_INPUT_CHARS] + "..."
+
+
+def _unknown_key(loc: Sequence[Any]) -> str:
+    model = _model_at(loc[:-1])
+    if model is None or not isinstance(loc[-1], str):
+        return "unknown key: no such setting"
+    known = sorted(model.model_fields)
+    close = difflib.get_close_matches(loc[-1], known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    where = f" of {field_path(loc[:-1])}" if loc[:-1] else ""
+    return f"unknown key: no such setting{where}{hint}"
+
+
+def _model_at(loc: Sequence[Any]) -> type[BaseModel] | None:
+    """The settings model a path leads to (through nested models and the values of a
+    mapping such as credentials.<id>), or None."""
+    model: type[BaseModel] = DaemonSettings
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        annotation = field.annotation
+        if typing.get_origin(annotation) is dict and parts:
+            parts.pop(0)  # the mapping's key
+        found = _submodel(annotation)
+        if found is None:
+            return None
+        model = found
+    return model
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The settings model an annotation is or holds (TcpSettings | None, dict[str, CredentialBinding])."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _submodel(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _names_a_setting(prefix: str, path: str) -> bool:
+    """Whether a reason's "<prefix>: " is a setting's path at or below the error's own."""
+    if path and not (prefix == path or prefix.startswith(path + ".")):
+        return False
+    *parents, last = prefix.split(".")
+    model = _model_at(parents)
+    return model is not None and last in model.model_fields
+
+
+def start_problems(settings: DaemonSettings) -> list[ConfigError]:
+    """What the settings' models accept but the daemon's start would fail on, late:
+    after it has made its directories (or with a traceback)."""
+    problems = []
+    if settings.default_backend not in BACKENDS:
+        problems.append(ConfigError("default_backend", f"{settings.default_backend!r} is no backend "
+                                                       f"(one of {', '.join(BACKENDS)})"))
+    elif settings.default_backend == "nsjail" and not settings.nsjail.enabled:
+        problems.append(ConfigError("default_backend", "nsjail is disabled (nsjail.enabled: false)"))
+    if settings.log_level.upper() not in logging.getLevelNamesMapping():
+        problems.append(ConfigError("log_level", f"{settings.log_level!r} is no log level "
+                                                 "(DEBUG, INFO, WARNING, ERROR or CRITICAL)"))
+    for name, value, lookup in (("socket_owner", settings.socket_owner, pwd.getpwnam),
+                                ("socket_group", settings.socket_group, grp.getgrnam)):
+        if value is not None and not value.isdigit():
+            try:
+                lookup(value)
+            except KeyError:
+                problems.append(ConfigError(name, f"no {'user' if name == 'socket_owner' else 'group'} "
+                                                  f"named {value!r} on this host"))
+    if settings.metrics_address is not None:
+        host, sep, port = settings.metrics_address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            problems.append(ConfigError("metrics_address", f"{settings.metrics_address!r} is not host:port"))
+    return problems

@@ -1,0 +1,313 @@
+"""sandboxd check's probes on the real filesystem (as root), each driven into its
+failure: the daemon's directories looked at without making anything (hostdirs'
+inspect_* functions), workspace roots, the nsjail binary's hash, the jail's init, the
+cgroup layouts, the daemon's own files, fanotify, and what dockerd said (its version,
+cgroup driver and images, given as facts)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from sandboxd.check import dockerd_probes, nsjail_probes, probes
+from sandboxd.check.dirs import dir_findings
+from sandboxd.check.dockerd_probes import DockerFacts
+from sandboxd.check.report import DAEMON
+from sandboxd.core import hostdirs
+from sandboxd.core.errors import FailedPrecondition
+from sandboxd.core.hostfacts import HostFacts
+from sandboxd.core.settings import DaemonSettings
+
+BOB = 1001
+
+
+@pytest.fixture(autouse=True)
+def running_as_root():
+    if os.geteuid() != 0:
+        pytest.fail("these tests chown to another uid: run them as root, as the daemon and CI do")
+
+
+@pytest.fixture
+def public_tmp():
+    """A directory every user may traverse (pytest's own are 0700 on the way)."""
+    path = Path(tempfile.mkdtemp(prefix="sandboxd-check-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def settings_under(tmp_path: Path, **over) -> DaemonSettings:
+    data = {"state_dir": tmp_path / "state", "runtime_dir": tmp_path / "runtime",
+            "socket_path": tmp_path / "run" / "sandboxd.sock", "workspace_roots": [tmp_path / "ws"],
+            "egress": {"socket_dir": str(tmp_path / "egress")}, "nsjail": {"rootfs_dir": str(tmp_path / "rootfs")}}
+    data.update(over)
+    return DaemonSettings.model_validate(data)
+
+
+def tree(path: Path) -> set[str]:
+    return {os.path.relpath(os.path.join(d, n), path) for d, dirs, files in os.walk(path) for n in dirs + files}
+
+
+def bobs_dir(path: Path, mode: int = 0o755) -> Path:
+    path.mkdir(parents=True)
+    os.chown(path, BOB, BOB)
+    os.chmod(path, mode)
+    return path
+
+
+# -------------------------------------------------------------------- the daemon's directories
+
+class TestInspectPrivateDir:
+    def test_a_missing_dir_names_its_first_missing_component_and_is_not_made(self, tmp_path):
+        target = tmp_path / "a" / "b" / "c"
+        assert hostdirs.inspect_private_dir(target, setting="state_dir") == str(tmp_path / "a")
+        assert not (tmp_path / "a").exists()
+
+    def test_an_existing_own_dir_is_accepted_and_left_as_it_is(self, tmp_path):
+        target = tmp_path / "state"
+        target.mkdir(mode=0o750)
+        os.chmod(target, 0o750)
+        assert hostdirs.inspect_private_dir(target, setting="state_dir") == ""
+        assert target.stat().st_mode & 0o777 == 0o750  # ensure_private_dir would re-mode it; a look does not
+
+    def test_a_planted_dir_is_refused_as_the_start_would(self, tmp_path):
+        planted = bobs_dir(tmp_path / "planted")
+        with pytest.raises(FailedPrecondition) as exc:
+            hostdirs.inspect_private_dir(planted, setting="runtime_dir")
+        assert exc.value.field == "runtime_dir" and "owned by uid 1001" in exc.value.reason
+
+    def test_a_dir_below_a_planted_one_is_refused(self, tmp_path):
+        planted = bobs_dir(tmp_path / "planted", 0o777)
+        with pytest.raises(FailedPrecondition) as exc:
+            hostdirs.inspect_private_dir(planted / "state", setting="state_dir")
+        assert "on the way to" in exc.value.reason
+        assert not (planted / "state").exists()
+
+    def test_a_symlink_is_refused(self, tmp_path):
+        (tmp_path / "real").mkdir()
+        (tmp_path / "link").symlink_to(tmp_path / "real")
+        with pytest.raises(FailedPrecondition) as exc:
+            hostdirs.inspect_private_dir(tmp_path / "link", setting="state_dir")
+        assert "symbolic link" in exc.value.reason
+
+    def test_a_relative_path_is_refused(self):
+        with pytest.raises(FailedPrecondition) as exc:
+            hostdirs.inspect_private_dir("relative/state", setting="state_dir")
+        assert exc.value.message == "state_dir: relative/state must be an absolute path"
+
+    def test_an_operators_secrets_dir_on_a_disk_is_refused_without_being_made(self, tmp_path):
+        with pytest.raises(FailedPrecondition) as exc:
+            hostdirs.inspect_secrets_dir(tmp_path / "secrets", daemon_mounts=False)
+        assert exc.value.field == "secrets_dir" and "not a tmpfs" in exc.value.reason
+        assert not (tmp_path / "secrets").exists()
+
+    def test_an_operators_secrets_dir_to_be_made_on_a_tmpfs_passes(self):
+        path = Path("/dev/shm") / f"sandboxd-check-{os.getpid()}" / "secrets"
+        assert hostdirs.inspect_secrets_dir(path, daemon_mounts=False) == str(path.parent)
+        assert not path.parent.exists()
+
+
+class TestDirFindings:
+    def test_every_dir_would_be_made_and_nothing_is(self, tmp_path):
+        before = tree(tmp_path)
+        got = {f.probe: f for f in dir_findings(settings_under(tmp_path))}
+        assert set(got) == {"state_dir", "runtime_dir", "socket_path", "egress.socket_dir", "nsjail.rootfs_dir",
+                            "secrets_dir"}
+        assert all(f.status == "ok" and "would be created" in f.reason for f in got.values()), got
+        assert tree(tmp_path) == before
+
+    def test_a_planted_dir_fails_with_its_setting(self, tmp_path):
+        planted = bobs_dir(tmp_path / "planted")
+        got = {f.probe: f for f in dir_findings(settings_under(tmp_path, state_dir=planted))}
+        assert got["state_dir"].status == "fail" and got["state_dir"].field == "state_dir"
+        assert got["state_dir"].needed_by == (DAEMON,) and "uid 1001" in got["state_dir"].reason
+        assert got["runtime_dir"].status == "ok"
+
+
+# -------------------------------------------------------------------- workspace roots
+
+class TestWorkspaceRoots:
+    def test_a_usable_root(self, tmp_path):
+        (tmp_path / "ws").mkdir()
+        got = probes.workspace_findings(settings_under(tmp_path))
+        assert [(f.status, f.field) for f in got] == [("ok", "workspace_roots[0]")]
+
+    def test_a_missing_root_warns_and_none_usable_fails(self, tmp_path):
+        got = probes.workspace_findings(settings_under(tmp_path))
+        assert [f.status for f in got] == ["warn", "fail"]
+        assert "cannot be used" in got[0].reason and "no workspace root is usable" in got[1].reason
+
+    def test_a_root_open_to_everyone_without_the_sticky_bit_warns(self, tmp_path):
+        root = tmp_path / "ws"
+        root.mkdir()
+        os.chmod(root, 0o777)
+        got = probes.workspace_findings(settings_under(tmp_path))
+        assert got[0].status == "warn" and "sticky" in got[0].reason
+
+    def test_a_root_inside_the_runtime_dir_warns(self, tmp_path):
+        root = tmp_path / "runtime" / "ws"
+        root.mkdir(parents=True)
+        got = probes.workspace_findings(settings_under(tmp_path, workspace_roots=[root]))
+        assert got[0].status == "warn" and "lies in runtime_dir" in got[0].reason
+
+
+# -------------------------------------------------------------------- nsjail
+
+def a_binary(tmp_path: Path) -> tuple[Path, str]:
+    path = tmp_path / "nsjail"
+    shutil.copy("/bin/true", path)
+    os.chmod(path, 0o755)
+    return path, hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class TestNsjail:
+    def test_a_binary_with_the_configured_hash(self, tmp_path):
+        path, digest = a_binary(tmp_path)
+        s = settings_under(tmp_path, nsjail={"nsjail_binary": str(path), "nsjail_binary_sha256": digest})
+        assert nsjail_probes.binary_finding(s).status == "ok"
+        got = nsjail_probes.sha256_finding(s)
+        assert got.status == "ok" and "matches nsjail.nsjail_binary_sha256" in got.reason
+
+    def test_another_hash_fails_naming_both(self, tmp_path):
+        path, digest = a_binary(tmp_path)
+        s = settings_under(tmp_path, nsjail={"nsjail_binary": str(path), "nsjail_binary_sha256": "0" * 64})
+        got = nsjail_probes.sha256_finding(s)
+        assert got.status == "fail" and got.needed_by == ("nsjail",)
+        assert digest in got.reason and "0" * 64 in got.reason and got.field == "nsjail.nsjail_binary_sha256"
+
+    def test_the_pin_refuses_another_binary(self, tmp_path):
+        path, digest = a_binary(tmp_path)
+        got = nsjail_probes.sha256_finding(settings_under(tmp_path, nsjail={"nsjail_binary": str(path)}))
+        assert got.status == "fail" and digest in got.reason and "pinned" in got.reason
+
+    def test_unchecked_warns(self, tmp_path):
+        path, _ = a_binary(tmp_path)
+        s = settings_under(tmp_path, nsjail={"nsjail_binary": str(path), "nsjail_binary_sha256": "unchecked"})
+        assert nsjail_probes.sha256_finding(s).status == "warn"
+
+    def test_a_missing_binary(self, tmp_path):
+        s = settings_under(tmp_path, nsjail={"nsjail_binary": str(tmp_path / "absent")})
+        assert nsjail_probes.binary_finding(s).status == "fail"
+        assert nsjail_probes.sha256_finding(s).status == "fail"
+
+    def test_a_dynamic_init_fails(self, tmp_path):
+        s = settings_under(tmp_path, nsjail={"init_binary": "/bin/true"})
+        got = nsjail_probes.init_finding(s)
+        assert got.status == "fail" and "not a static executable" in got.reason
+
+    def test_disabled_is_one_warning(self, tmp_path):
+        got = nsjail_probes.nsjail_findings(settings_under(tmp_path, nsjail={"enabled": False}), facts("v1"))
+        assert [(f.probe, f.status) for f in got] == [("nsjail", "warn")]
+
+    def test_v2_without_a_controller_fails_naming_it(self, tmp_path):
+        (tmp_path / "cgroup.controllers").write_text("cpu memory io\n")
+        got = nsjail_probes.cgroup_controllers_finding(settings_under(tmp_path), facts("v2", str(tmp_path)))
+        assert got.status == "fail" and "does not offer pids" in got.reason
+
+    def test_v2_without_the_join_helper_fails(self, tmp_path):
+        (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+        s = settings_under(tmp_path, cgroup_exec_binary=str(tmp_path / "absent"))
+        got = nsjail_probes.cgroup_controllers_finding(s, facts("v2", str(tmp_path)))
+        assert got.status == "fail" and "join helper" in got.reason
+
+    def test_v1_without_a_controller_fails(self, tmp_path):
+        for c in ("memory", "cpu", "cpuacct"):
+            (tmp_path / c).mkdir()
+            (tmp_path / c / "cgroup.procs").write_text("")
+        got = nsjail_probes.cgroup_controllers_finding(settings_under(tmp_path), facts("v1", str(tmp_path)))
+        assert got.status == "fail" and "pids" in got.reason
+
+    def test_a_rootfs_dir_sandbox_users_cannot_reach(self, tmp_path, public_tmp):
+        open_dir = public_tmp / "rootfs"
+        reachable = nsjail_probes.rootfs_finding(settings_under(tmp_path, nsjail={"rootfs_dir": str(open_dir)}))
+        assert reachable.status == "ok"
+        closed = public_tmp / "closed"
+        closed.mkdir(mode=0o700)
+        os.chmod(closed, 0o700)
+        got = nsjail_probes.rootfs_finding(settings_under(tmp_path, nsjail={"rootfs_dir": str(closed / "rootfs")}))
+        assert got.status == "fail" and got.reason.endswith(f"but {closed} is not searchable by others")
+
+    def test_a_broken_seccomp_profile(self, tmp_path):
+        (tmp_path / "profile.json").write_text('{"defaultAction": 1}')
+        got = nsjail_probes.seccomp_bpf_finding(settings_under(tmp_path, seccomp_profile=tmp_path / "profile.json"))
+        assert got.status == "fail" and got.field == "seccomp_profile"
+
+
+# -------------------------------------------------------------------- the host
+
+def facts(version, root: str = "/sys/fs/cgroup") -> HostFacts:
+    return HostFacts(kernel="6.1", cgroup_root=root, cgroup_version=version, fanotify_dfid_name=True)
+
+
+class TestHost:
+    def test_cgroup_layouts(self, tmp_path):
+        assert probes.cgroup_finding(facts(None, str(tmp_path))).status == "fail"
+        assert "v2" in probes.cgroup_finding(facts("v2", str(tmp_path))).reason
+        assert probes.cgroup_finding(facts("v1", str(tmp_path))).reason.startswith("v1")
+        (tmp_path / "unified").mkdir()
+        (tmp_path / "unified" / "cgroup.controllers").write_text("")
+        assert probes.cgroup_finding(facts("v1", str(tmp_path))).reason.startswith("hybrid")
+
+    def test_root(self):
+        assert probes.root_finding().status == "ok"
+
+    def test_missing_assets(self, tmp_path):
+        s = settings_under(tmp_path, seccomp_profile=tmp_path / "absent.json", relay_library=tmp_path / "absent.so",
+                           shim_binary=Path("/bin/true"))
+        got = {f.probe: f for f in probes.asset_findings(s)}
+        assert got["seccomp-profile"].status == "fail" and got["seccomp-profile"].needed_by == ("docker", "nsjail")
+        assert got["relay-library"].status == "fail" and got["relay-library"].needed_by == (DAEMON,)
+        assert got["sandbox-shim"].status == "fail"  # dynamic: not usable in any image
+
+    def test_file_recording_off_or_without_its_reader_warns(self, tmp_path):
+        off = probes.fanotify_finding(settings_under(tmp_path, file_watch=False), facts("v1"))
+        assert off.status == "warn" and off.field == "file_watch"
+        s = settings_under(tmp_path, file_audit={"reader_library": str(tmp_path / "absent.so")})
+        try:
+            got = probes.fanotify_finding(s, facts("v1"))
+        finally:
+            probes.filewatch.use_reader_library(None)
+        assert got.status == "warn" and "recordFileAccess will be refused" in got.reason
+
+
+# -------------------------------------------------------------------- dockerd's answers
+
+def docker_facts(api="1.41", driver="cgroupfs", tags=("sandboxd/default:latest",), default_id="sha256:" + "a" * 64):
+    return DockerFacts({"Version": "20.10", "ApiVersion": api}, {"CgroupDriver": driver, "CgroupVersion": "1"},
+                       tags, default_id)
+
+
+class TestDockerd:
+    def test_an_old_api_fails(self):
+        assert dockerd_probes._version_finding("unix:///x", docker_facts(api="1.40")).status == "fail"
+        assert dockerd_probes._version_finding("unix:///x", docker_facts()).status == "ok"
+
+    def test_the_systemd_driver_is_not_supported(self):
+        got = dockerd_probes._driver_finding(docker_facts(driver="systemd"))
+        assert got.status == "fail" and "systemd" in got.reason and got.needed_by == ("docker",)
+        assert dockerd_probes._driver_finding(docker_facts()).status == "ok"
+
+    def test_a_missing_default_image_fails(self, tmp_path):
+        got = dockerd_probes.image_finding(settings_under(tmp_path), docker_facts(default_id=None))
+        assert got.status == "fail" and got.field == "default_image" and "make images" in got.reason
+
+    def test_a_default_image_not_allowed_fails(self, tmp_path):
+        s = settings_under(tmp_path, default_image="other/image", allowed_images=["sandboxd/*"])
+        got = dockerd_probes.image_finding(s, docker_facts(tags=("other/image:latest",)))
+        assert got.status == "fail" and "not allowed by allowed_images" in got.reason
+
+    def test_present_and_allowed(self, tmp_path):
+        got = dockerd_probes.image_finding(settings_under(tmp_path),
+                                           docker_facts(tags=("sandboxd/default:latest", "debian:12")))
+        assert got.status == "ok" and "sandboxd/default:latest" in got.reason and "debian" not in got.reason
+
+    def test_an_unreachable_dockerd_fails_both_lines(self, tmp_path):
+        s = settings_under(tmp_path, docker_host=f"unix://{tmp_path}/absent.sock")
+        got = dockerd_probes.docker_findings(s)
+        assert [(f.probe, f.status) for f in got] == [("dockerd", "fail"), ("images", "fail")]
+        assert f"{tmp_path}/absent.sock" in got[0].reason and got[0].field == "docker_host"
