@@ -137,6 +137,21 @@ class SandboxdClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
+    def list_running(self) -> pb.ListRunningResponse:
+        """The caller's running calls and the leases it holds (an admin: everyone's)."""
+        try:
+            return self._exec.ListRunning(pb.ListRunningRequest())
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def stream_output(self, tool_call_id: str, *, follow: bool = False, stdout_offset: int = 0,
+                      stderr_offset: int = 0) -> ExecuteStream:
+        """A call's output for a client other than the one that started it: a running
+        call's (live to its end with `follow`), a finished call's from its stored output.
+        Events as Execute's; going away never cancels the call."""
+        return ExecuteStream(self._exec.StreamOutput(pb.StreamOutputRequest(
+            tool_call_id=tool_call_id, follow=follow, stdout_offset=stdout_offset, stderr_offset=stderr_offset)))
+
     def explain(self, policy: dict[str, Any] | None, workspace: str, *, image: str = "", argv: list[str] | None = None,
                 cwd: str = "") -> pb.ExplainPolicyResponse:
         request = pb.ExplainPolicyRequest(workspace=workspace, argv=argv or [], cwd=cwd)
@@ -329,6 +344,22 @@ class AsyncSandboxdClient:
     async def cancel(self, tool_call_id: str, reason: str = "") -> bool:
         try:
             return (await self._exec.Cancel(pb.CancelRequest(tool_call_id=tool_call_id, reason=reason))).cancelled
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def list_running(self) -> pb.ListRunningResponse:
+        try:
+            return await self._exec.ListRunning(pb.ListRunningRequest())
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def stream_output(self, tool_call_id: str, *, follow: bool = False, stdout_offset: int = 0,
+                            stderr_offset: int = 0) -> AsyncIterator[pb.ExecuteEvent]:
+        rpc = self._exec.StreamOutput(pb.StreamOutputRequest(
+            tool_call_id=tool_call_id, follow=follow, stdout_offset=stdout_offset, stderr_offset=stderr_offset))
+        try:
+            async for event in rpc:
+                yield event
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 

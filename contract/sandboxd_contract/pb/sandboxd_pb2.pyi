@@ -403,6 +403,66 @@ class ExplainPolicyResponse(_message.Message):
     network_plan_json: str
     def __init__(self, backend: _Optional[str] = ..., image: _Optional[str] = ..., effective_policy_json: _Optional[str] = ..., spec_json: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., network_plan_json: _Optional[str] = ...) -> None: ...
 
+class ListRunningRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunningCall(_message.Message):
+    __slots__ = ("tool_call_id", "principal", "workspace", "command", "backend", "image", "sandbox_id", "lease_id", "requested_at")
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_AT_FIELD_NUMBER: _ClassVar[int]
+    tool_call_id: str
+    principal: str
+    workspace: str
+    command: str
+    backend: str
+    image: str
+    sandbox_id: str
+    lease_id: str
+    requested_at: str
+    def __init__(self, tool_call_id: _Optional[str] = ..., principal: _Optional[str] = ..., workspace: _Optional[str] = ..., command: _Optional[str] = ..., backend: _Optional[str] = ..., image: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., requested_at: _Optional[str] = ...) -> None: ...
+
+class HeldLease(_message.Message):
+    __slots__ = ("lease", "principal", "workspace", "image", "tool_call_id")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    principal: str
+    workspace: str
+    image: str
+    tool_call_id: str
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., principal: _Optional[str] = ..., workspace: _Optional[str] = ..., image: _Optional[str] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class ListRunningResponse(_message.Message):
+    __slots__ = ("calls", "leases")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[RunningCall]
+    leases: _containers.RepeatedCompositeFieldContainer[HeldLease]
+    def __init__(self, calls: _Optional[_Iterable[_Union[RunningCall, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[HeldLease, _Mapping]]] = ...) -> None: ...
+
+class StreamOutputRequest(_message.Message):
+    __slots__ = ("tool_call_id", "stdout_offset", "stderr_offset", "follow")
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STDERR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    tool_call_id: str
+    stdout_offset: int
+    stderr_offset: int
+    follow: bool
+    def __init__(self, tool_call_id: _Optional[str] = ..., stdout_offset: _Optional[int] = ..., stderr_offset: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
 class ListArtifactsRequest(_message.Message):
     __slots__ = ("tool_call_id",)
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]

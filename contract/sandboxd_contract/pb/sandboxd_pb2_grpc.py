@@ -54,6 +54,16 @@ class ExecutionServiceStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExplainPolicyRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExplainPolicyResponse.FromString,
                 _registered_method=True)
+        self.ListRunning = channel.unary_unary(
+                '/sandboxd.v1.ExecutionService/ListRunning',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListRunningRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListRunningResponse.FromString,
+                _registered_method=True)
+        self.StreamOutput = channel.unary_stream(
+                '/sandboxd.v1.ExecutionService/StreamOutput',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.StreamOutputRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecuteEvent.FromString,
+                _registered_method=True)
 
 
 class ExecutionServiceServicer:
@@ -83,6 +93,18 @@ class ExecutionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRunning(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamOutput(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +127,16 @@ def add_ExecutionServiceServicer_to_server(servicer, server):
                     servicer.ExplainPolicy,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExplainPolicyRequest.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExplainPolicyResponse.SerializeToString,
+            ),
+            'ListRunning': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRunning,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListRunningRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListRunningResponse.SerializeToString,
+            ),
+            'StreamOutput': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamOutput,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.StreamOutputRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecuteEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +247,60 @@ class ExecutionService:
             '/sandboxd.v1.ExecutionService/ExplainPolicy',
             sandboxd_dot_v1_dot_sandboxd__pb2.ExplainPolicyRequest.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.ExplainPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRunning(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.ExecutionService/ListRunning',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListRunningRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListRunningResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandboxd.v1.ExecutionService/StreamOutput',
+            sandboxd_dot_v1_dot_sandboxd__pb2.StreamOutputRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ExecuteEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,5 @@
-"""ExecutionService: Execute, Run, Cancel and ExplainPolicy, translated to the executor."""
+"""ExecutionService: Execute, Run, Cancel, ExplainPolicy, and a second client's view of
+running calls (ListRunning, StreamOutput), translated to the executor."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 
 from sandboxd_contract.pb import sandboxd_pb2 as pb
 from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
@@ -15,10 +17,11 @@ from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
 from sandboxd.api.auth import Authenticator
 from sandboxd.api.errors import TOOL_CALL_ID_KEY
 from sandboxd.api.messages import call_to_json, encode_output_event, message_to_json, result_to_pb, serialize_event
-from sandboxd.calls.executor import CallExecutor, CallRun, ReplayRun
+from sandboxd.calls.executor import CallExecutor, CallRun, ReplayRun, StreamItem
 from sandboxd.core.errors import InvalidArgument, SandboxdError
 from sandboxd.ledger import events as ev
 from sandboxd.policy.principal import Principal
+from sandboxd.sandbox.output import STDERR, STDOUT
 from sandboxd.sandbox.spec import network_plan
 
 log = logging.getLogger("sandboxd.api.execution")
@@ -39,18 +42,11 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
             run.cancel("the client went away")  # gone already: no callback will come
         context.set_trailing_metadata(((TOOL_CALL_ID_KEY, run.tool_call_id),))
         for item in run.stream(is_active=context.is_active):
-            out = pb.ExecuteEvent(tool_call_id=run.tool_call_id, event_id=item.event_id)
-            if item.kind == "accepted":
-                out.accepted.CopyFrom(pb.CallAccepted(tool_call_id=run.tool_call_id, **item.data))
-            elif item.kind == "started":
-                out.started.sandbox_id = item.data["sandboxId"]
-            elif item.kind == "output":
+            if item.kind == "output":
                 stream, offset, data = item.data
                 yield encode_output_event(run.tool_call_id, stream, offset, data)
-                continue
             else:
-                out.finished.result.CopyFrom(result_to_pb(item.data))
-            yield out
+                yield self._event(run.tool_call_id, item)
 
     def Run(self, request: pb.RunRequest, context: grpc.ServicerContext) -> pb.RunResponse:
         run = self._executor.submit(call_to_json(request.call), self._authenticate(context), start=False)
@@ -84,6 +80,48 @@ class ExecutionServicer(pb_grpc.ExecutionServiceServicer):
         caller = self._authenticate(context)
         return pb.CancelResponse(cancelled=self._executor.cancel(
             request.tool_call_id, request.reason or "cancelled by the caller", caller))
+
+    def ListRunning(self, request: pb.ListRunningRequest, context: grpc.ServicerContext) -> pb.ListRunningResponse:
+        caller = self._authenticate(context)
+        pools = self._executor.pools
+        leases = [] if pools is None else pools.leases(None if caller.admin else caller.name)
+        return pb.ListRunningResponse(calls=[json_format.ParseDict(c, pb.RunningCall())
+                                             for c in self._executor.running(caller)],
+                                      leases=[json_format.ParseDict(h, pb.HeldLease()) for h in leases])
+
+    def StreamOutput(self, request: pb.StreamOutputRequest,
+                     context: grpc.ServicerContext) -> Iterator[pb.ExecuteEvent | bytes]:
+        if not request.tool_call_id:
+            raise InvalidArgument("required", field="toolCallId")
+        source = self._executor.follow(request.tool_call_id, self._authenticate(context), context.is_active)
+        # Not following: what a running call's spool holds now; a call that has a result
+        # (already, or by the time its spool is read) is read to its end.
+        live = context.is_active if request.follow else (lambda: source.result is not None and context.is_active())
+        since = {STDOUT: request.stdout_offset, STDERR: request.stderr_offset}
+        try:
+            for item in source.stream(is_active=live):
+                if item.kind != "output":
+                    yield self._event(source.tool_call_id, item)
+                    continue
+                stream, offset, data = item.data
+                skip = max(0, since[stream] - offset)
+                if skip < len(data):
+                    yield encode_output_event(source.tool_call_id, stream, offset + skip, data[skip:])
+        finally:
+            if isinstance(source, ReplayRun):
+                source.close()
+
+    @staticmethod
+    def _event(tool_call_id: str, item: StreamItem) -> pb.ExecuteEvent:
+        """An accepted, started or finished item as Execute sends it."""
+        out = pb.ExecuteEvent(tool_call_id=tool_call_id, event_id=item.event_id)
+        if item.kind == "accepted":
+            out.accepted.CopyFrom(pb.CallAccepted(tool_call_id=tool_call_id, **item.data))
+        elif item.kind == "started":
+            out.started.sandbox_id = item.data["sandboxId"]
+        else:
+            out.finished.result.CopyFrom(result_to_pb(item.data))
+        return out
 
     def refused(self, method: str, request: Any, caller: Principal, exc: SandboxdError) -> None:
         """An Execute or Run refused before it reached the executor (api/limits.py: over
@@ -140,6 +178,12 @@ def add_execution_service(servicer: ExecutionServicer, server: grpc.Server) -> N
         "ExplainPolicy": grpc.unary_unary_rpc_method_handler(
             servicer.ExplainPolicy, request_deserializer=pb.ExplainPolicyRequest.FromString,
             response_serializer=pb.ExplainPolicyResponse.SerializeToString),
+        "ListRunning": grpc.unary_unary_rpc_method_handler(
+            servicer.ListRunning, request_deserializer=pb.ListRunningRequest.FromString,
+            response_serializer=pb.ListRunningResponse.SerializeToString),
+        "StreamOutput": grpc.unary_stream_rpc_method_handler(
+            servicer.StreamOutput, request_deserializer=pb.StreamOutputRequest.FromString,
+            response_serializer=serialize_event),
     }
     name = pb.DESCRIPTOR.services_by_name["ExecutionService"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sandboxd.calls.admission import Admission, CallTable, Submitted
@@ -28,6 +29,7 @@ from sandboxd.core.errors import FailedPrecondition, InvalidArgument, NotFound, 
 from sandboxd.core.settings import DaemonSettings
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.ledger import call_rows
+from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import FileArtifactStore
 from sandboxd.ledger.events import CheckpointFile, EventLog
 from sandboxd.ledger.store import Database
@@ -207,6 +209,50 @@ class CallExecutor:
     def get_run(self, tool_call_id: str) -> CallRun | None:
         with self._table.lock:
             return self._table.runs.get(tool_call_id)
+
+    def running(self, caller: Principal) -> list[dict[str, Any]]:
+        """The accepted calls without a recorded result that `caller` may see (its own;
+        an admin: all), in RunningCall's JSON form (`sandboxctl ps`)."""
+        with self._table.lock:
+            runs = [(run, self._table.owners.get(tool_call_id, "")) for tool_call_id, run in self._table.runs.items()
+                    if run is not None]
+        listed = []
+        for run, owner in runs:
+            if not caller.admin and owner != caller.name:
+                continue
+            p = run.prepared
+            first = self.events.for_call(run.tool_call_id)[:1]
+            listed.append({"toolCallId": run.tool_call_id, "principal": owner, "workspace": p.call.workspace,
+                           "command": shlex.join(p.call.argv) if p.policy.record_command else "",
+                           "backend": p.backend.name, "image": p.image, "sandboxId": p.sandbox_id,
+                           "leaseId": p.call.runtime.lease_id, "requestedAt": first[0].time if first else ""})
+        return listed
+
+    def follow(self, tool_call_id: str, caller: Principal,
+               is_active: Callable[[], bool] = lambda: True) -> AttachedRun | ReplayRun:
+        """A call's stream for a consumer other than its caller (`sandboxctl logs`):
+        attached while it runs (going away cancels nothing), replayed from the log and
+        the artifact store once it has a result. Another tenant's call is NOT_FOUND."""
+        self.check_access(tool_call_id, caller)
+        while True:
+            with self._table.lock:
+                admitting = tool_call_id in self._table.runs and self._table.runs[tool_call_id] is None
+                run = self._table.runs.get(tool_call_id)
+            if run is not None and run.result is None:
+                return AttachedRun(run)
+            if not admitting or not is_active():
+                break
+            time.sleep(0.01)  # accepted a moment ago: its run is being registered
+        kinds = {e.type for e in self.events.for_call(tool_call_id)}
+        if ev.EXPIRED in kinds:
+            raise FailedPrecondition(f"call {tool_call_id} is past the retention period: its output is gone "
+                                     "(its trace remains)", field="toolCallId")
+        if ev.RESULT_VALIDATED not in kinds:
+            if ev.REJECTED in kinds:
+                raise FailedPrecondition(f"call {tool_call_id} was refused: it never ran, so it has no output",
+                                         field="toolCallId")
+            raise NotFound(f"no call {tool_call_id}", field="toolCallId")
+        return ReplayRun(self, tool_call_id)
 
     def cancel(self, tool_call_id: str, reason: str, caller: Principal) -> bool:
         if len(reason) > MAX_CANCEL_REASON_CHARS or "\x00" in reason:  # it goes into the recorded result

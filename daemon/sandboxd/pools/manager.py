@@ -339,6 +339,15 @@ class PoolManager:
                 pool.creating -= 1
 
     # -- views and the end -------------------------------------------------------------
+    def leases(self, owner: str | None = None) -> list[dict[str, Any]]:
+        """Every lease held now, or `owner`'s, in HeldLease's JSON form (`sandboxctl ps`)."""
+        with self._cond:
+            return [{"lease": lease.to_json(), "principal": lease.principal,
+                     "workspace": lease.sandbox.prepared.plan.workspace, "image": lease.sandbox.prepared.image,
+                     # "pending": a call claimed it and is being admitted (no id yet)
+                     "toolCallId": "" if lease.sandbox.busy == "pending" else lease.sandbox.busy}
+                    for lease in self._leases.values() if owner is None or lease.principal == owner]
+
     def list(self, owner: str | None = None) -> list[dict[str, Any]]:
         """Every pool, or those `owner` made."""
         with self._cond:
