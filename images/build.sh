@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # images/build.sh NAME - build a sandboxd base image locally and `docker import` it.
 #
-#   NAME = default | busybox      (recipe in images/NAME/recipe.sh)
+#   NAME = default | minimal | busybox   (recipe in images/NAME/recipe.sh)
 #
 # The image is tagged sandboxd/NAME:<hash>, where <hash> is the first 12 hex
-# digits of a SHA-256 over this script, every file under images/NAME/ and any
-# extra inputs the recipe declares (e.g. the busybox binary).  If that tag
+# digits of a SHA-256 over this script, every file under images/lib/ (what the
+# recipes share), every file under images/NAME/ and any extra inputs the recipe
+# declares (e.g. the busybox binary).  If that tag
 # already exists in dockerd, nothing is built: sandboxd/NAME:latest is
 # (re)pointed at it and the script exits.  The resulting reference
 # ("sandboxd/NAME:<hash>") is printed on stdout; progress goes to stderr.
 #
 # Environment:
 #   SANDBOXD_IMAGE_FORCE=1   rebuild even if the tag exists
-#   DEBIAN_MIRROR=URL        override the mirror (default image)
+#   DEBIAN_MIRROR=URL        override the mirror (Debian images)
+#   SANDBOXD_IMAGE_DEB_CACHE where downloaded .debs are kept (/var/cache/sandboxd/debootstrap)
 #   SOURCE_DATE_EPOCH=N      mtime clamp for the rootfs tarball
 #   SANDBOXD_IMAGE_TMPDIR    where the temporary build dir goes (/var/tmp)
 #   SANDBOXD_IMAGE_KEEP_OLD=1  keep images built from older recipes
@@ -24,16 +26,13 @@ NAME="${1:-}"
 log() { printf 'images/build.sh[%s]: %s\n' "$NAME" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-case "$NAME" in
-    default | busybox) ;;
-    *)
-        echo "usage: $0 default|busybox" >&2
-        exit 2
-        ;;
-esac
-
+# A recipe is a directory images/NAME/ with a recipe.sh (lib/ is not one).
+if ! [[ "$NAME" =~ ^[a-z][a-z0-9-]*$ ]] || [ "$NAME" = lib ] || ! [ -f "$HERE/$NAME/recipe.sh" ]; then
+    echo "usage: $0 NAME   (NAME: $(cd "$HERE" && find . -mindepth 2 -maxdepth 2 -name recipe.sh |
+        cut -d/ -f2 | LC_ALL=C sort | paste -sd'|' -))" >&2
+    exit 2
+fi
 RECIPE_DIR="$HERE/$NAME"
-[ -f "$RECIPE_DIR/recipe.sh" ] || die "missing $RECIPE_DIR/recipe.sh"
 
 # Recipe API (images/NAME/recipe.sh is sourced):
 #   recipe_extra_inputs        print extra hash input lines (optional)
@@ -54,7 +53,7 @@ compute_hash() {
         printf 'sandboxd-image-v1 %s\n' "$NAME"
         {
             echo build.sh
-            find "$NAME" -type f
+            find lib "$NAME" -type f
         } | LC_ALL=C sort | while IFS= read -r f; do
             printf '%s %s\n' "$(sha256sum <"$f" | cut -d' ' -f1)" "$f"
         done

@@ -29,6 +29,11 @@ import threading
 import time
 from pathlib import Path
 
+try:
+    from .netns import add_namespace, json_lines, remove_namespace, self_signed, serve_in
+except ImportError:  # run as a script inside the namespace: its servers need none of it
+    from netns import add_namespace, json_lines, remove_namespace, self_signed, serve_in  # type: ignore[no-redef]
+
 
 # ---------------------------------------------------------------- the servers (in the netns)
 
@@ -286,10 +291,6 @@ def run_servers(prefix: str, cert: str, key: str, log_path: str, table_json: str
 # ---------------------------------------------------------------- the namespace (test side)
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 class RemoteHosts:
     """A network namespace with the servers above, reachable from the host only."""
 
@@ -329,46 +330,24 @@ class RemoteHosts:
 
     def start(self) -> "RemoteHosts":
         self.stop()
-        _ip("netns", "add", self.ns)
-        _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
-        _ip("link", "set", self.ns_if, "netns", self.ns)
-        _ip("addr", "add", f"{self.host_side_ip}/24", "dev", self.host_if)
-        _ip("link", "set", self.host_if, "up")
-        for addr in (self.allowed_ip, self.other_ip):
-            _ip("-n", self.ns, "addr", "add", f"{addr}/24", "dev", self.ns_if)
-        _ip("-n", self.ns, "link", "set", self.ns_if, "up")
-        _ip("-n", self.ns, "link", "set", "lo", "up")
+        add_namespace(self.ns, self.host_if, self.ns_if, self.host_side_ip, [self.allowed_ip, self.other_ip])
         # IPv6 too where the host has it, so that a direct IPv6 attempt has a real target.
         six = subprocess.run(["ip", "-n", self.ns, "-6", "addr", "add", f"{self.allowed_ip6}/64", "dev", self.ns_if,
                               "nodad"], capture_output=True)
         self.has_ipv6 = six.returncode == 0
         cert, key = self.workdir / "cert.pem", self.workdir / "key.pem"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                        "-subj", "/CN=allowed.test", "-addext", "subjectAltName=DNS:allowed.test,DNS:other.test",
-                        "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+        self_signed(cert, key, ["allowed.test", "other.test"])
         self.cert = cert
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, sys.executable, __file__, self.prefix, str(cert), str(key),
-             str(self.log_path), json.dumps(self.dns_table())],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if line.strip() != "ready":
-            raise RuntimeError(f"test servers did not start: {line} {self.proc.stderr.read()}")
+        self.proc = serve_in(self.ns, [sys.executable, __file__, self.prefix, str(cert), str(key), str(self.log_path),
+                                       json.dumps(self.dns_table())], "test servers")
         return self
 
     def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+        remove_namespace(self.proc, self.ns, self.host_if)
+        self.proc = None
 
     def entries(self) -> list[dict]:
-        try:
-            return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
-        except FileNotFoundError:
-            return []
+        return json_lines(self.log_path)
 
     def daemon_egress_settings(self) -> dict:
         return {"dns_servers": [f"{self.allowed_ip}:53"], "system_dns": False,
