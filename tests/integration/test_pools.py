@@ -677,3 +677,19 @@ def test_an_idle_warm_container_killed_outside_the_daemon_is_replaced(pooled, do
         assert wait_for(lambda: c.list_pools()[0].idle == 1, timeout_s=30)
         lease = c.acquire_sandbox(str(ws))
         assert c.run(leased(ws, lease, ["true"])).result.status == "success"
+
+
+@pytest.mark.parametrize("adapter", ["docker", "nsjail"])
+def test_an_oom_kill_in_a_leased_command_leaves_the_lease_usable(pooled, adapter):
+    # A call's sandbox ends whole at an OOM kill (backends/oom_guard.py); a lease's
+    # sandbox outlives one command's, with what it keeps in /tmp.
+    d = pooled
+    ws = d.new_workspace({})
+    with d.client() as c:
+        lease = c.acquire_sandbox(str(ws), adapter=adapter)
+        assert c.run(leased(ws, lease, sh("echo kept > /tmp/state"), adapter=adapter)).result.status == "success"
+        bomb = sh("python3 -c 'a = []\nwhile True: a.append(bytearray(8 << 20))'")
+        c.run(leased(ws, lease, bomb, adapter=adapter))
+        after = c.run(leased(ws, lease, ["cat", "/tmp/state"], adapter=adapter))
+        assert after.result.status == "success" and after.stdout == b"kept\n", after.result
+        c.release_sandbox(lease.lease_id)

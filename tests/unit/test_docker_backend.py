@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from sandboxd.core import assets
+from sandboxd.core.errors import FailedPrecondition
 from sandboxd.sandbox.protocol import SandboxHandle
 from sandboxd.backends.docker.backend import (
+    check_image_env,
     create_args,
     host_config_args,
     load_seccomp_profile,
@@ -63,6 +65,7 @@ def test_create_args(spec):
     args = create_args(spec)
     assert args == {
         "image": "sandboxd/default:latest",
+        "entrypoint": [""],  # the image's own would run before the shim
         "command": ["cat", "-"],
         "user": "1000:1000",
         "working_dir": "/workspace",
@@ -78,6 +81,18 @@ def test_create_args(spec):
 
 def test_create_args_has_no_shell_wrapping(spec):
     assert create_args(spec)["command"] == list(spec.argv)
+
+
+def test_an_image_env_of_only_what_every_call_sets_is_accepted():
+    check_image_env("sandboxd/default", ["PATH=/bin", "LANG=C.UTF-8", "HOME=/root", "TMPDIR=/var/tmp"])
+    check_image_env("scratch", [])
+
+
+def test_an_image_env_that_would_reach_the_sandbox_is_refused_naming_it():
+    with pytest.raises(FailedPrecondition) as exc:
+        check_image_env("evil:1", ["PATH=/bin", "LD_PRELOAD=/x.so", "A="])
+    assert exc.value.field == "runtime.image"
+    assert "'evil:1' sets A, LD_PRELOAD" in str(exc.value)
 
 
 # ------------------------------------------------------------------ host_config_args

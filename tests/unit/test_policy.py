@@ -9,6 +9,7 @@ from google.protobuf import json_format
 
 from sandboxd.core.errors import InvalidArgument, PermissionDenied, SandboxdError, Unimplemented
 from sandboxd.policy.models import (
+    BASE_ENV_NAMES,
     BASE_PATH,
     MAX_ARG_CHARS,
     MAX_ENV_VALUE_CHARS,
@@ -93,6 +94,11 @@ def test_default_audit_records_everything():
 
 def test_default_env_is_exactly_the_base():
     assert resolve().env == {"PATH": BASE_PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+
+
+def test_the_base_env_names_are_what_every_call_sets():
+    # The Docker backend lets an image's ENV set only these (every call sets them over).
+    assert tuple(sorted(resolve({}).env)) == BASE_ENV_NAMES
 
 
 def test_home_and_tmpdir_follow_temp_dir():

@@ -442,6 +442,8 @@ def _resolve_domains(net: NetworkPolicy) -> tuple[str, ...]:
 
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What every sandbox's environment sets (so an image's own values of them never show).
+BASE_ENV_NAMES = ("HOME", "LANG", "PATH", "TMPDIR")
 
 
 def _resolve_env(call: PreparedToolCall, temp_dir: str, inheritable_env: Mapping[str, str]) -> dict[str, str]:

@@ -22,7 +22,7 @@ from sandboxd.pools.template import BuiltSandbox, PoolTemplate, WorkspaceReserva
 from sandboxd.pools.warm import WarmSandbox
 from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool
 from sandboxd.sandbox.protocol import Backend
-from sandboxd.sandbox.spec import Attachments, EgressAttachment, SandboxIdentity
+from sandboxd.sandbox.spec import POOL_CALL_PREFIX, Attachments, EgressAttachment, SandboxIdentity
 
 log = logging.getLogger("sandboxd.pools.builder")
 
@@ -65,7 +65,7 @@ class WarmSandboxBuilder:
             pools = self._settings.pools
             policy = replace(t.policy, timeout_ms=int((pools.max_lease_s + pools.idle_ttl_s) * 1000))
             plan = replace(t.plan, staging_dir=self._staging_dir(sandbox_id))
-            spec = t.backend.compile(policy, plan, SandboxIdentity(self._daemon_id, sandbox_id, f"pool:{key}"),
+            spec = t.backend.compile(policy, plan, SandboxIdentity(self._daemon_id, sandbox_id, POOL_CALL_PREFIX + key),
                                      argv=("supervisor",), image=t.image, stdin_open=False, attachments=attachments)
             self._workspaces.reserve(workspace_holder(sandbox_id), t.plan)
             undo.callback(self._workspaces.release, workspace_holder(sandbox_id))

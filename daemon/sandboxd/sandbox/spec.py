@@ -7,6 +7,7 @@ Pure: no engine, no filesystem."""
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
@@ -108,7 +109,15 @@ def bind_source(plan: HostPlan, index: int) -> str:
 class SandboxIdentity:
     daemon_id: str
     sandbox_id: str
-    tool_call_id: str
+    tool_call_id: str  # a warm sandbox's: POOL_CALL_PREFIX + its pool's key
+
+
+POOL_CALL_PREFIX = "pool:"
+
+
+def is_warm_sandbox(labels: Mapping[str, str]) -> bool:
+    """Whether a spec's labels are a pool's warm sandbox's (its commands come later)."""
+    return labels.get(f"{LABEL_PREFIX}tool_call_id", "").startswith(POOL_CALL_PREFIX)
 
 
 # What the daemon binds into a sandbox beyond the policy's mounts, all under /dev (a

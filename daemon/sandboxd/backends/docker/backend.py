@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 from dataclasses import replace
+from collections.abc import Iterable
 from typing import Any
 
 from sandboxd.backends import backstop, staging
@@ -29,12 +30,12 @@ from sandboxd.backends.docker.output import (WRITER_GRACE_S, frame_size_needed, 
                                              parse_frames, pump_fifos, remove_stdio_fifos)
 from sandboxd.core.hostfacts import CGROUP_ROOT
 from sandboxd.sandbox.signals import signal_name
-from sandboxd.core.errors import BackendUnavailable, InternalError, SandboxdError
-from sandboxd.policy.models import EffectivePolicy
+from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, InternalError, SandboxdError
+from sandboxd.policy.models import BASE_ENV_NAMES, EffectivePolicy
 from sandboxd.policy.preflight import HostPlan
 from sandboxd.sandbox.output import OutputSpool
 from sandboxd.sandbox.protocol import ExitStatus, ResourceUsage, SandboxHandle
-from sandboxd.sandbox.spec import LABEL_PREFIX, Attachments, SandboxIdentity
+from sandboxd.sandbox.spec import LABEL_PREFIX, Attachments, SandboxIdentity, is_warm_sandbox
 
 __all__ = ["DockerBackend", "WRITER_GRACE_S", "create_args", "frame_size_needed", "host_config_args",
            "load_seccomp_profile", "make_stdio_fifos", "open_stdio_fifos", "parse_frames", "pump_fifos",
@@ -48,6 +49,9 @@ def create_args(spec: DockerSpec) -> dict[str, Any]:
     """Container-config part of the create call (pure)."""
     return {
         "image": spec.image,
+        # The argv alone (the shim first): an image's ENTRYPOINT would run before the shim,
+        # so before the file-access watch, and nsjail never runs it. [""] clears it.
+        "entrypoint": [""],
         "command": list(spec.argv),
         "user": spec.user,
         "working_dir": spec.working_dir,
@@ -58,6 +62,18 @@ def create_args(spec: DockerSpec) -> dict[str, Any]:
         "stdin_open": spec.stdin_open,
         "tty": False,
     }
+
+
+def check_image_env(image: str, env: Iterable[str]) -> None:
+    """Docker adds an image's ENV to every container's environment, and no API call
+    takes it away: a sandbox's environment would no longer be exactly its policy's (an
+    image could set LD_PRELOAD), and differ from nsjail's. An image setting anything the
+    base environment does not set over is refused by name (pure)."""
+    extra = sorted({entry.partition("=")[0] for entry in env} - set(BASE_ENV_NAMES))
+    if extra:
+        raise FailedPrecondition(f"image {image!r} sets {', '.join(extra)} in its ENV, which Docker would add to "
+                                 f"every sandbox's environment: only {', '.join(BASE_ENV_NAMES)} (which every "
+                                 "call sets itself) are allowed; build the image without them", field="runtime.image")
 
 
 def host_config_args(spec: DockerSpec, seccomp_json: str) -> dict[str, Any]:
@@ -172,6 +188,7 @@ class DockerBackend:
     def resolve_image(self, image: str) -> tuple[str, tuple[str, ...]]:
         with dockerd(f"inspect {image!r}", refusal=BackendUnavailable, image=image):
             info = self._api.inspect_image(image)
+        check_image_env(image, (info.get("Config") or {}).get("Env") or ())
         return str(info["Id"]), tuple(info.get("RepoTags") or ())
 
     def create(self, spec: DockerSpec) -> SandboxHandle:
@@ -225,7 +242,10 @@ class DockerBackend:
                              name=f"stdin-{handle.sandbox_id}").start()
 
     def _watch_oom(self, handle: SandboxHandle) -> None:
-        """An OOM kill of any of its processes ends the whole container (oom_guard.py)."""
+        """An OOM kill of any of its processes ends the whole container (oom_guard.py);
+        not a warm sandbox's: that would end the lease's sandbox with its command."""
+        if is_warm_sandbox(handle.spec.labels):
+            return
         rel = f"{handle.spec.cgroup_parent.strip('/')}/{handle.engine_id}"
         v1 = f"{CGROUP_ROOT}/memory/{rel}"
         try:

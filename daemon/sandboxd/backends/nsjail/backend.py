@@ -70,7 +70,7 @@ from sandboxd.policy.models import EffectivePolicy
 from sandboxd.policy.preflight import HostPlan
 from sandboxd.sandbox.output import OutputSpool
 from sandboxd.sandbox.protocol import ExitStatus, ResourceUsage, SandboxHandle
-from sandboxd.sandbox.spec import LABEL_PREFIX, Attachments, SandboxIdentity
+from sandboxd.sandbox.spec import LABEL_PREFIX, Attachments, SandboxIdentity, is_warm_sandbox
 
 __all__ = ["NsjailBackend", "find_nsjail_binary"]
 
@@ -261,7 +261,8 @@ class NsjailBackend:
         with self._lock:
             self._jails[sandbox_id] = Jail(spec, config_fd, log_fd, slot, early)
         handle = SandboxHandle(sandbox_id=sandbox_id, engine_id=spec.cgroup, spec=spec)
-        handle.unwatch_oom = watch_oom(self._oom, layout, spec.cgroup, lambda: self.kill(handle))
+        if not is_warm_sandbox(spec.labels):  # a lease's sandbox outlives an OOM in one command
+            handle.unwatch_oom = watch_oom(self._oom, layout, spec.cgroup, lambda: self.kill(handle))
         return handle
 
     @staticmethod
