@@ -64,8 +64,11 @@ def test_ps_logs_and_cancel_a_running_call(daemon, client, workspace):
 def test_logs_follow_a_running_call_to_its_end(daemon, client, workspace):
     script = "for i in 1 2 3 4 5; do echo out$i; echo err$i >&2; sleep 0.3; done; exit 3"
     stream, events, call_id = start(client, call(workspace, sh(script)))
+    # SIGINT as a terminal gives it: a runner that started the suite in the background
+    # (CI) has SIGINT ignored, and an ignored signal stays ignored across exec.
     follower = subprocess.Popen([SANDBOXCTL, "--socket", str(daemon.socket), "logs", "-f", call_id],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out, err = follower.communicate(timeout=60)
     assert follower.returncode == 0, err
     assert out == b"".join(b"out%d\n" % i for i in range(1, 6))
@@ -77,8 +80,11 @@ def test_logs_follow_a_running_call_to_its_end(daemon, client, workspace):
 
 def test_a_follower_that_goes_away_cancels_nothing(daemon, client, workspace):
     stream, events, call_id = start(client, call(workspace, sh("echo one; sleep 2; echo two")))
+    # SIGINT as a terminal gives it: a runner that started the suite in the background
+    # (CI) has SIGINT ignored, and an ignored signal stays ignored across exec.
     follower = subprocess.Popen([SANDBOXCTL, "--socket", str(daemon.socket), "logs", "-f", call_id],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert follower.stdout.readline() == b"one\n"
     follower.send_signal(signal.SIGINT)
     assert follower.wait(30) == 130
