@@ -33,6 +33,8 @@ dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'install ok in
     || pkgs+=(busybox-static)
 # The nsjail backend runs the static tini as each jail's PID 1.
 [ -x /usr/bin/tini-static ] || pkgs+=(tini)
+# tests/integration/test_sdnotify.py runs `systemd-analyze verify` on the unit (systemd is not started).
+command -v systemd-analyze >/dev/null 2>&1 || pkgs+=(systemd)
 
 if docker_ok && [ "${#pkgs[@]}" -eq 0 ]; then
     exit 0

@@ -42,6 +42,7 @@ from sandboxd.core.errors import BackendUnavailable, SandboxdError
 from sandboxd.core.hostfacts import HostFacts
 from sandboxd.core.metrics import MetricsServer, render
 from sandboxd.core.mounts import unmount
+from sandboxd.core.sdnotify import SystemdNotifier
 from sandboxd.core.settings import DaemonSettings
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.ledger import audit
@@ -444,6 +445,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Taken out of the environment before anything is started: no child inherits systemd's socket.
+    notifier = SystemdNotifier.take_from_environment()
     args = _parse_args(argv)
     config_path = args.config or os.environ.get("SANDBOXD_CONFIG")
     if args.command == "check":
@@ -467,14 +470,18 @@ def main(argv: list[str] | None = None) -> int:
         daemon = build_daemon(settings, hostfacts.probe())  # the host probed once, here
     except SandboxdError as exc:
         log.error("cannot start: %s", exc.message)
+        notifier.status(f"cannot start: {exc.message}")
         return 1
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` dumps every thread's stack to the log
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    # Serving, every part up, and a stop now handled: systemd may count on the socket.
+    notifier.ready(f"serving on {settings.socket_path} (backends: {', '.join(sorted(daemon.executor.backends))})")
     while not stop.wait(1.0):
         pass
+    notifier.stopping("stopping: cancelling running calls, removing sandboxes")
     daemon.stop()
     return 0
 
