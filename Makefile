@@ -99,6 +99,7 @@ bench: venv images native $(VENV)/.bench-stamp
 	$(PY) bench/audit_query.py
 	$(PY) bench/warm_exec.py
 	$(PY) bench/file_access.py
+	$(PY) bench/installed_wheel.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info $(ASSETS)/sandbox-shim $(ASSETS)/*.so $(ASSETS)/sandboxd-cgroup-exec
