@@ -1,13 +1,14 @@
-"""Python clients for sandboxd: SandboxdClient (blocking) and AsyncSandboxdClient
-(asyncio). Both speak the proto contract and raise only sandboxd_client.errors."""
+"""The blocking Python client for sandboxd, SandboxdClient, and what its asyncio twin
+(aio.AsyncSandboxdClient) shares with it: the channel's options, the TLS files, the
+requests both build the same way and the outcome of a Run. Both speak the proto contract
+and raise only sandboxd_client.errors."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import io
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -20,13 +21,13 @@ from sandboxd_contract.pb import sandboxd_pb2 as pb
 from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
 
 DEFAULT_SOCKET = "/run/sandboxd/sandboxd.sock"
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                    # A client's identity is its connection (the daemon reads the peer's
-                    # uid when it connects): never share one with another client object.
-                    ("grpc.use_local_subchannel_pool", 1),
-                    ("grpc.http2.max_frame_size", 4 * 1024 * 1024),
-                    ("grpc.http2.lookahead_bytes", 64 * 1024 * 1024)]
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                   ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                   # A client's identity is its connection (the daemon reads the peer's
+                   # uid when it connects): never share one with another client object.
+                   ("grpc.use_local_subchannel_pool", 1),
+                   ("grpc.http2.max_frame_size", 4 * 1024 * 1024),
+                   ("grpc.http2.lookahead_bytes", 64 * 1024 * 1024)]
 
 
 # Output this client takes inline in a Run response (its channel receives 64 MiB).
@@ -37,16 +38,53 @@ def default_socket() -> str:
     return os.environ.get("SANDBOXD_SOCKET", DEFAULT_SOCKET)
 
 
-def _output_refs(result: pb.ToolResult) -> list[pb.ArtifactRef]:
-    return [ref for ref in result.artifacts if ref.kind in ("stdout", "stderr")]
+def run_request(call: dict[str, Any] | pb.PreparedToolCall) -> pb.RunRequest:
+    # RUN_INLINE_BYTES read at each call: a test lowers it to reach the artifact path.
+    return pb.RunRequest(call=build_call(call), max_inline_output_bytes=RUN_INLINE_BYTES)
 
 
-def _outcome(response: pb.RunResponse, downloaded: dict[str, bytes]) -> "CallOutcome":
+def output_refs(response: pb.RunResponse) -> list[pb.ArtifactRef]:
+    """The output artifacts a Run's answer did not carry inline (to download)."""
+    if response.output_inline:
+        return []
+    return [ref for ref in response.result.artifacts if ref.kind in ("stdout", "stderr")]
+
+
+def outcome_of(response: pb.RunResponse, downloaded: dict[str, bytes]) -> "CallOutcome":
     """A Run's answer: its output inline, or as downloaded from the artifacts."""
     if response.output_inline:
         return CallOutcome(response.tool_call_id, response.result, response.stdout, response.stderr)
     return CallOutcome(response.tool_call_id, response.result, downloaded.get("stdout", b""),
                        downloaded.get("stderr", b""))
+
+
+def checked_artifact(artifact_id: str, ref: pb.ArtifactRef | None, digest: "hashlib._Hash") -> pb.ArtifactRef:
+    """A downloaded artifact's metadata, once its content's sha256 matched it."""
+    if ref is None:
+        raise SandboxdClientError(f"artifact {artifact_id}: the stream carried no metadata")
+    if ref.content_hash != "sha256:" + digest.hexdigest():
+        raise SandboxdClientError(f"artifact {artifact_id}: content does not match {ref.content_hash}")
+    return ref
+
+
+def explain_request(policy: dict[str, Any] | None, workspace: str, *, image: str = "", adapter: str = "",
+                    argv: list[str] | None = None, cwd: str = "") -> pb.ExplainPolicyRequest:
+    request = pb.ExplainPolicyRequest(workspace=workspace, argv=argv or [], cwd=cwd)
+    if policy is not None:
+        request.policy.CopyFrom(json_format.ParseDict(policy, pb.SandboxPolicy()))
+    if image or adapter:
+        request.runtime.CopyFrom(pb.RuntimeSettings(image=image, adapter=adapter))
+    return request
+
+
+def sandbox_request(workspace: str, policy: dict[str, Any] | None, *, image: str = "", adapter: str = "",
+                    lease_ms: int = 0, wait_ms: int = 0) -> pb.AcquireSandboxRequest:
+    """What fixes a warm sandbox (AcquireSandbox's request, and CreatePool's sandbox)."""
+    request = pb.AcquireSandboxRequest(workspace=workspace, lease_ms=lease_ms, wait_ms=wait_ms,
+                                       runtime=pb.RuntimeSettings(image=image, adapter=adapter))
+    if policy is not None:
+        json_format.ParseDict(policy, request.policy)
+    return request
 
 
 @dataclass
@@ -86,10 +124,10 @@ class SandboxdClient:
         if tls is not None:
             if not target:
                 raise ValueError("tls needs a host:port target")
-            self._channel = grpc.secure_channel(target, tls.credentials(), options=_CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(target, tls.credentials(), options=CHANNEL_OPTIONS)
         else:
             self._channel = grpc.insecure_channel(target or f"unix:{socket_path or default_socket()}",
-                                                  options=_CHANNEL_OPTIONS)
+                                                  options=CHANNEL_OPTIONS)
         self._exec = pb_grpc.ExecutionServiceStub(self._channel)
         self._artifacts = pb_grpc.ArtifactServiceStub(self._channel)
         self._traces = pb_grpc.TraceServiceStub(self._channel)
@@ -120,16 +158,15 @@ class SandboxdClient:
         """Runs a call to the end and collects its output and result, in one RPC (Run);
         output larger than the response holds comes from the artifact store."""
         try:
-            response = self._exec.Run(pb.RunRequest(call=build_call(call), max_inline_output_bytes=RUN_INLINE_BYTES),
-                                      timeout=timeout_s)
+            response = self._exec.Run(run_request(call), timeout=timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         downloaded = {}
-        for ref in [] if response.output_inline else _output_refs(response.result):
+        for ref in output_refs(response):
             sink = io.BytesIO()
             self.download_artifact(ref.artifact_id, sink)
             downloaded[ref.kind] = sink.getvalue()
-        return _outcome(response, downloaded)
+        return outcome_of(response, downloaded)
 
     def cancel(self, tool_call_id: str, reason: str = "") -> bool:
         try:
@@ -152,13 +189,10 @@ class SandboxdClient:
         return ExecuteStream(self._exec.StreamOutput(pb.StreamOutputRequest(
             tool_call_id=tool_call_id, follow=follow, stdout_offset=stdout_offset, stderr_offset=stderr_offset)))
 
-    def explain(self, policy: dict[str, Any] | None, workspace: str, *, image: str = "", argv: list[str] | None = None,
-                cwd: str = "") -> pb.ExplainPolicyResponse:
-        request = pb.ExplainPolicyRequest(workspace=workspace, argv=argv or [], cwd=cwd)
-        if policy is not None:
-            request.policy.CopyFrom(json_format.ParseDict(policy, pb.SandboxPolicy()))
-        if image:
-            request.runtime.image = image
+    def explain(self, policy: dict[str, Any] | None, workspace: str, *, image: str = "", adapter: str = "",
+                argv: list[str] | None = None, cwd: str = "") -> pb.ExplainPolicyResponse:
+        """What the policy would materialize to, without running anything (a dry run)."""
+        request = explain_request(policy, workspace, image=image, adapter=adapter, argv=argv, cwd=cwd)
         try:
             return self._exec.ExplainPolicy(request)
         except grpc.RpcError as err:
@@ -182,11 +216,7 @@ class SandboxdClient:
                 sink.write(chunk.data)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
-        if ref is None:
-            raise SandboxdClientError(f"artifact {artifact_id}: the stream carried no metadata")
-        if ref.content_hash != "sha256:" + digest.hexdigest():
-            raise SandboxdClientError(f"artifact {artifact_id}: content does not match {ref.content_hash}")
-        return ref
+        return checked_artifact(artifact_id, ref, digest)
 
     def get_trace(self, tool_call_id: str) -> list[pb.TraceEvent]:
         try:
@@ -218,10 +248,7 @@ class SandboxdClient:
     def acquire_sandbox(self, workspace: str, policy: dict[str, Any] | None = None, *, image: str = "",
                         adapter: str = "", lease_ms: int = 0, wait_ms: int = 0) -> pb.Lease:
         """A lease on a warm sandbox; run calls in it with runtime.leaseId = lease.lease_id."""
-        request = pb.AcquireSandboxRequest(workspace=workspace, lease_ms=lease_ms, wait_ms=wait_ms,
-                                           runtime=pb.RuntimeSettings(image=image, adapter=adapter))
-        if policy is not None:
-            json_format.ParseDict(policy, request.policy)
+        request = sandbox_request(workspace, policy, image=image, adapter=adapter, lease_ms=lease_ms, wait_ms=wait_ms)
         try:
             return self._pools.AcquireSandbox(request)
         except grpc.RpcError as err:
@@ -231,9 +258,7 @@ class SandboxdClient:
                     adapter: str = "") -> pb.PoolStatus:
         """Makes (and starts warming) the pool a later acquire_sandbox with the same
         arguments leases from."""
-        sandbox = pb.AcquireSandboxRequest(workspace=workspace, runtime=pb.RuntimeSettings(image=image, adapter=adapter))
-        if policy is not None:
-            json_format.ParseDict(policy, sandbox.policy)
+        sandbox = sandbox_request(workspace, policy, image=image, adapter=adapter)
         try:
             return self._pools.CreatePool(pb.CreatePoolRequest(sandbox=sandbox))
         except grpc.RpcError as err:
@@ -283,94 +308,3 @@ class ExecuteStream:
 
     def cancel(self) -> None:
         self._rpc.cancel()
-
-
-class AsyncSandboxdClient:
-    def __init__(self, socket_path: str | None = None, *, target: str | None = None, tls: TlsFiles | None = None):
-        if tls is not None:
-            if not target:
-                raise ValueError("tls needs a host:port target")
-            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=_CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.aio.insecure_channel(target or f"unix:{socket_path or default_socket()}",
-                                                      options=_CHANNEL_OPTIONS)
-        self._exec = pb_grpc.ExecutionServiceStub(self._channel)
-        self._artifacts = pb_grpc.ArtifactServiceStub(self._channel)
-        self._traces = pb_grpc.TraceServiceStub(self._channel)
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> "AsyncSandboxdClient":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-    async def execute(self, call: dict[str, Any] | pb.PreparedToolCall, timeout_s: float | None = None) -> AsyncIterator[pb.ExecuteEvent]:
-        rpc = self._exec.Execute(pb.ExecuteRequest(call=build_call(call)), timeout=timeout_s)
-        try:
-            async for event in rpc:
-                yield event
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-
-    async def run(self, call: dict[str, Any] | pb.PreparedToolCall, timeout_s: float | None = None) -> CallOutcome:
-        """Runs a call to the end (Run) and collects its output and result."""
-        try:
-            response = await self._exec.Run(pb.RunRequest(call=build_call(call),
-                                                          max_inline_output_bytes=RUN_INLINE_BYTES), timeout=timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        downloaded = {}
-        for ref in [] if response.output_inline else _output_refs(response.result):
-            downloaded[ref.kind] = await self._download(ref.artifact_id)
-        return _outcome(response, downloaded)
-
-    async def _download(self, artifact_id: str) -> bytes:
-        data = bytearray()
-        ref = None
-        try:
-            async for chunk in self._artifacts.DownloadArtifact(pb.DownloadArtifactRequest(artifact_id=artifact_id)):
-                if chunk.HasField("artifact"):
-                    ref = chunk.artifact
-                data += chunk.data
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        if ref is None or ref.content_hash != "sha256:" + hashlib.sha256(data).hexdigest():
-            raise SandboxdClientError(f"artifact {artifact_id}: its content does not match its hash")
-        return bytes(data)
-
-    async def cancel(self, tool_call_id: str, reason: str = "") -> bool:
-        try:
-            return (await self._exec.Cancel(pb.CancelRequest(tool_call_id=tool_call_id, reason=reason))).cancelled
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-
-    async def list_running(self) -> pb.ListRunningResponse:
-        try:
-            return await self._exec.ListRunning(pb.ListRunningRequest())
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-
-    async def stream_output(self, tool_call_id: str, *, follow: bool = False, stdout_offset: int = 0,
-                            stderr_offset: int = 0) -> AsyncIterator[pb.ExecuteEvent]:
-        rpc = self._exec.StreamOutput(pb.StreamOutputRequest(
-            tool_call_id=tool_call_id, follow=follow, stdout_offset=stdout_offset, stderr_offset=stderr_offset))
-        try:
-            async for event in rpc:
-                yield event
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-
-    async def list_artifacts(self, tool_call_id: str) -> list[pb.ArtifactRef]:
-        try:
-            return list((await self._artifacts.ListArtifacts(pb.ListArtifactsRequest(tool_call_id=tool_call_id))).artifacts)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-
-    async def get_trace(self, tool_call_id: str) -> list[pb.TraceEvent]:
-        try:
-            return list((await self._traces.GetTrace(pb.GetTraceRequest(tool_call_id=tool_call_id))).events)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
