@@ -116,7 +116,23 @@ def _note_release_failure(exc: BaseException | None, failure: errors.SandboxdCli
     exc.add_note(f"(releasing the sandbox's lease failed too: {failure})")
 
 
-class CommandStream:
+class _CommandStreamBase:
+    """What both streams share: the collected result and its call id."""
+
+    _collector: StreamCollector
+
+    @property
+    def tool_call_id(self) -> str:
+        return self._collector.tool_call_id
+
+    @property
+    def result(self) -> CommandResult:
+        if not self._collector.finished:
+            raise RuntimeError("the command has not finished: read the stream to its end first (or wait())")
+        return self._collector.final()
+
+
+class CommandStream(_CommandStreamBase):
     """A running command's output as it comes (`for chunk in stream`: OutputChunks);
     `result` once it has ended. Leaving the loop early, or `cancel()`, cancels it."""
 
@@ -138,16 +154,6 @@ class CommandStream:
             if not self._collector.finished:
                 self._events.cancel()
         self._collector.final()
-
-    @property
-    def tool_call_id(self) -> str:
-        return self._collector.tool_call_id
-
-    @property
-    def result(self) -> CommandResult:
-        if not self._collector.finished:
-            raise RuntimeError("the command has not finished: read the stream to its end first (or call wait())")
-        return self._collector.final()
 
     def wait(self) -> CommandResult:
         """The result, once the rest of the output (unread) has gone by."""
@@ -270,7 +276,7 @@ class Sandbox(_SandboxBase):
         return list_outcome(target, self._file_command(list_command(target)))
 
 
-class AsyncCommandStream:
+class AsyncCommandStream(_CommandStreamBase):
     """CommandStream's twin: `async for chunk in stream`, then `stream.result`."""
 
     def __init__(self, events: AsyncExecuteStream, argv: Sequence[str]):
@@ -291,16 +297,6 @@ class AsyncCommandStream:
             if not self._collector.finished:
                 self._events.cancel()
         self._collector.final()
-
-    @property
-    def tool_call_id(self) -> str:
-        return self._collector.tool_call_id
-
-    @property
-    def result(self) -> CommandResult:
-        if not self._collector.finished:
-            raise RuntimeError("the command has not finished: read the stream to its end first (or await wait())")
-        return self._collector.final()
 
     async def wait(self) -> CommandResult:
         if not self._read:
