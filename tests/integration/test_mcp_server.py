@@ -203,8 +203,6 @@ def test_a_memory_kill_is_a_tool_error(daemon):
     anyio.run(scenario)
 
 
-@pytest.mark.xfail(strict=True, reason="the daemon reports no oomKilled for a leased command "
-                                       "(pools/lease.py LeasedCommand.collect)")
 def test_a_memory_kill_in_the_lease_is_a_tool_error(daemon):
     ws = daemon.new_workspace()
 

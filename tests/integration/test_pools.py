@@ -689,7 +689,11 @@ def test_an_oom_kill_in_a_leased_command_leaves_the_lease_usable(pooled, adapter
         lease = c.acquire_sandbox(str(ws), adapter=adapter)
         assert c.run(leased(ws, lease, sh("echo kept > /tmp/state"), adapter=adapter)).result.status == "success"
         bomb = sh("python3 -c 'a = []\nwhile True: a.append(bytearray(8 << 20))'")
-        c.run(leased(ws, lease, bomb, adapter=adapter))
+        killed = c.run(leased(ws, lease, bomb, adapter=adapter)).result
+        # The command's OOM kill is its own, not one from an earlier command in the sandbox.
+        assert killed.oom_killed and killed.status == "error" and killed.error.code == "OOM_KILLED", killed
+        quiet = c.run(leased(ws, lease, ["true"], adapter=adapter)).result
+        assert quiet.status == "success" and not quiet.oom_killed, quiet
         after = c.run(leased(ws, lease, ["cat", "/tmp/state"], adapter=adapter))
         assert after.result.status == "success" and after.stdout == b"kept\n", after.result
         c.release_sandbox(lease.lease_id)
