@@ -60,7 +60,8 @@ UNCOMMENTED: dict[str, str] = {
     "egress.max_connections_per_sandbox": "Connections one sandbox may have open through the proxy at once.",
     "file_audit.hash_budget_mb": "The uncached bytes one walk may read to hash (see hash_max_file_mb).",
     "pools.min_idle": "Idle warm sandboxes each pool keeps ready (refilled in the background, up to "
-                      "max_size).",
+                      "max_size); none for a pool whose sandboxes may write the workspace (an idle one "
+                      "would hold it alone).",
     "pools.max_size": "Sandboxes of one pool at most, counting those leased, being made and being removed.",
     "pools.idle_ttl_s": "An idle warm sandbox, and a pool unused, for this long is removed.",
     "pools.default_lease_s": "A lease's length when the acquire names none.",

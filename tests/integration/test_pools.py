@@ -697,3 +697,23 @@ def test_an_oom_kill_in_a_leased_command_leaves_the_lease_usable(pooled, adapter
         after = c.run(leased(ws, lease, ["cat", "/tmp/state"], adapter=adapter))
         assert after.result.status == "success" and after.stdout == b"kept\n", after.result
         c.release_sandbox(lease.lease_id)
+
+
+def test_a_writable_pool_keeps_no_idle_sandbox_holding_the_workspace(pooled):
+    # Writers run alone on a workspace: an idle warm sandbox that may write it would
+    # refuse every other call on it (ABORTED) until its idle TTL.
+    d = pooled
+    ws = d.new_workspace({"a.txt": "x\n"})
+    writable = {"filesystem": {"writeRoots": ["/workspace"]}}
+    with d.client() as c:
+        lease = c.acquire_sandbox(str(ws), writable)
+        assert c.run(leased(ws, lease, ["touch", "/workspace/b"], writable)).result.status == "success"
+        c.release_sandbox(lease.lease_id)
+        wait_for(lambda: not any(p.leased or p.idle for p in c.list_pools()), timeout_s=30)
+        time.sleep(1.5)  # a refill would have begun by now (the pools' loop runs every second)
+        assert not any(p.idle for p in c.list_pools())
+        fresh = c.run(call(ws, ["cat", "/workspace/a.txt"]))
+        assert fresh.result.status == "success" and fresh.stdout == b"x\n", fresh.result
+        again = c.acquire_sandbox(str(ws), writable)  # made at acquire instead
+        assert c.run(leased(ws, again, ["ls", "/workspace/b"], writable)).result.status == "success"
+        c.release_sandbox(again.lease_id)

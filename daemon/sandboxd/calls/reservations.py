@@ -37,7 +37,7 @@ class WorkspaceReservations:
 
     def reserve(self, holder: str, plan: HostPlan) -> None:
         workspace = plan.workspace
-        writes = any(not b.read_only for b in plan.binds)
+        writes = plan.writes_workspace
         with self._lock:
             if self._closing:
                 raise FailedPrecondition("the daemon is shutting down")

@@ -53,6 +53,11 @@ class HostPlan:
     # mounts them from here (backends/staging.py). "" only in pure tests.
     staging_dir: str = ""
 
+    @property
+    def writes_workspace(self) -> bool:
+        """Whether the sandbox may write the workspace (then it holds it alone)."""
+        return any(not b.read_only for b in self.binds)
+
 
 def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")

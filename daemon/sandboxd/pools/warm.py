@@ -195,5 +195,10 @@ def unused(pool: Pool, now: float, idle_ttl_s: float) -> bool:
 
 
 def wants_refill(pool: Pool, settings: PoolSettings) -> bool:
-    """Fewer idle sandboxes (counting those being made) than its minimum, and room for one."""
+    """Fewer idle sandboxes (counting those being made) than its minimum, and room for one.
+    Never for a pool whose sandboxes may write the workspace: an idle one would hold it
+    alone (writers run alone on a workspace) and so refuse every other call on it, and
+    while one is leased its refill could only fail. Its leases are made at acquire."""
+    if pool.template.plan.writes_workspace:
+        return False
     return not pool.draining and len(pool.idle) + pool.creating < settings.min_idle and pool.size < settings.max_size
