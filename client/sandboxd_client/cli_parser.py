@@ -113,6 +113,8 @@ def _audit(sub, conn) -> None:
     p.add_argument("--op", help="with --path: read|write|create|delete|rename|chmod")
     p.add_argument("--domain", help="a host contacted: exact or *.suffix")
     p.add_argument("--principal")
+    p.add_argument("--proposed-by", help="the agent or client that proposed the call (its proposedBy), exactly")
+    p.add_argument("--session", help="the call's sessionId, exactly")
     p.add_argument("--workspace")
     p.add_argument("--status", help="running|success|error|partial|cancelled|rejected")
     p.add_argument("--since", help="RFC 3339, inclusive")

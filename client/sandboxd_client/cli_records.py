@@ -90,7 +90,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     filters = {k: v for k, v in {
         "command_contains": args.command, "path": args.path, "path_operation": args.op, "domain": args.domain,
         "principal": args.principal, "workspace": args.workspace, "status": args.status, "since": args.since,
-        "until": args.until, "page_size": args.limit, "page_token": args.page_token}.items() if v}
+        "until": args.until, "page_size": args.limit, "page_token": args.page_token,
+        "proposed_by": args.proposed_by, "session_id": args.session}.items() if v}
     with connect(args) as client:
         try:
             page = client.query_calls(**filters)
@@ -102,10 +103,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
         if page.next_page_token:
             print(json.dumps({"nextPageToken": page.next_page_token}))
         return 0
-    rows = [("REQUESTED", "CALL", "PRINCIPAL", "STATUS", "EXIT", "DOMAINS", "COMMAND")]
+    rows = [("REQUESTED", "CALL", "PRINCIPAL", "PROPOSER", "STATUS", "EXIT", "DOMAINS", "COMMAND")]
     for c in page.calls:
-        # Every cell escaped: a command's argv is the agent's, a domain the sandbox's.
+        # Every cell escaped: a command's argv and its proposer are the agent's, a domain the sandbox's.
         rows.append((shown(c.requested_at[:19].replace("T", " ")), shown(c.tool_call_id), shown(c.principal),
+                     shorten(shown(c.proposed_by), 40) or "-",
                      shown(c.status + (f" ({c.error_code})" if c.error_code else "")),
                      str(c.exit_code) if c.HasField("exit_code") else "-", shown(",".join(c.domains)) or "-",
                      shorten(shown(c.command) or "(not recorded)", 60)))

@@ -239,7 +239,7 @@ class SandboxdClient:
     def query_calls(self, **filters: Any) -> pb.QueryCallsResponse:
         """One page of recorded calls, newest first. Filters are QueryCallsRequest's
         fields: command_contains, path, path_operation, domain, principal, workspace,
-        status, since, until, page_size, page_token."""
+        status, since, until, page_size, page_token, proposed_by, session_id."""
         try:
             return self._audit.QueryCalls(pb.QueryCallsRequest(**filters))
         except grpc.RpcError as err:

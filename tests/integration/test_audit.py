@@ -89,7 +89,7 @@ def test_sandboxctl_audit_table_and_json(audited):
         forged = c.run(call(ws, ["echo", "audit-me\n2026-01-01 00:00:00  tc_fake  root  success\x1b[2K"]))
     table = ctl(d, "audit", "--command", "audit-me").stdout.decode()
     header, newest, line = table.splitlines()
-    assert header.split() == ["REQUESTED", "CALL", "PRINCIPAL", "STATUS", "EXIT", "DOMAINS", "COMMAND"]
+    assert header.split() == ["REQUESTED", "CALL", "PRINCIPAL", "PROPOSER", "STATUS", "EXIT", "DOMAINS", "COMMAND"]
     assert done.tool_call_id in line and "success" in line and "audit-me" in line
     assert forged.tool_call_id in newest and "\x1b" not in table and "audit-me\\n2026" in newest
     rows = [json.loads(x) for x in ctl(d, "audit", "--json", "--status", "success").stdout.splitlines()]

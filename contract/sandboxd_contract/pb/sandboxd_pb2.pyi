@@ -552,7 +552,7 @@ class ExportEventsRequest(_message.Message):
     def __init__(self, after_seq: _Optional[int] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class QueryCallsRequest(_message.Message):
-    __slots__ = ("command_contains", "path", "path_operation", "domain", "principal", "workspace", "status", "since", "until", "page_size", "page_token")
+    __slots__ = ("command_contains", "path", "path_operation", "domain", "principal", "workspace", "status", "since", "until", "page_size", "page_token", "proposed_by", "session_id")
     COMMAND_CONTAINS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     PATH_OPERATION_FIELD_NUMBER: _ClassVar[int]
@@ -564,6 +564,8 @@ class QueryCallsRequest(_message.Message):
     UNTIL_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_BY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     command_contains: str
     path: str
     path_operation: str
@@ -575,10 +577,12 @@ class QueryCallsRequest(_message.Message):
     until: str
     page_size: int
     page_token: str
-    def __init__(self, command_contains: _Optional[str] = ..., path: _Optional[str] = ..., path_operation: _Optional[str] = ..., domain: _Optional[str] = ..., principal: _Optional[str] = ..., workspace: _Optional[str] = ..., status: _Optional[str] = ..., since: _Optional[str] = ..., until: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    proposed_by: str
+    session_id: str
+    def __init__(self, command_contains: _Optional[str] = ..., path: _Optional[str] = ..., path_operation: _Optional[str] = ..., domain: _Optional[str] = ..., principal: _Optional[str] = ..., workspace: _Optional[str] = ..., status: _Optional[str] = ..., since: _Optional[str] = ..., until: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., proposed_by: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class CallSummary(_message.Message):
-    __slots__ = ("tool_call_id", "principal", "workspace", "command", "tool_id", "backend", "image", "status", "exit_code", "error_code", "requested_at", "finished_at", "domains")
+    __slots__ = ("tool_call_id", "principal", "workspace", "command", "tool_id", "backend", "image", "status", "exit_code", "error_code", "requested_at", "finished_at", "domains", "proposed_by", "session_id")
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
     WORKSPACE_FIELD_NUMBER: _ClassVar[int]
@@ -592,6 +596,8 @@ class CallSummary(_message.Message):
     REQUESTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     DOMAINS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_BY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     tool_call_id: str
     principal: str
     workspace: str
@@ -605,7 +611,9 @@ class CallSummary(_message.Message):
     requested_at: str
     finished_at: str
     domains: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tool_call_id: _Optional[str] = ..., principal: _Optional[str] = ..., workspace: _Optional[str] = ..., command: _Optional[str] = ..., tool_id: _Optional[str] = ..., backend: _Optional[str] = ..., image: _Optional[str] = ..., status: _Optional[str] = ..., exit_code: _Optional[int] = ..., error_code: _Optional[str] = ..., requested_at: _Optional[str] = ..., finished_at: _Optional[str] = ..., domains: _Optional[_Iterable[str]] = ...) -> None: ...
+    proposed_by: str
+    session_id: str
+    def __init__(self, tool_call_id: _Optional[str] = ..., principal: _Optional[str] = ..., workspace: _Optional[str] = ..., command: _Optional[str] = ..., tool_id: _Optional[str] = ..., backend: _Optional[str] = ..., image: _Optional[str] = ..., status: _Optional[str] = ..., exit_code: _Optional[int] = ..., error_code: _Optional[str] = ..., requested_at: _Optional[str] = ..., finished_at: _Optional[str] = ..., domains: _Optional[_Iterable[str]] = ..., proposed_by: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class QueryCallsResponse(_message.Message):
     __slots__ = ("calls", "next_page_token")

@@ -102,7 +102,7 @@ def call_summary(r: dict[str, Any]) -> pb.CallSummary:
         tool_call_id=r["tool_call_id"], principal=r["principal"], workspace=r["workspace"], command=r["command"],
         tool_id=r["tool_id"], backend=r["backend"], image=r["image"], status=r["status"],
         error_code=r["error_code"], requested_at=r["requested_at"], finished_at=r["finished_at"],
-        domains=r["domains"])
+        domains=r["domains"], proposed_by=r["proposed_by"], session_id=r["session_id"])
     if r["exit_code"] is not None:
         summary.exit_code = r["exit_code"]
     return summary

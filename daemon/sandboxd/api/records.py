@@ -141,7 +141,8 @@ class AuditServicer(pb_grpc.AuditServiceServicer):
         q = audit.CallQuery(
             command_contains=request.command_contains, path=request.path, path_operation=request.path_operation,
             domain=request.domain, principal=principal, workspace=request.workspace, status=request.status,
-            since=request.since, until=request.until, page_size=request.page_size, page_token=request.page_token)
+            since=request.since, until=request.until, page_size=request.page_size, page_token=request.page_token,
+            proposed_by=request.proposed_by, session_id=request.session_id)
         try:
             audit.check_query(q)  # a bad filter is refused before any indexing
             self._index.sync()  # every call recorded before this query is in the answer

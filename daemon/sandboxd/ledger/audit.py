@@ -42,12 +42,16 @@ CREATE TABLE IF NOT EXISTS audit_calls (
     exit_code INTEGER,
     error_code TEXT NOT NULL DEFAULT '',
     requested_at TEXT NOT NULL,
-    finished_at TEXT NOT NULL DEFAULT ''
+    finished_at TEXT NOT NULL DEFAULT '',
+    proposed_by TEXT NOT NULL DEFAULT '', -- the request's proposedBy and sessionId: which agent, which session
+    session_id TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS audit_calls_by_principal ON audit_calls (principal, seq);
 CREATE INDEX IF NOT EXISTS audit_calls_by_workspace ON audit_calls (workspace, seq);
 CREATE INDEX IF NOT EXISTS audit_calls_by_status ON audit_calls (status, seq);
 CREATE INDEX IF NOT EXISTS audit_calls_by_time ON audit_calls (requested_at);
+CREATE INDEX IF NOT EXISTS audit_calls_by_proposer ON audit_calls (proposed_by, seq);
+CREATE INDEX IF NOT EXISTS audit_calls_by_session ON audit_calls (session_id, seq);
 -- call_seq is the call's audit_calls.seq: walking (host, call_seq) backwards yields the
 -- newest calls first and stops at the page size, however common the host.
 CREATE TABLE IF NOT EXISTS audit_network (
@@ -83,6 +87,9 @@ CREATE TABLE IF NOT EXISTS audit_meta (
 PATH_OPERATIONS = ("read", "write", "create", "delete", "rename", "chmod")
 STATUSES = ("running", "success", "error", "partial", "cancelled", "rejected")
 MAX_PAGE = 500
+# A call's proposedBy and sessionId are at most this long (policy.models.PreparedToolCall
+# refuses longer ones), so a longer filter is a mistake, refused rather than answered empty.
+MAX_CALL_NAME_CHARS = 256
 
 
 # A call's 3,000 reads dirty as many pages of the by-path table: with SQLite's default
@@ -101,8 +108,9 @@ def open_index_db(path) -> Database:
                     wal_keep_bytes=INDEX_WAL_KEEP_BYTES)
 
 # Bumped when the index's tables change: the old ones are dropped and rebuilt from the log.
-SCHEMA_VERSION = 6  # 5: reads recorded as [path, opens] pairs (an older daemon's rebuild skips them);
-#                     6: audit_paths keyed by (path, op, call_seq), without a rowid
+SCHEMA_VERSION = 7  # 5: reads recorded as [path, opens] pairs (an older daemon's rebuild skips them);
+#                     6: audit_paths keyed by (path, op, call_seq), without a rowid;
+#                     7: audit_calls keeps the request's proposedBy and sessionId
 _TABLES = ("audit_calls", "audit_network", "audit_paths", "audit_meta")
 
 
@@ -235,6 +243,8 @@ class CallQuery:
     until: str = ""
     page_size: int = 50
     page_token: str = ""
+    proposed_by: str = ""
+    session_id: str = ""
 
 
 def stored_time(text: str, field: str) -> str:
@@ -277,6 +287,11 @@ _TABLES_BY_ALIAS = {"n": ("audit_network", "audit_network_by_call"), "p": ("audi
 
 
 def _check(q: CallQuery) -> int:
+    for field, value in (("proposedBy", q.proposed_by), ("sessionId", q.session_id)):
+        if "\x00" in value:
+            raise BadFilter(field, "contains a NUL byte")
+        if len(value) > MAX_CALL_NAME_CHARS:
+            raise BadFilter(field, f"{len(value)} characters exceed the maximum of {MAX_CALL_NAME_CHARS}")
     if q.status and q.status not in STATUSES:
         raise BadFilter("status", f"one of {', '.join(STATUSES)}")
     if q.path_operation and q.path_operation not in PATH_OPERATIONS:
@@ -322,7 +337,8 @@ def _call_filters(q: CallQuery) -> tuple[list[str], list[Any]]:
     if q.page_token:
         where.append("c.seq < ?")
         args.append(decode_token(q.page_token))
-    for column, value in (("principal", q.principal), ("workspace", q.workspace), ("status", q.status)):
+    for column, value in (("principal", q.principal), ("workspace", q.workspace), ("status", q.status),
+                          ("proposed_by", q.proposed_by), ("session_id", q.session_id)):
         if value:
             where.append(f"c.{column} = ?")
             args.append(value)

@@ -22,6 +22,13 @@ def command_text(argv: Sequence[str]) -> str:
     return shlex.join(argv)
 
 
+def request_text(requested: ToolCallRequested, key: str) -> str:
+    """A string field of the request as sent (proposedBy, sessionId); "" when absent or,
+    in a refused request, not a string."""
+    value = requested.request.get(key, "")
+    return value if isinstance(value, str) else ""
+
+
 def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
     """Projects one event into the index; indexing the same event again changes nothing."""
     if e.type not in INDEXED_TYPES:
@@ -31,9 +38,10 @@ def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
             argv = requested.argv
             conn.execute(
                 "INSERT OR IGNORE INTO audit_calls (seq, tool_call_id, principal, workspace, command, tool_id,"
-                " status, requested_at) VALUES (?,?,?,?,?,?,?,?)",
+                " status, requested_at, proposed_by, session_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (e.seq, e.tool_call_id, str(requested.principal), requested.workspace,
-                 command_text(argv) if argv is not None else "", requested.tool_id, "running", e.time))
+                 command_text(argv) if argv is not None else "", requested.tool_id, "running", e.time,
+                 request_text(requested, "proposedBy"), request_text(requested, "sessionId")))
         case ToolPolicyChecked() as checked:
             conn.execute("UPDATE audit_calls SET backend = ?, image = ? WHERE tool_call_id = ?",
                          (str(checked.backend), str(checked.image), e.tool_call_id))
