@@ -35,6 +35,17 @@ SANDBOXD_MCP = str(Path(sys.executable).with_name("sandboxd-mcp"))
 AGENT = Implementation(name="pytest-agent", version="7.1")
 
 
+@pytest.fixture(autouse=True)
+def no_warm_sandbox_left(daemon):
+    """The server's leases come from pools of the shared daemon, which keep sandboxes
+    warm after them (and their staged mounts, which later tests count): drained after
+    each test."""
+    yield
+    with daemon.client() as c:
+        c.drain_pools()
+        wait_for(lambda: not c.list_pools(), timeout_s=30)
+
+
 def server_args(d, ws: Path, *flags: str) -> list[str]:
     return ["--socket", str(d.socket), "--workspace", str(ws), "--image", DEFAULT_IMAGE, *flags]
 
