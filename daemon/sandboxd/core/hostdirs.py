@@ -32,6 +32,20 @@ _PARENT_MODE = 0o755
 SECRETS_TMPFS_OPTIONS = "mode=0711,uid=0,gid=0,size=64m,nr_inodes=65536"
 
 
+def _open_root(text: str, setting: str) -> tuple[list[str], int, int]:
+    """The path's components, the daemon's euid and a checked descriptor of "/": where
+    both walks below begin."""
+    parts = _components(text, setting)
+    euid = os.geteuid()
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        _check_component(os.fstat(fd), "/", euid, setting, text, final=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    return parts, euid, fd
+
+
 def ensure_private_dir(path: str | os.PathLike, mode: int, *, setting: str, set_mode: bool = True) -> int:
     """An open O_DIRECTORY descriptor of `path`, made (with missing parents) if need be.
 
@@ -42,11 +56,8 @@ def ensure_private_dir(path: str | os.PathLike, mode: int, *, setting: str, set_
     it too when `set_mode` (the daemon's own, so only root chose its old mode). The
     caller keeps the descriptor: what it makes below goes through it, not the path."""
     text = os.fspath(path)
-    parts = _components(text, setting)
-    euid = os.geteuid()
-    fd = os.open("/", _DIR_FLAGS)
+    parts, euid, fd = _open_root(text, setting)
     try:
-        _check_component(os.fstat(fd), "/", euid, setting, text, final=False)
         walked = ""
         for i, name in enumerate(parts):
             final = i == len(parts) - 1
@@ -106,11 +117,8 @@ def inspect_private_dir(path: str | os.PathLike, *, setting: str) -> str:
     below it, would be made). Refused as ensure_private_dir refuses (FailedPrecondition
     naming `setting`); an existing directory's mode is not compared (it would be set)."""
     text = os.fspath(path)
-    parts = _components(text, setting)
-    euid = os.geteuid()
-    fd = os.open("/", _DIR_FLAGS)
+    parts, euid, fd = _open_root(text, setting)
     try:
-        _check_component(os.fstat(fd), "/", euid, setting, text, final=False)
         walked = ""
         for i, name in enumerate(parts):
             walked += "/" + name
