@@ -354,23 +354,23 @@ def _oom_control(directory: Path, kills: int) -> None:
 
 
 def test_v1_oom_kills_are_summed_over_the_sandbox_subtree(tmp_path):
-    from sandboxd.pools.leftovers import sandbox_oom_kills
+    from sandboxd.pools.leftovers import oom_kill_files, oom_kills
 
     # Docker: the limit (and its count) is on the container's cgroup below the sandbox's parent.
     _oom_control(tmp_path / "memory" / "sandboxd" / "sbx-1", 0)
     _oom_control(tmp_path / "memory" / "sandboxd" / "sbx-1" / "engine-id", 2)
     _oom_control(tmp_path / "memory" / "sandboxd" / "sbx-2", 5)  # another sandbox's
     spec = SimpleNamespace(cgroup_parent="/sandboxd/sbx-1")
-    assert sandbox_oom_kills(spec, str(tmp_path)) == 2
+    assert oom_kills(oom_kill_files(spec, str(tmp_path))) == 2
 
 
 def test_v2_oom_kills_are_the_top_cgroups_hierarchical_count(tmp_path):
-    from sandboxd.pools.leftovers import sandbox_oom_kills
+    from sandboxd.pools.leftovers import oom_kill_files, oom_kills
 
     top = tmp_path / "sandboxd-nsjail" / "sd-1" / "sbx-1"
     (top / "child").mkdir(parents=True)
     (top / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\noom_group_kill 0\n")
     (top / "child" / "memory.events").write_text("oom_kill 1\n")  # counted in the top's already
-    assert sandbox_oom_kills(SimpleNamespace(cgroup="sandboxd-nsjail/sd-1/sbx-1"), str(tmp_path)) == 1
-    assert sandbox_oom_kills(SimpleNamespace(cgroup="gone"), str(tmp_path)) == 0
-    assert sandbox_oom_kills(SimpleNamespace(), str(tmp_path)) == 0
+    assert oom_kills(oom_kill_files(SimpleNamespace(cgroup="sandboxd-nsjail/sd-1/sbx-1"), str(tmp_path))) == 1
+    assert oom_kills(oom_kill_files(SimpleNamespace(cgroup="gone"), str(tmp_path))) == 0
+    assert oom_kill_files(SimpleNamespace(), str(tmp_path)) == ()

@@ -16,7 +16,7 @@ from sandboxd.core.settings import DaemonSettings
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.egress.records import EgressEndpoint
 from sandboxd.ledger import events as ev
-from sandboxd.pools.leftovers import pidfds, sandbox_processes, sandbox_task_count
+from sandboxd.pools.leftovers import oom_kill_files, oom_kills, pidfds, sandbox_processes, sandbox_task_count
 from sandboxd.pools.supervisor import await_ready, await_supervisor, control_listener, control_socket_path
 from sandboxd.pools.template import BuiltSandbox, PoolTemplate, WorkspaceReservations
 from sandboxd.pools.warm import WarmSandbox
@@ -81,8 +81,10 @@ class WarmSandboxBuilder:
         log.info("warm sandbox %s ready for %s", sandbox_id, key)
         baseline = sandbox_processes(handle.spec)
         single_threaded = baseline is not None and sandbox_task_count(handle.spec) == len(baseline)
+        counters = oom_kill_files(handle.spec)
         return WarmSandbox(sandbox_id, key, built, handle, spool, conn, endpoint=endpoint, baseline_pids=baseline,
-                           baseline_pidfds=pidfds(baseline) if single_threaded and baseline is not None else ())
+                           baseline_pidfds=pidfds(baseline) if single_threaded and baseline is not None else (),
+                           oom_kill_files=counters, oom_kills_seen=oom_kills(counters))
 
     def _open_egress(self, t: PoolTemplate, sandbox_id: str,
                      undo: ExitStack) -> tuple[EgressEndpoint | None, EgressAttachment | None]:

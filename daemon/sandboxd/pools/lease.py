@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from sandboxd.core.errors import FailedPrecondition, InternalError
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.egress.records import ConnectionRecord
-from sandboxd.pools.leftovers import kill_leftovers, sandbox_oom_kills, sandbox_processes
+from sandboxd.pools.leftovers import kill_leftovers, oom_kills, sandbox_processes
 from sandboxd.pools.supervisor import CommandIO, CommandPipes, command_message, exit_answer, send_command
 from sandboxd.pools.warm import WarmSandbox
 from sandboxd.sandbox.output import OutputSpool
@@ -110,7 +110,6 @@ class LeaseSandbox:
             self.network_records()  # anything from before this command is nobody's
         env = {**spec.env, **self._secret_env}
         payload = command_message(spec.cwd, spec.argv, env, spec.temp_dir, tuple(self._secret_files))
-        oom_kills_before = sandbox_oom_kills(ws.prepared.spec)  # the sandbox's, from earlier commands
         pipes = CommandPipes.open(self._secret_files.values())
         conn = ws.control  # the supervisor's own connection: one command at a time
         try:
@@ -138,7 +137,7 @@ class LeaseSandbox:
         # waits for the command (wait()), on its thread: a thread of their own, and the
         # hand-off back from it, cost a short command a quarter of a millisecond.
         io = CommandIO(pipes.out_r, pipes.err_r, in_w, memoryview(stdin), spool, conn.fileno())
-        self._process = LeasedCommand(self, conn, io, oom_kills_before)
+        self._process = LeasedCommand(self, conn, io)
         return self._process
 
     def destroy(self) -> None:
@@ -167,9 +166,8 @@ class LeasedCommand:
     """A command the supervisor of a leased sandbox spawned (the Process protocol); its
     bytes are moved by whoever waits for it, on that thread."""
 
-    def __init__(self, sandbox: LeaseSandbox, conn: socket.socket, io: CommandIO, oom_kills_before: int = 0):
+    def __init__(self, sandbox: LeaseSandbox, conn: socket.socket, io: CommandIO):
         self._sandbox = sandbox
-        self._oom_kills_before = oom_kills_before
         self._ws = sandbox.warm
         self._conn = conn
         self._io: CommandIO | None = io  # its descriptors, until it ended and was drained
@@ -253,13 +251,15 @@ class LeasedCommand:
                 self._unhealthy()
 
     def collect(self) -> tuple[ExitStatus, ResourceUsage]:
+        # Only this command ran in the sandbox since its last command's count.
+        ws = self._ws
+        now = oom_kills(ws.oom_kill_files)
+        oom_killed, ws.oom_kills_seen = now > ws.oom_kills_seen, now
         status = self._status if self._status is not None else -1
         if status < 0:
-            return ExitStatus(-1, "", False), ResourceUsage(0, 0)
+            return ExitStatus(-1, "", oom_killed), ResourceUsage(0, 0)
         code = os.waitstatus_to_exitcode(status)
         sig = signal.Signals(-code).name if code < 0 else ""
-        # Only this command ran in the sandbox since the count was taken.
-        oom_killed = sandbox_oom_kills(self._ws.prepared.spec) > self._oom_kills_before
         return ExitStatus(128 - code if code < 0 else code, sig, oom_killed), ResourceUsage(0, 0)
 
     def pid(self) -> int:

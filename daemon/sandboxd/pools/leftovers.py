@@ -78,27 +78,32 @@ def sandbox_processes(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> set[int
     return pids
 
 
-def sandbox_oom_kills(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """OOM kills so far in the sandbox's memory cgroup subtree (a leased command's are
-    the difference across it). v2 counts a subtree's in its top memory.events; v1 keeps
-    each cgroup's own count, so the subtree's are summed (Docker: the per-sandbox parent
-    and the container's cgroup below it)."""
+def oom_kill_files(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> tuple[str, ...]:
+    """Where the sandbox's OOM kills are counted, found once (its cgroup tree is fixed
+    once it runs: nothing in it can make cgroups). v2 counts a subtree's in its top
+    memory.events; v1 keeps each cgroup's own count (Docker: the per-sandbox parent and
+    the container's cgroup below it), so every one of the subtree is read."""
     rel = getattr(spec, "cgroup_parent", None) or getattr(spec, "cgroup", None)
     if not rel:
-        return 0
+        return ()
     v1 = f"{cgroup_root}/memory/{str(rel).strip('/')}"
     if not os.path.isdir(v1):
-        return _oom_kill_field(f"{cgroup_root}/{str(rel).strip('/')}/memory.events")
-    total, todo = 0, [v1]
+        return (f"{cgroup_root}/{str(rel).strip('/')}/memory.events",)
+    files, todo = [], [v1]
     while todo:
         d = todo.pop()
-        total += _oom_kill_field(f"{d}/memory.oom_control")
+        files.append(f"{d}/memory.oom_control")
         try:
             with os.scandir(d) as it:
                 todo += [e.path for e in it if e.is_dir(follow_symlinks=False)]
         except OSError:
             pass  # removed meanwhile
-    return total
+    return tuple(files)
+
+
+def oom_kills(files: tuple[str, ...]) -> int:
+    """OOM kills so far in those files (a leased command's are the difference across it)."""
+    return sum(_oom_kill_field(path) for path in files)
 
 
 def _oom_kill_field(path: str) -> int:

@@ -62,6 +62,10 @@ class WarmSandbox:
     # Counted in its pool's `destroying` from when its removal became due (a command may
     # still be running in it) until it is gone.
     retired: bool = False
+    # Its OOM-kill counters (leftovers.oom_kill_files) and their sum after its last
+    # command: a leased command's OOM kills are what it added (one read per command).
+    oom_kill_files: tuple[str, ...] = ()
+    oom_kills_seen: int = 0
     retired_from: Pool | None = None
     removing: bool = False  # its removal has begun (once)
 
