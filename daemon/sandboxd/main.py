@@ -24,12 +24,9 @@ from typing import Any
 from sandboxd.api.limits import LimitInterceptor, StreamWatchdog
 from sandboxd.api.server import build_server, listen
 from sandboxd.api.transport import ConnectionLimits, PeerCredentialRelay
-from sandboxd.backends.docker.backend import DockerBackend
-from sandboxd.backends.docker.compile import SANDBOX_CGROUP_ROOT
-from sandboxd.backends.hostlocks import daemon_running, hold_daemon_lock, remove_stale_cgroups
-from sandboxd.backends.cgroups import layout_for
-from sandboxd.backends.nsjail.backend import NsjailBackend
-from sandboxd.backends.nsjail.compile import NSJAIL_CGROUP_ROOT
+from sandboxd.backends.hostlocks import hold_daemon_lock
+from sandboxd.backends.cgroup_home import CgroupHome
+from sandboxd.backends.start import place_jail_cgroups, start_backends
 from sandboxd import __version__
 from sandboxd.calls.executor import CallExecutor
 from sandboxd.check import dir_findings, load_config, render_errors, run_check
@@ -79,16 +76,6 @@ def _daemon_id(settings: DaemonSettings) -> str:
     return value
 
 
-def _mask_file(settings: DaemonSettings) -> str:
-    """An empty, root-owned, mode-000 file bound over blocked files."""
-    path = settings.state_dir / "mask" / "empty"
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    if not path.exists():
-        path.touch()
-    os.chmod(path, 0)
-    return str(path)
-
-
 @dataclass
 class Daemon:
     settings: DaemonSettings
@@ -131,84 +118,6 @@ class Daemon:
         if self.mounted_secrets:
             _unmount_secrets(self.settings)
         log.info("stopped")
-
-
-def _start_docker(settings: DaemonSettings, daemon_id: str, cleanup: ExitStack) -> DockerBackend:
-    backend = DockerBackend(settings.docker_host, str(settings.seccomp_profile), _mask_file(settings),
-                            stdio_dir=str(settings.runtime_dir / "stdio"))
-    backend.check()
-    reaped = backend.reap_orphans(daemon_id)
-    if reaped:
-        log.warning("removed %d containers left by an earlier run of this daemon", reaped)
-    # Its containers' deadlines hold without this process, and its staged roots go.
-    backend.start_backstop(daemon_id, str(settings.runtime_dir / STAGING_SUBDIR))
-    _close_on_failure(backend, cleanup)
-    return backend
-
-
-def _start_nsjail(settings: DaemonSettings, daemon_id: str, shim: str, host: HostFacts,
-                  cleanup: ExitStack) -> NsjailBackend:
-    ns = settings.nsjail
-    layout = layout_for(host.cgroup_version, host.cgroup_root, join_exec=settings.cgroup_exec_binary)
-    backend = NsjailBackend(ns.rootfs_dir, seccomp_profile_path=settings.seccomp_profile, shim_binary=shim,
-                            nsjail_binary=ns.nsjail_binary, nsjail_binary_sha256=ns.nsjail_binary_sha256,
-                            init_binary=ns.init_binary,
-                            docker_host=settings.docker_host, warm_slots=ns.warm_slots,
-                            cgroup_layout=layout, cgroup_exec_binary=settings.cgroup_exec_binary)
-    backend.check()
-    reaped = backend.reap_orphans(daemon_id)
-    if reaped:
-        log.warning("removed %d jails left by an earlier run of this daemon", reaped)
-    _close_on_failure(backend, cleanup)  # before warming: its warm slots are its to end
-    backend.warm(daemon_id)
-    backend.prune_exports()
-    return backend
-
-
-def _close_on_failure(backend: object, cleanup: ExitStack) -> None:
-    close = getattr(backend, "close", None)
-    if close is not None:
-        cleanup.callback(close)
-
-
-def _start_backends(settings: DaemonSettings, daemon_id: str, shim: str, host: HostFacts,
-                    cleanup: ExitStack) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every configured backend that passes its checks, and why each other one does not.
-    A backend that fails a check is never used: its calls are refused with the reason.
-    `host` is what start-up found of the host: nsjail's cgroup layout is made from it."""
-    backends: dict[str, Any] = {}
-    unavailable: dict[str, str] = {}
-    try:
-        backends["docker"] = _start_docker(settings, daemon_id, cleanup)
-    except SandboxdError as exc:
-        unavailable["docker"] = exc.message
-    if settings.nsjail.enabled:
-        try:
-            backends["nsjail"] = _start_nsjail(settings, daemon_id, shim, host, cleanup)
-        except SandboxdError as exc:
-            unavailable["nsjail"] = exc.message
-    else:
-        unavailable["nsjail"] = "disabled in the daemon's settings"
-    # Other daemons' leftovers (killed outright, or state wiped): reaped by nobody else.
-    docker_backend = backends.get("docker")
-    threading.Thread(target=_remove_stale_cgroups, args=(daemon_id, docker_backend), name="stale-cgroups",
-                     daemon=True).start()
-    for name, reason in unavailable.items():
-        log.error("backend %s unavailable: %s", name, reason)
-    return backends, unavailable
-
-
-def _remove_stale_cgroups(daemon_id: str, docker_backend: DockerBackend | None) -> None:
-    def keep(root: str, name: str) -> bool:
-        if root == NSJAIL_CGROUP_ROOT:  # <daemon id>/<sandbox or slot>
-            return name == daemon_id or daemon_running(name)
-        # <sandbox id>: a Docker sandbox's parent, kept while any container of it exists
-        # (or while dockerd cannot say).
-        return docker_backend is None or docker_backend.has_sandbox(name)
-
-    removed = remove_stale_cgroups((NSJAIL_CGROUP_ROOT, SANDBOX_CGROUP_ROOT), keep=keep)
-    if removed:
-        log.info("removed %d empty sandbox cgroups that daemons no longer running left", removed)
 
 
 def _install_shim(settings: DaemonSettings) -> tuple[str, str]:
@@ -299,11 +208,12 @@ class _Sandboxing:
     no_shim_reason: str
 
 
-def _start_sandboxing(settings: DaemonSettings, daemon_id: str, host: HostFacts,
+def _start_sandboxing(settings: DaemonSettings, daemon_id: str, host: HostFacts, home: CgroupHome | str,
                       cleanup: ExitStack) -> _Sandboxing:
     shim, no_shim_reason = _install_shim(settings)  # before the backends: every jail starts with it
     _check_file_recording(settings)
-    backends, unavailable = _start_backends(settings, daemon_id, shim, host, cleanup)
+    backends, unavailable = start_backends(settings, daemon_id, shim, host, home,
+                                         str(settings.runtime_dir / STAGING_SUBDIR), cleanup)
     if settings.default_backend not in backends:
         raise BackendUnavailable(f"the default backend {settings.default_backend!r} is unavailable: "
                                  f"{unavailable.get(settings.default_backend, 'not configured')}")
@@ -384,6 +294,7 @@ def build_daemon(settings: DaemonSettings, host: HostFacts) -> Daemon:
     start-up that fails halfway made is undone, in the reverse order: sockets, threads,
     the backends' sandboxes, the databases, the lock and the directories' descriptors."""
     _raise_open_file_limit()
+    home = place_jail_cgroups(settings, host)
     with ExitStack() as cleanup:
         # First, before anything is made in them or started: each directory the daemon owns
         # is its own, closed to others and reached through no symlink, or start-up is refused
@@ -397,7 +308,7 @@ def build_daemon(settings: DaemonSettings, host: HostFacts) -> Daemon:
         daemon_id = _daemon_id(settings)
         lock_fd = hold_daemon_lock(daemon_id)  # open, and locked, while the process lives
         cleanup.callback(os.close, lock_fd)
-        sandboxing = _start_sandboxing(settings, daemon_id, host, cleanup)
+        sandboxing = _start_sandboxing(settings, daemon_id, host, home, cleanup)
         ledger = _open_ledger(settings, cleanup)
         executor, proxy = _build_executor(settings, sandboxing, ledger, dirs, daemon_id, cleanup)
         retention = RetentionSweeper(settings.retention, ledger.db, ledger.events, ledger.artifacts,

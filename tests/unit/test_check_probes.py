@@ -287,10 +287,12 @@ class TestDockerd:
         assert dockerd_probes._version_finding("unix:///x", docker_facts(api="1.40")).status == "fail"
         assert dockerd_probes._version_finding("unix:///x", docker_facts()).status == "ok"
 
-    def test_the_systemd_driver_is_not_supported(self):
-        got = dockerd_probes._driver_finding(docker_facts(driver="systemd"))
-        assert got.status == "fail" and "systemd" in got.reason and got.needed_by == ("docker",)
-        assert dockerd_probes._driver_finding(docker_facts()).status == "ok"
+    def test_both_cgroup_drivers_are_supported_and_another_is_not(self):
+        for driver in ("cgroupfs", "systemd"):
+            got = dockerd_probes._driver_finding(docker_facts(driver=driver))
+            assert got.status == "ok" and driver in got.reason
+        got = dockerd_probes._driver_finding(docker_facts(driver="none"))
+        assert got.status == "fail" and "native.cgroupdriver=systemd" in got.reason and got.needed_by == ("docker",)
 
     def test_a_missing_default_image_fails(self, tmp_path):
         got = dockerd_probes.image_finding(settings_under(tmp_path), docker_facts(default_id=None))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sandboxd.backends.docker.backend import host_config_args
 from sandboxd.backends.docker.compile import BACKSTOP_SLACK_S, DockerSpec, compile_docker
 from sandboxd.sandbox.spec import (
     MASK_DIR_TMPFS_BYTES,
@@ -237,6 +238,20 @@ def test_labels(compiled):
     assert int(spec.labels["sandboxd.deadline_s"]) == -(-policy.timeout_ms // 1000) + BACKSTOP_SLACK_S
     assert spec.name == f"sandboxd-{spec.labels['sandboxd.sandbox_id']}"
     assert spec.cgroup_parent == f"/sandboxd/{spec.labels['sandboxd.sandbox_id']}"
+    assert spec.cgroup_dir == f"sandboxd/{spec.labels['sandboxd.sandbox_id']}"
+    assert spec.container_cgroup_dir("c0ffee") == f"sandboxd/{spec.labels['sandboxd.sandbox_id']}/c0ffee"
+
+
+def test_under_systemds_driver_each_sandbox_is_a_slice_inside_sandboxd_slice():
+    policy, plan, _ = case_default()
+    spec = compile_docker(policy, plan, SandboxIdentity("daemon-1", "sbx-0a1b-2c", "tc-0001"),
+                          argv=("true",), image="sandboxd/default:latest", stdin_open=False, mask_file=MASK_FILE,
+                          seccomp_profile="sandboxd-docker.json", cgroup_driver="systemd")
+    # A '-' in a slice's name nests it: the id's own become '_', one level below sandboxd.slice.
+    assert spec.cgroup_parent == "sandboxd-sbx_0a1b_2c.slice"
+    assert spec.cgroup_dir == "sandboxd.slice/sandboxd-sbx_0a1b_2c.slice"
+    assert spec.container_cgroup_dir("c0ffee") == "sandboxd.slice/sandboxd-sbx_0a1b_2c.slice/docker-c0ffee.scope"
+    assert host_config_args(spec, "{}")["cgroup_parent"] == "sandboxd-sbx_0a1b_2c.slice"
 
 
 def test_label_values_are_the_identity():

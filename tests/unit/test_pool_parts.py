@@ -53,7 +53,7 @@ def _tree(root, rel, procs):
 def test_leftovers_are_read_from_the_v1_pids_hierarchy(tmp_path):
     (tmp_path / "memory").mkdir()
     _tree(tmp_path / "pids", "sandboxd/sbx-1", {"": [], "docker-abc": [10, 11], "docker-abc/inner": [12]})
-    spec = SimpleNamespace(cgroup_parent="/sandboxd/sbx-1")
+    spec = SimpleNamespace(cgroup_dir="sandboxd/sbx-1")
     assert sandbox_processes(spec, str(tmp_path)) == {10, 11, 12}
 
 
@@ -66,14 +66,14 @@ def test_leftovers_are_read_from_the_unified_hierarchy_on_a_v2_host(tmp_path):
 def test_the_task_count_is_the_subtree_s_pids_current(tmp_path):
     _tree(tmp_path / "pids", "sandboxd/sbx-3", {"": [], "docker-abc": [30, 31]})
     (tmp_path / "pids" / "sandboxd" / "sbx-3" / "pids.current").write_text("2\n")
-    spec = SimpleNamespace(cgroup_parent="/sandboxd/sbx-3")
+    spec = SimpleNamespace(cgroup_dir="sandboxd/sbx-3")
     assert sandbox_task_count(spec, str(tmp_path)) == 2
-    assert sandbox_task_count(SimpleNamespace(cgroup_parent="/sandboxd/gone"), str(tmp_path)) is None
+    assert sandbox_task_count(SimpleNamespace(cgroup_dir="sandboxd/gone"), str(tmp_path)) is None
     assert sandbox_task_count(SimpleNamespace(), str(tmp_path)) is None
 
 
 def test_leftovers_are_unknown_without_a_cgroup(tmp_path):
-    assert sandbox_processes(SimpleNamespace(cgroup_parent="/nope"), str(tmp_path)) is None
+    assert sandbox_processes(SimpleNamespace(cgroup_dir="nope"), str(tmp_path)) is None
     assert sandbox_processes(SimpleNamespace(), str(tmp_path)) is None
 
 
@@ -360,7 +360,7 @@ def test_v1_oom_kills_are_summed_over_the_sandbox_subtree(tmp_path):
     _oom_control(tmp_path / "memory" / "sandboxd" / "sbx-1", 0)
     _oom_control(tmp_path / "memory" / "sandboxd" / "sbx-1" / "engine-id", 2)
     _oom_control(tmp_path / "memory" / "sandboxd" / "sbx-2", 5)  # another sandbox's
-    spec = SimpleNamespace(cgroup_parent="/sandboxd/sbx-1")
+    spec = SimpleNamespace(cgroup_dir="sandboxd/sbx-1")
     assert oom_kills(oom_kill_files(spec, str(tmp_path))) == 2
 
 

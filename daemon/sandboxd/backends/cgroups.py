@@ -10,7 +10,7 @@ spelled, how processes are put in it, counted, killed and how it goes away.
   starts as a small helper (native/cgroup-exec.c) that joins the cgroup and then execs
   the program (`popen_in`): it never runs a line of its program outside it.
 
-The sandbox's relative path (sandboxd-nsjail/<daemon id>/<sandbox id>) is the same on
+The sandbox's relative path (<top>/<daemon id>/<sandbox id>, cgroup_home.py) is the same on
 both. The layout is made from the host's cgroup version, probed once at the daemon's
 start (core/hostfacts.py; `layout_for`), and handed to what needs it: never at import.
 """
@@ -348,8 +348,12 @@ class V1(Layout):
 class V2(Layout):
     renames = False  # cgroup2 has no rename (kernel: cgroup1_rename only)
 
-    def __init__(self, root: str = CGROUP_ROOT, join_exec: str | os.PathLike[str] | None = None):
+    def __init__(self, root: str = CGROUP_ROOT, join_exec: str | os.PathLike[str] | None = None, base: str = ""):
+        """`base`: the cgroup delegated to the daemon (backends/cgroup_home.py), "" for
+        the root: nothing above it is ever written, and the controllers it is offered
+        are the ones there are."""
         super().__init__(root, join_exec)
+        self.base = base.strip("/")
         self._delegating: set[str] = set()  # ancestors whose subtree_control is known done
         self.swap_control = False  # memory.swap.max exists (swap accounting on): check() says
 
@@ -372,15 +376,17 @@ class V2(Layout):
         return limits
 
     def check(self, top: str) -> None:
+        offered = f"{self.root}/{self.base}" if self.base else self.root
         try:
-            with open(f"{self.root}/cgroup.controllers") as f:
+            with open(f"{offered}/cgroup.controllers") as f:
                 available = set(f.read().split())
         except OSError as exc:
-            raise CgroupUnavailable(f"cannot read {self.root}/cgroup.controllers: {exc}") from None
+            raise CgroupUnavailable(f"cannot read {offered}/cgroup.controllers: {exc}") from None
         missing = [c for c in V2_CONTROLLERS if c not in available]
         if missing:
-            raise CgroupUnavailable(f"the cgroup v2 hierarchy at {self.root} does not offer {', '.join(missing)} "
-                                    "(a controller still bound to a v1 hierarchy cannot be used here)")
+            why = ("(a controller still bound to a v1 hierarchy cannot be used here)" if not self.base else
+                   "(the daemon's delegated cgroup is offered only what its parents enable for it)")
+            raise CgroupUnavailable(f"the cgroup v2 hierarchy at {offered} does not offer {', '.join(missing)} {why}")
         try:
             self._delegate(top)
         except OSError as exc:
@@ -392,10 +398,14 @@ class V2(Layout):
         self.swap_control = os.path.exists(f"{self.root}/{top}/memory.swap.max")
 
     def _delegate(self, parent: str) -> None:
-        """Makes `parent` (and its ancestors below the root) with the sandbox controllers
-        enabled for its children: the root's subtree_control, then each level's."""
+        """Makes `parent` (and its ancestors below the base) with the sandbox controllers
+        enabled for its children: the base's subtree_control (the root's when there is
+        no base), then each level's."""
         parts = [p for p in parent.split("/") if p]
-        for i in range(len(parts) + 1):
+        first = len(self.base.split("/")) if self.base else 0
+        if parts[:first] != (self.base.split("/") if self.base else []):
+            raise OSError(f"{parent} is not below the daemon's delegated cgroup {self.base}")
+        for i in range(first, len(parts) + 1):
             rel = "/".join(parts[:i])
             if rel in self._delegating:
                 continue
@@ -449,14 +459,15 @@ def cgroup_usage(rel: str, root: str = CGROUP_ROOT) -> ResourceUsage:
 
 
 def layout_for(version: CgroupVersion | None, root: str = CGROUP_ROOT,
-               join_exec: str | os.PathLike[str] | None = None) -> Layout | None:
+               join_exec: str | os.PathLike[str] | None = None, base: str = "") -> Layout | None:
     """The layout of a host whose cgroup version was probed (core/hostfacts.py: once, at
     the daemon's start); None when it has no cgroups. `join_exec`: the
-    cgroup_exec_binary setting (default: the packaged helper)."""
+    cgroup_exec_binary setting (default: the packaged helper). `base`: on v2, the
+    cgroup delegated to the daemon (cgroup_home.CgroupHome.base)."""
     if version == "v1":
         return V1(root, join_exec)
     if version == "v2":
-        return V2(root, join_exec)
+        return V2(root, join_exec, base)
     return None
 
 

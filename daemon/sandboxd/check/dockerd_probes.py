@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sandboxd.backends.docker.compile import CGROUP_DRIVERS
 from sandboxd.backends.docker.errors import dockerd
 from sandboxd.check.report import Finding
 from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, SandboxdError
@@ -18,9 +19,9 @@ from sandboxd.policy import images
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 # dockerd 20.10: the Docker backend's oldest (its API calls and the cgroup v2 support).
 MIN_API_VERSION = (1, 41)
-# Each Docker sandbox gets a cgroupfs parent (/sandboxd/<sandbox id>): dockerd under the
-# systemd driver refuses it, so every call would fail when its container is made.
-SUPPORTED_CGROUP_DRIVERS = ("cgroupfs",)
+# Each Docker sandbox gets a parent cgroup of its own: /sandboxd/<sandbox id> under the
+# cgroupfs driver, the slice sandboxd-<sandbox id>.slice under systemd's.
+SUPPORTED_CGROUP_DRIVERS = CGROUP_DRIVERS
 CHECK_TIMEOUT_S = 10
 _SHOWN_IMAGES = 5
 
@@ -93,8 +94,8 @@ def _driver_finding(facts: DockerFacts) -> Finding:
     if driver in SUPPORTED_CGROUP_DRIVERS:
         return Finding("docker-cgroup-driver", "ok", f"{told}: supported", needed_by=("docker",))
     return Finding("docker-cgroup-driver", "fail",
-                   f"{told}, which the Docker backend does not support yet (it gives each sandbox a cgroupfs "
-                   "parent, which dockerd then refuses): run dockerd with exec-opts native.cgroupdriver=cgroupfs",
+                   f"{told}, which the Docker backend does not support: run dockerd with exec-opts "
+                   "native.cgroupdriver=systemd (or cgroupfs)",
                    needed_by=("docker",))
 
 

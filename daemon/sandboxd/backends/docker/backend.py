@@ -24,7 +24,8 @@ from typing import Any
 from sandboxd.backends import backstop, staging
 from sandboxd.backends.cgroups import cgroup_usage
 from sandboxd.backends.oom_guard import OomGuard
-from sandboxd.backends.docker.compile import DockerSpec, cgroup_parent_for, compile_docker
+from sandboxd.backends.docker.compile import (CGROUP_DRIVERS, CgroupDriver, DockerSpec, cgroup_dir_for,
+                                              compile_docker, sandbox_slice)
 from sandboxd.backends.docker.errors import CONFLICT, NOT_FOUND, EngineRefused, dockerd
 from sandboxd.backends.docker.output import (WRITER_GRACE_S, frame_size_needed, make_stdio_fifos, open_stdio_fifos,
                                              parse_frames, pump_fifos, remove_stdio_fifos)
@@ -105,9 +106,12 @@ def host_config_args(spec: DockerSpec, seccomp_json: str) -> dict[str, Any]:
     }
 
 
-def remove_cgroup(cgroup_parent: str) -> None:
-    """Removes a sandbox's parent cgroup in every hierarchy (Docker leaves it behind)."""
-    rel = cgroup_parent.strip("/")
+def remove_cgroup(rel: str, slice_unit: str | None = None) -> None:
+    """Removes a sandbox's parent cgroup (relative to the hierarchies' root) in every
+    hierarchy: dockerd leaves it behind. Under the systemd driver it is `slice_unit`,
+    which systemd keeps active until it is stopped (its directory goes with it)."""
+    if slice_unit is not None:
+        _stop_slice(slice_unit)
     for path in sorted(glob.glob(f"{CGROUP_ROOT}/*/{rel}") + glob.glob(f"{CGROUP_ROOT}/{rel}"), key=len, reverse=True):
         for child in sorted(glob.glob(f"{path}/*/"), key=len, reverse=True):
             try:
@@ -118,6 +122,17 @@ def remove_cgroup(cgroup_parent: str) -> None:
             os.rmdir(path)
         except OSError:
             pass
+
+
+def _stop_slice(unit: str) -> None:
+    try:
+        proc = subprocess.run(["systemctl", "stop", "--no-block", unit], capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("cannot stop the sandbox's slice %s: %s", unit, exc)
+        return
+    if proc.returncode != 0:
+        log.warning("cannot stop the sandbox's slice %s: %s", unit, proc.stderr.strip()[-300:])
 
 
 # How often removals dockerd did not answer are tried again, and for how long.
@@ -151,6 +166,7 @@ class DockerBackend:
         self._seccomp_json = load_seccomp_profile(seccomp_path)
         self._mask_file = mask_file
         self._oom = OomGuard()
+        self._cgroup_driver: CgroupDriver = "cgroupfs"  # dockerd's, as check() finds it
         with dockerd("make a client"):
             self._api: Any = docker.APIClient(base_url=docker_host or "unix:///var/run/docker.sock",
                                               version="auto", timeout=120)
@@ -171,6 +187,14 @@ class DockerBackend:
     def check(self) -> None:
         with dockerd("answer a ping", refusal=BackendUnavailable):
             self._api.ping()
+            driver = str(self._api.info().get("CgroupDriver", ""))
+        if driver not in CGROUP_DRIVERS:
+            raise BackendUnavailable(f"dockerd's cgroup driver is {driver or 'unknown'}; the Docker backend places "
+                                     f"sandboxes' cgroups under {' or '.join(CGROUP_DRIVERS)} only")
+        self._cgroup_driver = "systemd" if driver == "systemd" else "cgroupfs"
+
+    def _remove_cgroup(self, spec: DockerSpec) -> None:
+        remove_cgroup(spec.cgroup_dir, spec.cgroup_parent if spec.cgroup_driver == "systemd" else None)
 
     def compile(self, policy: EffectivePolicy, plan: HostPlan, identity: SandboxIdentity, *,
                 argv: tuple[str, ...], image: str, stdin_open: bool,
@@ -180,7 +204,7 @@ class DockerBackend:
             attachments = replace(attachments, stdio_host_dir=os.path.join(self._stdio_dir, identity.sandbox_id))
         return compile_docker(policy, plan, identity, argv=argv, image=image, stdin_open=stdin_open,
                               mask_file=self._mask_file, seccomp_profile=self._seccomp_name,
-                              attachments=attachments)
+                              attachments=attachments, cgroup_driver=self._cgroup_driver)
 
     def image_digest(self, image: str) -> str:
         return self.resolve_image(image)[0]
@@ -200,7 +224,7 @@ class DockerBackend:
             if spec.stdio_host_dir:
                 uid, gid = (int(x) for x in spec.user.split(":"))
                 make_stdio_fifos(spec.stdio_host_dir, uid, gid)
-            undo.callback(remove_cgroup, spec.cgroup_parent)
+            undo.callback(self._remove_cgroup, spec)
             undo.callback(self._remove, spec.name)  # made even if dockerd's answer was lost
             with dockerd("create the sandbox"):
                 host_config = self._api.create_host_config(**host_config_args(spec, self._seccomp_json))
@@ -246,7 +270,7 @@ class DockerBackend:
         not a warm sandbox's: that would end the lease's sandbox with its command."""
         if is_warm_sandbox(handle.spec.labels):
             return
-        rel = f"{handle.spec.cgroup_parent.strip('/')}/{handle.engine_id}"
+        rel = handle.spec.container_cgroup_dir(handle.engine_id)
         v1 = f"{CGROUP_ROOT}/memory/{rel}"
         try:
             handle.unwatch_oom = self._oom.watch(v1 if os.path.isdir(v1) else f"{CGROUP_ROOT}/{rel}",
@@ -303,7 +327,7 @@ class DockerBackend:
         """A host pid inside the running sandbox, 0 while there is none: one from the
         container's own cgroup (a file read; an inspect takes milliseconds), else its
         init as the engine reports it."""
-        rel = f"{handle.spec.cgroup_parent.strip('/')}/{handle.engine_id}"
+        rel = handle.spec.container_cgroup_dir(handle.engine_id)
         for procs in (f"{CGROUP_ROOT}/pids/{rel}/cgroup.procs", f"{CGROUP_ROOT}/{rel}/cgroup.procs"):
             try:
                 with open(procs) as f:
@@ -330,12 +354,12 @@ class DockerBackend:
             code = int(self._api.wait(handle.engine_id, timeout=30)["StatusCode"])
             state = self._api.inspect_container(handle.engine_id)["State"]
         status = ExitStatus(exit_code=code, signal=signal_name(code), oom_killed=bool(state.get("OOMKilled")))
-        return status, cgroup_usage(handle.spec.cgroup_parent)
+        return status, cgroup_usage(handle.spec.cgroup_dir)
 
     def destroy(self, handle: SandboxHandle) -> None:
         handle.stop_oom_watch()
         self._remove(handle.engine_id)
-        remove_cgroup(handle.spec.cgroup_parent)
+        self._remove_cgroup(handle.spec)
         self._release_host_parts(handle.spec)
 
     def _remove(self, ref: str) -> None:
@@ -416,7 +440,8 @@ class DockerBackend:
             self._force_remove(c["Id"])
             sandbox_id = (c.get("Labels") or {}).get(f"{LABEL_PREFIX}sandbox_id")
             if sandbox_id:
-                remove_cgroup(cgroup_parent_for(sandbox_id))
+                remove_cgroup(cgroup_dir_for(sandbox_id, self._cgroup_driver),
+                              sandbox_slice(sandbox_id) if self._cgroup_driver == "systemd" else None)
         return len(containers)
 
 

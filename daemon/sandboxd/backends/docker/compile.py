@@ -4,7 +4,7 @@ backend is told: a DockerSpec. No engine, no filesystem; golden tests pin the ou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from sandboxd.policy.models import EffectivePolicy
 from sandboxd.policy.preflight import HostPlan
@@ -14,6 +14,10 @@ from sandboxd.sandbox.spec import (LABEL_PREFIX, MAX_OPEN_FILES, Attachments, Mo
 # A container's deadline without the daemon: its timeout and this much more. (The
 # watcher acts only once the daemon is gone; while it lives, its own timeout kills.)
 BACKSTOP_SLACK_S = 2
+# dockerd's cgroup drivers (its info's CgroupDriver) the backend knows how to place a
+# sandbox's cgroup under.
+CgroupDriver = Literal["cgroupfs", "systemd"]
+CGROUP_DRIVERS: tuple[CgroupDriver, ...] = ("cgroupfs", "systemd")
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,8 @@ class DockerSpec:
     pids_limit: int
     nano_cpus: int
     ulimits: tuple[tuple[str, int, int], ...]
-    cgroup_parent: str
+    cgroup_parent: str  # as dockerd is told it (a path, or a systemd slice)
+    cgroup_dir: str  # the same cgroup, relative to a hierarchy's root (/sys/fs/cgroup[/<controller>])
     stdin_open: bool
     timeout_ms: int
     max_stdout_bytes: int
@@ -50,7 +55,13 @@ class DockerSpec:
     cap_drop: tuple[str, ...] = ("ALL",)
     no_new_privileges: bool = True
     init: bool = True
+    cgroup_driver: CgroupDriver = "cgroupfs"
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def container_cgroup_dir(self, engine_id: str) -> str:
+        """The container's own cgroup, relative to a hierarchy's root."""
+        leaf = f"docker-{engine_id}.scope" if self.cgroup_driver == "systemd" else engine_id
+        return f"{self.cgroup_dir}/{leaf}"
 
     def to_json_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = plain(self)
@@ -60,10 +71,27 @@ class DockerSpec:
 
 
 SANDBOX_CGROUP_ROOT = "sandboxd"  # each Docker sandbox's parent cgroup is below it
+SANDBOX_SLICE = f"{SANDBOX_CGROUP_ROOT}.slice"  # the same, under dockerd's systemd cgroup driver
 
 
-def cgroup_parent_for(sandbox_id: str) -> str:
-    return f"/{SANDBOX_CGROUP_ROOT}/{sandbox_id}"
+def sandbox_slice(sandbox_id: str) -> str:
+    """The systemd slice a sandbox's containers go in: a '-' in a slice's name is a
+    level of nesting, so the id's own are spelled '_' (ids are [a-z0-9-])."""
+    return f"{SANDBOX_CGROUP_ROOT}-{sandbox_id.replace('-', '_')}.slice"
+
+
+def cgroup_parent_for(sandbox_id: str, driver: CgroupDriver = "cgroupfs") -> str:
+    """The parent cgroup dockerd is told: a path under cgroupfs, a slice under systemd
+    (which refuses a path)."""
+    return sandbox_slice(sandbox_id) if driver == "systemd" else f"/{SANDBOX_CGROUP_ROOT}/{sandbox_id}"
+
+
+def cgroup_dir_for(sandbox_id: str, driver: CgroupDriver = "cgroupfs") -> str:
+    """Where that parent is, relative to a hierarchy's root: systemd nests
+    sandboxd-<id>.slice in sandboxd.slice."""
+    if driver == "systemd":
+        return f"{SANDBOX_SLICE}/{sandbox_slice(sandbox_id)}"
+    return f"{SANDBOX_CGROUP_ROOT}/{sandbox_id}"
 
 
 
@@ -79,6 +107,7 @@ def compile_docker(
     mask_file: str,
     seccomp_profile: str,
     attachments: Attachments = Attachments(),
+    cgroup_driver: CgroupDriver = "cgroupfs",
 ) -> DockerSpec:
     require_egress(policy, attachments)
     # Proxied: no network at all; the proxy is reached through a bound Unix socket.
@@ -110,7 +139,9 @@ def compile_docker(
         ),
         # A per-sandbox parent cgroup outlives the container, so CPU time and peak
         # memory can still be read after the container has exited.
-        cgroup_parent=cgroup_parent_for(identity.sandbox_id),
+        cgroup_parent=cgroup_parent_for(identity.sandbox_id, cgroup_driver),
+        cgroup_dir=cgroup_dir_for(identity.sandbox_id, cgroup_driver),
+        cgroup_driver=cgroup_driver,
         stdin_open=stdin_open,
         timeout_ms=policy.timeout_ms,
         max_stdout_bytes=policy.max_stdout_bytes,

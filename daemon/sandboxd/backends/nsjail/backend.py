@@ -22,7 +22,7 @@ How a jail runs:
   joins the cgroup and then execs nsjail. So everything of the sandbox, nsjail included, is in one
   cgroup: kill() kills its process list, collect() reads peak memory, CPU time and OOM
   kills from it after the end, reap_orphans() finds it by path
-  (sandboxd-nsjail/<daemon id>/<sandbox id>). Moving a task between cgroups waits for
+  (<top>/<daemon id>/<sandbox id>, cgroup_home.py). Moving a task between cgroups waits for
   an RCU grace period (5-15 ms on an idle host), so nsjails are started ahead of the
   calls, each in a cgroup of its own (a "slot") that create() renames to the sandbox's
   name (v2 renames no cgroup: the sandbox keeps the slot's, marked with its id).
@@ -85,15 +85,16 @@ class NsjailBackend:
     def __init__(self, rootfs_dir: str | os.PathLike[str], *,
                  seccomp_profile_path: str | os.PathLike[str] | None = None, shim_binary: str = "",
                  nsjail_binary: str | None = None, nsjail_binary_sha256: str | None = None,
-                 init_binary: str = DEFAULT_INIT_BINARY,
-                 docker_host: str | None = None, image_cache_ttl_s: float = 5.0, warm_slots: int = 2,
+                 init_binary: str = DEFAULT_INIT_BINARY, docker_host: str | None = None,
+                 image_cache_ttl_s: float = 5.0, warm_slots: int = 2,
                  cgroup_layout: Layout | None | Literal["probe"] = "probe",
-                 cgroup_exec_binary: str | os.PathLike[str] | None = None):
+                 cgroup_exec_binary: str | os.PathLike[str] | None = None, cgroup_top: str = NSJAIL_CGROUP_ROOT):
         """`seccomp_profile_path`, `shim_binary` and `cgroup_exec_binary` are the daemon's
         settings (defaults: the packaged profile and helper; no shim). `cgroup_layout`
         is the host's, from its facts probed once at the daemon's start
-        (cgroups.layout_for; None: the host has no cgroups); "probe": the host is
-        probed here (cgroups.detect). `nsjail_binary_sha256`: host.verified_nsjail's `expected`."""
+        (cgroups.layout_for; None: the host has no cgroups); "probe": it is probed here.
+        `nsjail_binary_sha256`: host.verified_nsjail's `expected`; `cgroup_top`: the
+        jails' cgroups go below it (cgroup_home.CgroupHome.top)."""
         # nsjail mounts as the sandbox user (it switches uid before it mounts), so every
         # bind source must be reachable by that user: the exported images and the mask
         # file live in a directory of their own that everyone may traverse, never in
@@ -112,7 +113,8 @@ class NsjailBackend:
         self._exports = ImageExports(self._rootfs_dir, docker_host, image_cache_ttl_s)
         self._lock = threading.Lock()
         self._jails: dict[str, Jail] = {}
-        self._slots = SlotPool(warm_slots, self._binary, self._layout)
+        self._cgroup_top = cgroup_top
+        self._slots = SlotPool(warm_slots, self._binary, self._layout, cgroup_top)
         self._oom = OomGuard()
         self._checked_binary: tuple[int, ...] = ()  # its identity when check() hashed it
 
@@ -167,7 +169,7 @@ class NsjailBackend:
                                      "(/proc/sys/user/max_user_namespaces)") from None
         layout = self._cgroups()
         with host_step("use the host's cgroups", fault=BackendUnavailable):
-            layout.check(NSJAIL_CGROUP_ROOT)
+            layout.check(self._cgroup_top)
         helper = layout.join_exec
         if not layout.moves_threads and not (os.access(helper, os.X_OK) and is_static_elf(helper)):
             raise BackendUnavailable(f"the cgroup join helper {helper} is missing or not static: on cgroup v2 every "
@@ -208,8 +210,7 @@ class NsjailBackend:
         return self._exports.resolve(image)[0]
 
     def resolve_image(self, image: str) -> tuple[str, tuple[str, ...]]:
-        image_id, _ = self._exports.resolve(image)
-        return image_id, self._exports.names(image)
+        return self._exports.resolve(image)[0], self._exports.names(image)
 
     def prune_exports(self) -> list[str]:
         """Removes exports of images the engine no longer has (rootfs.py); the ids removed."""
@@ -224,7 +225,7 @@ class NsjailBackend:
                               mask_file=self._mask_file, shim_binary=self._shim,
                               seccomp_program_path=self._seccomp_program,
                               nsjail_binary=self._binary or "nsjail", init_binary=self._init_binary,
-                              attachments=attachments or Attachments())
+                              attachments=attachments or Attachments(), cgroup_top=self._cgroup_top)
 
     def create(self, spec: NsjailSpec) -> SandboxHandle:
         sandbox_id = spec.labels[f"{LABEL_PREFIX}sandbox_id"]
@@ -430,7 +431,7 @@ class NsjailBackend:
     def reap_orphans(self, daemon_id: str) -> int:
         self._slots.forget(daemon_id)  # this backend's own warm slots for that id, if any
         layout = self._cgroups()
-        parent = f"{NSJAIL_CGROUP_ROOT}/{daemon_id}"
+        parent = f"{self._cgroup_top}/{daemon_id}"
         sandboxes = layout.children(parent)
         # A slot's cgroup that a sandbox took without renaming it (v2) says so on itself.
         taken = {name for name in sandboxes if name.startswith(SLOT_PREFIX) and layout.marked(f"{parent}/{name}")}

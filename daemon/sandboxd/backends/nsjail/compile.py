@@ -39,13 +39,15 @@ from typing import Any
 from sandboxd.sandbox.spec import (LABEL_PREFIX, MASK_DIR_TMPFS_BYTES, MAX_OPEN_FILES, SHIM_PATH, WORKSPACE_BASE_TMPFS_BYTES,
                                    Attachments, SandboxIdentity, Staging, plain, require_egress, sandbox_mounts,
                                    staging_for)
+from sandboxd.backends.cgroup_home import TOP_LEVEL
 from sandboxd.core.errors import FailedPrecondition, Unimplemented
 from sandboxd.policy.models import WORKSPACE, EffectivePolicy
 from sandboxd.policy.preflight import HostPlan
 
-# Each controller's per-sandbox cgroup is <mount>/<NSJAIL_CGROUP_ROOT>/<daemon id>/<sandbox id>
-# (on cgroup v2, where no cgroup can be renamed, a spawn slot's name instead: backends/nsjail.py).
-NSJAIL_CGROUP_ROOT = "sandboxd-nsjail"
+# Each controller's per-sandbox cgroup is <mount>/<top>/<daemon id>/<sandbox id> (on cgroup
+# v2, where no cgroup can be renamed, a spawn slot's name instead: slots.py). The top is
+# this one at the hierarchy's top, or a delegated cgroup's (backends/cgroup_home.py).
+NSJAIL_CGROUP_ROOT = TOP_LEVEL
 # Where the init binary is bound inside the jail (inside the /dev tmpfs, so that no
 # mount point is needed in the image).
 INIT_PATH = "/dev/init"
@@ -157,8 +159,8 @@ def nsjail_command(binary: str, config_path: str, log_fd: int) -> list[str]:
     return [binary, "--config", config_path, "--log_fd", str(log_fd)]
 
 
-def cgroup_for(daemon_id: str, sandbox_id: str) -> str:
-    return f"{NSJAIL_CGROUP_ROOT}/{daemon_id}/{sandbox_id}"
+def cgroup_for(daemon_id: str, sandbox_id: str, top: str = NSJAIL_CGROUP_ROOT) -> str:
+    return f"{top}/{daemon_id}/{sandbox_id}"
 
 
 def _check_name(value: str, what: str) -> None:
@@ -244,6 +246,7 @@ def compile_nsjail(
     nsjail_binary: str,
     init_binary: str = DEFAULT_INIT_BINARY,
     attachments: Attachments = Attachments(),
+    cgroup_top: str = NSJAIL_CGROUP_ROOT,
 ) -> NsjailSpec:
     if policy.egress == "open" and not policy.proxied:
         # Unfiltered 'open' on nsjail would mean the host's own network namespace, which
@@ -280,7 +283,7 @@ def compile_nsjail(
         shim_binary=shim_binary,
         seccomp_program_path=seccomp_program_path,
         network="none",
-        cgroup=cgroup_for(identity.daemon_id, identity.sandbox_id),
+        cgroup=cgroup_for(identity.daemon_id, identity.sandbox_id, cgroup_top),
         memory_bytes=policy.memory_bytes,
         pids_max=policy.max_pids + 1,
         cpu_quota_us=policy.cpu_millicores * CPU_PERIOD_US // 1000,

@@ -117,11 +117,11 @@ class Slot:
     name. On v2 a slot without its waiting nsjail is not made (no thread can move)."""
 
     def __init__(self, layout: Layout, daemon_id: str, binary: str | None = None,
-                 limits: dict[str, str] | None = None):
+                 limits: dict[str, str] | None = None, top: str = NSJAIL_CGROUP_ROOT):
         self.daemon_id = daemon_id
         self.early: Early | None = None
         self.limits: dict[str, str] = {}  # written ahead: the last call's, most likely the next's
-        self.cgroup = f"{NSJAIL_CGROUP_ROOT}/{daemon_id}/{SLOT_PREFIX}{secrets.token_hex(6)}"
+        self.cgroup = f"{top}/{daemon_id}/{SLOT_PREFIX}{secrets.token_hex(6)}"
         self._layout = layout
         self._thread: threading.Thread | None = None
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -246,8 +246,10 @@ class SlotPool:
     # this long after its take, which also bounds a pool's long-lived sandboxes).
     DEFER_MAX_S = 0.5
 
-    def __init__(self, per_daemon: int, binary: str | None = None, layout: Layout | None = None):
+    def __init__(self, per_daemon: int, binary: str | None = None, layout: Layout | None = None,
+                 top: str = NSJAIL_CGROUP_ROOT):
         self._per = per_daemon
+        self._top = top  # the jails' cgroups' top (cgroup_home.py)
         self._layout = layout  # None: no cgroups on this host (the backend refuses itself), no slots
         self._binary = binary
         self._limits: dict[str, str] = {}
@@ -330,7 +332,7 @@ class SlotPool:
                 limits = dict(self._limits)
             try:
                 assert self._layout is not None  # no filler is started without one
-                slot = Slot(self._layout, daemon_id, self._binary, limits)
+                slot = Slot(self._layout, daemon_id, self._binary, limits, self._top)
             except Exception as exc:  # the slow path still works; try again later
                 log.warning("cannot make a spawn slot: %s", exc)
                 time.sleep(1.0)
