@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from sandboxd.backends.cgroup_home import plan_home
 from sandboxd.check import dockerd_probes, nsjail_probes, probes
 from sandboxd.check.dirs import dir_findings
 from sandboxd.check.dockerd_probes import DockerFacts
@@ -214,6 +215,21 @@ class TestNsjail:
         s = settings_under(tmp_path, cgroup_exec_binary=str(tmp_path / "absent"))
         got = nsjail_probes.cgroup_controllers_finding(s, facts("v2", str(tmp_path)))
         assert got.status == "fail" and "join helper" in got.reason
+
+    def test_the_jails_cgroup_placement_is_said_and_a_delegation_that_cannot_be_is_a_failure(self, tmp_path):
+        ok = nsjail_probes.cgroup_placement_finding(settings_under(tmp_path), facts("v1", str(tmp_path)))
+        assert ok.status == "ok" and "top of each v1 hierarchy" in ok.reason
+        asked = settings_under(tmp_path, nsjail={"cgroup_placement": "delegated"})
+        refused = nsjail_probes.cgroup_placement_finding(asked, facts("v1", str(tmp_path)))
+        assert (refused.status, refused.field) == ("fail", "nsjail.cgroup_placement") and "v2" in refused.reason
+        assert "nsjail-cgroup-placement" in [f.probe for f in nsjail_probes.nsjail_findings(asked, facts("v1"))]
+
+    def test_a_cgroup_of_systemds_not_delegated_is_a_warning(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(nsjail_probes, "own_cgroup", lambda text: "user.slice/session-1.scope")
+        monkeypatch.setattr(nsjail_probes, "find_home", lambda *a: plan_home("v2", "user.slice/session-1.scope",
+                                                                              False, "auto"))
+        got = nsjail_probes.cgroup_placement_finding(settings_under(tmp_path), facts("v2", str(tmp_path)))
+        assert got.status == "warn" and "not delegated" in got.reason and "Delegate=yes" in got.reason
 
     def test_v1_without_a_controller_fails(self, tmp_path):
         for c in ("memory", "cpu", "cpuacct"):
