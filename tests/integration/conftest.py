@@ -159,7 +159,8 @@ def leftover_sandboxes(docker_engine, d: DaemonProcess) -> list[str]:
 @pytest.fixture(scope="session")
 def daemon(docker_engine) -> Iterator[DaemonProcess]:
     base = public_tmpdir("sandboxd-it-")
-    d = make_daemon(base, env=DAEMON_ENV, inheritable_env=["LANG", "TZ"],
+    # LC_ALL: allowed, but not in the daemon's environment.
+    d = make_daemon(base, env=DAEMON_ENV, inheritable_env=["LANG", "TZ", "LC_ALL"],
                     limits={"max_timeout_ms": 120_000}).start()
     yield d
     stop_and_clean(d, docker_engine, base)

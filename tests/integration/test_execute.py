@@ -19,7 +19,7 @@ from sandboxd_contract.calls import build_call
 from sandboxd_contract.canonical import event_hash
 from sandboxd_contract.pb import sandboxd_pb2 as pb
 
-from .conftest import BUSYBOX_IMAGE, DAEMON_SECRET, WORKSPACE_UID, call, leftover_sandboxes, sh, wait_for
+from .conftest import BUSYBOX_IMAGE, DAEMON_ENV, DAEMON_SECRET, WORKSPACE_UID, call, leftover_sandboxes, sh, wait_for
 
 
 def test_output_arrives_while_the_command_runs(client, workspace):
@@ -253,6 +253,13 @@ def test_inheriting_a_name_outside_the_allowlist_is_refused(client, workspace):
     with pytest.raises(errors.PermissionDenied) as exc:
         client.run(call(workspace, ["env"], {"environment": {"inheritedEnv": ["SANDBOXD_TEST_DAEMON_SECRET"]}}))
     assert "policy.environment.inheritedEnv[0]" in exc.value.message
+
+
+def test_inheriting_an_allowed_name_the_daemon_lacks_leaves_it_unset(client, workspace):
+    assert "LC_ALL" not in DAEMON_ENV
+    out = client.run(call(workspace, sh("env"), {"environment": {"inheritedEnv": ["LC_ALL", "TZ"]}}))
+    env = dict(line.split("=", 1) for line in out.stdout.decode().splitlines() if "=" in line)
+    assert out.result.exit_code == 0 and "LC_ALL" not in env and env["TZ"] == "Europe/Berlin"
 
 
 def test_identity_is_unprivileged(client, workspace):

@@ -78,7 +78,8 @@ class Preparer:
         self._shim = shim
         self._no_shim_reason = no_shim_reason
         self._pools = pools
-        self._inheritable = {n: os.environ[n] for n in settings.inheritable_env if n in os.environ}
+        # An allowlisted name the daemon's environment lacks is inherited as unset (None), not refused.
+        self._inheritable = {n: os.environ.get(n) for n in settings.inheritable_env}
 
     def prepare(self, call: PreparedToolCall, tool_call_id: str, caller: Principal | None, *,
                 resolve_credentials: bool = True, sandbox: bool = True) -> Prepared:

@@ -339,10 +339,11 @@ class _Filesystem:
 
 
 def resolve_policy(
-    call: PreparedToolCall, limits: LimitSettings, inheritable_env: Mapping[str, str]
+    call: PreparedToolCall, limits: LimitSettings, inheritable_env: Mapping[str, str | None]
 ) -> EffectivePolicy:
     """Applies defaults and maxima. `inheritable_env` holds the daemon-env values that
-    the daemon's settings allow a policy to inherit; nothing else of it is ever used."""
+    the daemon's settings allow a policy to inherit (None: allowed, but unset in the
+    daemon's environment); nothing else of it is ever used."""
     policy = call.policy
     fs = _resolve_filesystem(call)
     net = policy.network
@@ -446,7 +447,7 @@ BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 BASE_ENV_NAMES = ("HOME", "LANG", "PATH", "TMPDIR")
 
 
-def _resolve_env(call: PreparedToolCall, temp_dir: str, inheritable_env: Mapping[str, str]) -> dict[str, str]:
+def _resolve_env(call: PreparedToolCall, temp_dir: str, inheritable_env: Mapping[str, str | None]) -> dict[str, str]:
     """The sandbox's whole environment: a fixed base, allowlisted inherited names, then
     the policy's injected values. Nothing else of the daemon's environment."""
     envp = call.policy.environment
