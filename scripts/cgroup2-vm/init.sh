@@ -3,13 +3,26 @@
 # mkinitramfs.py builds). It mounts the host's root (9p, read-only) with a tmpfs
 # overlay on top, a cgroup2-only /sys/fs/cgroup, fresh tmpfs state dirs and the
 # exchange dir at its host path, switch_roots into it, runs the command run.sh left
-# in the exchange dir as root, writes its exit status to EXCHANGE/rc and powers off.
+# in the exchange dir as root, writes its exit status to EXCHANGE/rc and powers off
+# (VM_MODE=systemd: execs systemd instead, which runs the command as a unit).
 # Settings come from EXCHANGE/.cgroup2-vm/config (written by run.sh).
 if [ "$1" = stage2 ]; then
     # Stage 2, after switch_root: PID 1 with the host's root as the real root (not a
     # chroot: the kernel refuses CLONE_NEWUSER to chrooted processes, and nsjail needs it).
     BB=/run/cgroup2-vm/busybox
     cd /
+    if [ "$VM_MODE" = systemd ]; then
+        # systemd as PID 1 instead: the command runs as a unit once the boot is up.
+        # run.sh left the guest's additions to /etc (units, masks, daemon.json) in the
+        # exchange dir (systemd-guest.sh). /.dockerenv is the host's (a Docker container):
+        # seeing it, systemd would take this guest for a container too.
+        $BB cp -a "$VM_EXCHANGE/.cgroup2-vm/etc/." /etc/ && $BB rm -f /.dockerenv &&
+            exec /lib/systemd/systemd --unit=cgroup2-vm.target
+        $BB echo "cgroup2-vm: FATAL: cannot set up or exec systemd"
+        $BB poweroff -f
+        $BB echo o >/proc/sysrq-trigger
+        exit 1
+    fi
     $BB echo "cgroup2-vm: exec: $($BB cat "$VM_EXCHANGE/.cgroup2-vm/cmd.argv" 2>/dev/null)"
     {
         /usr/bin/env -i /bin/sh "$VM_EXCHANGE/.cgroup2-vm/cmd.sh" </dev/null
@@ -146,6 +159,6 @@ ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up
 T1=$(cut -d' ' -f1 /proc/uptime)
 say "guest ready: kernel $KVER, uptime ${T1}s (init took $(echo "$T1 $T0" | awk '{printf "%.2f", $1 - $2}')s)"
 mkdir -p $R/run/cgroup2-vm && cp /bin/busybox /init $R/run/cgroup2-vm/ || die "cannot stage into $R/run"
-export VM_EXCHANGE
+export VM_EXCHANGE VM_MODE
 exec switch_root $R /run/cgroup2-vm/busybox sh /run/cgroup2-vm/init stage2
 die "switch_root failed"

@@ -3,14 +3,19 @@
 # see CGROUP2_VM_ACCEL) whose only cgroup hierarchy is cgroup2, on the host's own
 # root filesystem (9p, read-only, with a tmpfs overlay on top). No network device.
 #
-#   scripts/cgroup2-vm/run.sh [--env NAME=VALUE]... EXCHANGE_DIR -- COMMAND [ARG]...
-#   scripts/cgroup2-vm/run.sh --prepare        # only install qemu and build the cache
+#   scripts/cgroup2-vm/run.sh [--systemd] [--env NAME=VALUE]... EXCHANGE_DIR -- COMMAND [ARG]...
+#   scripts/cgroup2-vm/run.sh --prepare        # only install qemu (and systemd) and build the cache
 #
 # EXCHANGE_DIR (created if missing) is shared writable with the guest at the same
 # path; afterwards it holds output.log (the command's stdout+stderr, which is also
 # streamed here) and rc (its exit status). The command runs as root in the guest,
 # in the caller's working directory (or / if that is missing there), with
 # PATH, HOME=/root, LANG=C.UTF-8, PYTHONDONTWRITEBYTECODE=1 and the --env values.
+#
+# --systemd: the guest boots the host's systemd as PID 1 and the command runs as the
+# unit cgroup2-vm-command.service once basic.target is up (systemd-guest.sh); dockerd is
+# not started but configured (systemd cgroup driver, no bridge or iptables, state on a
+# fresh tmpfs): `systemctl start docker`. Needs the overlay root mode.
 #
 # Exit status: the command's, or
 #   250  the guest wrote no rc (failed to boot or to set up: see the console output)
@@ -32,7 +37,10 @@
 #                        else tcg. A /dev/kvm without them (here: kvm_pvm, a
 #                        paravirtual nested KVM that needs PVM-built guest kernels)
 #                        runs a stock kernel only at a crawl, so tcg is used.
-#   CGROUP2_VM_VERBOSE=1 show the kernel's boot messages
+#   CGROUP2_VM_VERBOSE=1 show the kernel's boot messages (and systemd's status lines)
+#   CGROUP2_VM_BOOT_TIMEOUT  --systemd: seconds the boot may take to reach the command
+#                        before the guest powers itself off (600)
+#   CGROUP2_VM_DOCKER_STORAGE  --systemd: dockerd's storage driver (overlay2; or vfs)
 set -uo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -64,9 +72,19 @@ usage() {
 ensure_qemu() {
     command -v qemu-system-x86_64 >/dev/null && return
     log "installing qemu-system-x86"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends qemu-system-x86 >&2 ||
-        { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends qemu-system-x86 >&2; } ||
-        fail "cannot install qemu-system-x86"
+    apt_install qemu-system-x86
+}
+
+ensure_systemd() { # the --systemd guest's PID 1 is the host's systemd
+    [ -x /lib/systemd/systemd ] && return
+    log "installing systemd"
+    apt_install systemd
+}
+
+apt_install() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >&2 ||
+        { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >&2; } ||
+        fail "cannot install $*"
 }
 
 kernel_pkg() { # the linux-image-6.1.*-amd64 that linux-image-amd64 depends on
@@ -139,6 +157,7 @@ prepare() {
     [ "$(id -u)" = 0 ] || fail "must run as root (KVM, apt, 9p passthrough)"
     [ -x /bin/busybox ] || fail "/bin/busybox (busybox-static) is needed"
     ensure_qemu
+    ensure_systemd
     mkdir -p "$CACHE" || fail "cannot create $CACHE"
     exec 9>"$CACHE/.lock"
     flock 9 # one builder at a time; later runs reuse what it built
@@ -154,9 +173,11 @@ shq() { # POSIX-sh single quoting
 }
 
 ENVS=()
+MODE=plain
 while [ $# -gt 0 ]; do
     case $1 in
     --prepare) prepare; log "cache ready: $VMLINUZ $INITRD"; exit 0 ;;
+    --systemd) MODE=systemd; shift ;;
     --env) [ $# -ge 2 ] || usage; [[ $2 == [A-Za-z_]*=* ]] || fail "--env wants NAME=VALUE"; ENVS+=("$2"); shift 2 ;;
     --env=*) ENVS+=("${1#--env=}"); shift ;;
     -h | --help) usage ;;
@@ -173,6 +194,13 @@ mkdir -p "$EXCHANGE" && EXCHANGE=$(realpath "$EXCHANGE") || fail "cannot create 
 [ "$EXCHANGE" != / ] || fail "the exchange dir cannot be /"
 [[ $TIMEOUT =~ ^[0-9]+$ ]] || fail "CGROUP2_VM_TIMEOUT must be whole seconds"
 case $ROOT_MODE in overlay | ro) ;; *) fail "CGROUP2_VM_ROOT_MODE must be overlay or ro" ;; esac
+if [ "$MODE" = systemd ]; then
+    # systemd and its generated units, masks and daemon.json want a writable /etc.
+    [ "$ROOT_MODE" = overlay ] || fail "--systemd needs CGROUP2_VM_ROOT_MODE=overlay"
+    # The exchange path goes into a unit file unquoted.
+    [[ $EXCHANGE != *[[:space:]%\$\\\"\']* ]] || fail "--systemd: the exchange dir's path must not contain blanks, quotes, %, \$ or \\"
+    VM_TMPFS+=" /var/lib/docker /var/lib/containerd" # dockerd's state: fresh, not the host's
+fi
 
 prepare
 
@@ -182,6 +210,7 @@ mkdir -p "$VMD" || fail "cannot write to $EXCHANGE"
 rm -f "$EXCHANGE/rc" "$EXCHANGE/output.log" "$VMD/started"
 {
     echo "VM_EXCHANGE=$(shq "$EXCHANGE")"
+    echo "VM_MODE=$MODE"
     echo "VM_ROOT_MODE=$ROOT_MODE"
     echo "VM_ROOT_OPTS=$(shq "$P9_OPTS")"
     echo "VM_TMPFS=$(shq "$VM_TMPFS")"
@@ -199,6 +228,11 @@ rm -f "$EXCHANGE/rc" "$EXCHANGE/output.log" "$VMD/started"
     echo "exec $(shq "$@")"
 } >"$VMD/cmd.sh"
 printf '%s\n' "$*" >"$VMD/cmd.argv"
+if [ "$MODE" = systemd ]; then
+    cp "$HERE/systemd-guest.sh" "$VMD/systemd-guest.sh" &&
+        VM_EXCHANGE=$EXCHANGE /bin/sh "$HERE/systemd-guest.sh" etc "$VMD/etc" ||
+        fail "cannot write the guest's systemd setup into $VMD"
+fi
 
 # ---------------------------------------------------------------- boot
 ACCEL=${CGROUP2_VM_ACCEL:-auto}

@@ -341,9 +341,8 @@ class _Filesystem:
 def resolve_policy(
     call: PreparedToolCall, limits: LimitSettings, inheritable_env: Mapping[str, str | None]
 ) -> EffectivePolicy:
-    """Applies defaults and maxima. `inheritable_env` holds the daemon-env values that
-    the daemon's settings allow a policy to inherit (None: allowed, but unset in the
-    daemon's environment); nothing else of it is ever used."""
+    """Applies defaults and maxima. `inheritable_env`: the daemon-env values a policy may
+    inherit (None: allowed, but unset there); nothing else of it is ever used."""
     policy = call.policy
     fs = _resolve_filesystem(call)
     net = policy.network

@@ -166,7 +166,11 @@ class ImageExports:
                         if e.name in in_use:
                             continue
                         trash = self._rootfs_dir / f".trash-{e.name[:12]}-{secrets.token_hex(4)}"
-                        os.rename(e.path, trash)  # gone from view at once, then deleted
+                        try:
+                            os.rename(e.path, trash)  # gone from view at once, then deleted
+                        except OSError as exc:  # kept, and said: pruning only frees space
+                            log.warning("cannot remove the export of image %s: %s", e.name[:12], exc.strerror)
+                            continue
                         shutil.rmtree(trash, ignore_errors=True)
                         removed.append(e.name)
                     index = {k: v for k, v in self._read_index().items() if v.split(":", 1)[-1] not in removed}
