@@ -100,6 +100,7 @@ bench: venv images native $(VENV)/.bench-stamp
 	$(PY) bench/warm_exec.py
 	$(PY) bench/file_access.py
 	$(PY) bench/installed_wheel.py
+	$(PY) bench/artifact_store.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info $(ASSETS)/sandbox-shim $(ASSETS)/*.so $(ASSETS)/sandboxd-cgroup-exec

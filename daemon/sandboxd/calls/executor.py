@@ -195,7 +195,7 @@ class CallExecutor:
         out = {"stdout": b"", "stderr": b""}
         try:
             for a in named:
-                with open(self.artifacts.blob_path(a["contentHash"]), "rb") as f:
+                with self.artifacts.open_blob(a["contentHash"]) as f:
                     out[a["kind"]] = f.read()
         except FileNotFoundError:
             return None

@@ -250,6 +250,19 @@ class RetentionSettings(BaseModel):
     batch: int = Field(default=200, ge=1)
 
 
+class ArtifactSettings(BaseModel):
+    """Where artifact blobs are kept (ledger/blobs.py, s3_blobs.py); every read verifies their sha256."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    store: Literal["local", "s3"] = "local"  # `local`: <state_dir>/blobs only; `s3`: the S3-compatible store below
+    endpoint_url: str | None = Field(default=None, pattern=r"^https?://")  # The S3 API's URL, e.g. http://127.0.0.1:8333; unset: AWS
+    bucket: str = Field(default="sandboxd", min_length=3, max_length=63)  # An existing bucket (the daemon creates none).
+    prefix: str = Field(default="", pattern=r"^([\w.-]+/)*$")  # Put before every key `sha256/<ab>/<hex>`, e.g. "sandboxd/"
+    region: str = "us-east-1"  # The region requests are signed for
+    credentials_file: Path | None = None  # An AWS-style credentials file ([default], mode 0600); unset: AWS_* env
+    addressing_style: Literal["path", "virtual", "auto"] = "path"  # The bucket in the URL's path (most servers) or host
+
+
 class PoolSettings(BaseModel):
     """Warm sandboxes per (workspace, image, backend, policy class) (pools.py)."""
 
@@ -396,6 +409,7 @@ class DaemonSettings(BaseModel):
     file_watch_fid: bool = False
     file_audit: FileAuditSettings = Field(default_factory=FileAuditSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
+    artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
     # host:port of the Prometheus endpoint (GET /metrics); unset: none.
     metrics_address: str | None = None
     # Peer uid on the Unix socket -> principal name; any other uid is refused.

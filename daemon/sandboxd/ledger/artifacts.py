@@ -1,9 +1,10 @@
-"""FileArtifactStore: content-addressed blobs (sha256) under the daemon's state dir,
-indexed in SQLite with the call and the event that persisted them."""
+"""FileArtifactStore: content-addressed blobs (sha256) in a blob store (blobs.py: the
+local one under the daemon's state dir, or S3 behind it), indexed in SQLite with the call
+and the event that persisted them."""
 
 from __future__ import annotations
 
-import os
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -12,7 +13,24 @@ from pathlib import Path
 from typing import BinaryIO
 
 from sandboxd.core.errors import NotFound
+from sandboxd.core.settings import ArtifactSettings
+from sandboxd.ledger.blobs import BlobStore, BlobStoreUnavailable, LocalBlobStore
 from sandboxd.ledger.store import Database
+
+log = logging.getLogger("sandboxd.ledger.artifacts")
+
+
+def open_blob_store(settings: ArtifactSettings, blob_dir: Path) -> BlobStore:
+    """The store the settings name. `s3`: blobs land in the local store first and are
+    uploaded behind the call (s3_blobs.SpooledS3BlobStore); boto3 is imported here."""
+    local = LocalBlobStore(blob_dir)
+    if settings.store == "local":
+        return local
+    from sandboxd.ledger.s3_blobs import SpooledS3BlobStore, s3_store
+
+    store = SpooledS3BlobStore(local, s3_store(settings))
+    store.start()
+    return store
 
 
 @dataclass(frozen=True)
@@ -31,63 +49,54 @@ class ArtifactRecord:
         return f"sandboxd://artifacts/{self.artifact_id}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class FileArtifactStore:
-    def __init__(self, blob_dir: Path, db: Database):
+    def __init__(self, blob_dir: Path, db: Database, blobs: BlobStore | None = None):
         self._blob_dir = blob_dir
         self._db = db
-        # Held while a blob is put and while retention removes one: a blob is never
-        # removed between a call putting it and that call's row naming it.
-        self._blob_lock = threading.Lock()
-        blob_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.blobs: BlobStore = blobs if blobs is not None else LocalBlobStore(blob_dir)
+        # One is held while a blob is put and while retention removes it: a blob is never
+        # removed between a call putting it and that call's row naming it. Striped by
+        # hash: a removal waiting on S3 holds up no put of other content.
+        self._blob_locks = [threading.Lock() for _ in range(64)]
+
+    def _blob_lock(self, content_hash: str) -> threading.Lock:
+        return self._blob_locks[hash(content_hash) % len(self._blob_locks)]
 
     def blob_path(self, content_hash: str) -> Path:
-        hexdigest = content_hash.removeprefix("sha256:")
-        return self._blob_dir / "sha256" / hexdigest[:2] / hexdigest
+        """Where the local store keeps a blob (with S3: until it is uploaded)."""
+        return LocalBlobStore(self._blob_dir).path(content_hash)
 
     def put_blob(self, src: Path, content_hash: str) -> Path:
         """Moves a finished, already-hashed spool file into the content address.
-        Durable on return: file and directory fsynced."""
-        dest = self.blob_path(content_hash)
-        with self._blob_lock:
-            if dest.exists():
-                src.unlink(missing_ok=True)
-                os.utime(dest)  # put just now: see remove_unreferenced
-                return dest
-            dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(src, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.utime(src)
-            os.replace(src, dest)
-            _fsync_dir(dest.parent)
-        return dest
+        Durable on return (in the local store; S3 gets it behind the call)."""
+        with self._blob_lock(content_hash):
+            self.blobs.put(src, content_hash)
+        return self.blob_path(content_hash)
+
+    def open_blob(self, content_hash: str) -> BinaryIO:
+        """A blob's bytes, verified against the hash as they are read
+        (FileNotFoundError: no store has it)."""
+        return self.blobs.open(content_hash)
 
     def remove_unreferenced(self, content_hashes: Iterable[str], grace_s: float = 600.0) -> list[str]:
         """Removes the blobs of these hashes that no artifact row names and that were not
         put in the last `grace_s` (a call that put one names it in its result's commit,
         which may not have happened yet). Returns the hashes settled: removed, already
-        gone, or named by a row; the others (put too recently) are for a later try."""
+        gone, or named by a row; the others (put too recently, or their store
+        unreachable) are for a later try."""
         settled = []
         for content_hash in sorted(set(content_hashes)):
-            path = self.blob_path(content_hash)
-            with self._blob_lock:
+            with self._blob_lock(content_hash):
                 if not self._db.query("SELECT 1 FROM artifacts WHERE content_hash = ? LIMIT 1", (content_hash,)):
                     try:
-                        if path.stat().st_mtime > time.time() - grace_s:
+                        stored_at = self.blobs.stored_at(content_hash)
+                        if stored_at is not None and stored_at > time.time() - grace_s:
                             continue
-                        path.unlink()
-                    except FileNotFoundError:
-                        pass
+                        if stored_at is not None:
+                            self.blobs.remove(content_hash)
+                    except BlobStoreUnavailable as exc:
+                        log.warning("blob %s not removed yet: %s", content_hash, exc.reason)
+                        continue
             settled.append(content_hash)
         return settled
 
@@ -117,4 +126,4 @@ class FileArtifactStore:
         return [ArtifactRecord(**r) for r in rows]
 
     def open(self, record: ArtifactRecord) -> BinaryIO:
-        return open(self.blob_path(record.content_hash), "rb")
+        return self.open_blob(record.content_hash)

