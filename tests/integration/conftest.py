@@ -19,6 +19,8 @@ from sandboxd.backends.cgroups import detect
 from sandboxd_testing import TEST_BACKENDS, WORKSPACE_UID, DaemonProcess, make_daemon, prepared_call
 from sandboxd_client import SandboxdClient
 
+from .guests import GUEST_MODULES, QUEUE
+
 LAYOUT = detect()  # the host's cgroup layout, probed once for the tests
 
 DEFAULT_IMAGE = "sandboxd/default:latest"
@@ -54,6 +56,25 @@ def docker_engine():
             pytest.fail(f"image {image} is missing; run `make images`")
     yield client
     client.close()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The qemu guests' tests last: their guests run behind the host's tests (guests.py)."""
+    items.sort(key=lambda item: item.path.name in GUEST_MODULES)  # stable: each group keeps its order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_guests(request):
+    """Starts the selected tests' guests, one after the other, as the session begins."""
+    modules = {item.path.name: item.module for item in request.session.items if item.path.name in GUEST_MODULES}
+    for name in GUEST_MODULES:
+        if name in modules:
+            QUEUE.add(modules[name].GUEST)
+    if QUEUE.guests:
+        request.getfixturevalue("docker_engine")  # the guests' preparation exports and saves images
+        QUEUE.start()
+    yield QUEUE
+    QUEUE.stop()
 
 
 def sandbox_containers(client, daemon_id: str) -> list:

@@ -4,10 +4,12 @@ This host is hybrid (its memory, pids and cpu controllers are bound to v1 by the
 environment's init), so the v2 host is a qemu guest (scripts/cgroup2-vm/run.sh) that
 boots Debian's kernel on this host's own root filesystem, with cgroup2 mounted at
 /sys/fs/cgroup and nothing else: no Docker, no v1 hierarchy. In it, the nsjail tests
-that depend on the cgroups run (SELECTION); each must pass, none may be skipped."""
+that depend on the cgroups run (SELECTION); each must pass, none may be skipped. The
+guest runs behind the host's tests (guests.py); this test waits for it at the end."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -21,9 +23,8 @@ from sandboxd.backends.nsjail.backend import NsjailBackend
 from sandboxd.core.settings import DaemonSettings
 
 from .conftest import BUSYBOX_IMAGE, DEFAULT_IMAGE, public_tmpdir
+from .guests import REPO, Guest
 
-REPO = Path(__file__).resolve().parents[2]
-RUN = REPO / "scripts" / "cgroup2-vm" / "run.sh"
 # The guest emulates its CPU (this host's KVM runs no stock kernel), some 25 times
 # slower: it runs what the cgroups decide, every test of the backend and of the real
 # layout, the conformance tests of limits and of the process tree's life, and the
@@ -50,18 +51,16 @@ GUEST_ENV = {"SANDBOXD_TEST_BACKENDS": "nsjail", "CI": "true", "SANDBOXD_TEST_TI
 GUEST_TIMEOUT_S = 1200
 
 
-@pytest.mark.timeout(GUEST_TIMEOUT_S + 300)
-def test_every_nsjail_test_passes_in_a_guest_whose_only_hierarchy_is_cgroup_v2(docker_engine):
+def _prepare() -> tuple[list[str], Path]:
+    """On the guests' thread: the exports, the expected test ids, run.sh's arguments."""
     # The guest has no Docker to export images with: the exports the daemons use (the
     # settings' rootfs_dir) are made here, and the guest reads them.
     rootfs_dir = DaemonSettings().nsjail.rootfs_dir
     exporter = NsjailBackend(rootfs_dir)
     for image in (DEFAULT_IMAGE, BUSYBOX_IMAGE):
         exporter.image_digest(image)
-    expected = _collected(SELECTION)
-    assert len(expected) > 50, expected[:5]
-
     exchange = public_tmpdir("sandboxd-cgroup2-")
+    (exchange / "expected.json").write_text(json.dumps(_collected(SELECTION)))
     junit = exchange / "junit.xml"
     script = (f"cat /proc/self/cgroup > {exchange}/cgroup; cat /sys/fs/cgroup/cgroup.controllers > {exchange}/controllers; "
               f"ls /sys/fs/cgroup > {exchange}/hierarchy; "
@@ -69,28 +68,26 @@ def test_every_nsjail_test_passes_in_a_guest_whose_only_hierarchy_is_cgroup_v2(d
                   f"'{a}'" for a in SELECTION))
     env_args = [a for k, v in {**GUEST_ENV, "SANDBOXD_TEST_ROOTFS_DIR": str(rootfs_dir)}.items()
                 for a in ("--env", f"{k}={v}")]
-    # Its own session: whatever ends the test (pytest's timeout too) ends qemu with it.
-    vm = subprocess.Popen([str(RUN), *env_args, str(exchange), "--", "sh", "-c", script], cwd=REPO,
-                          env={**os.environ, "CGROUP2_VM_TIMEOUT": str(GUEST_TIMEOUT_S)}, stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        _, stderr = vm.communicate(timeout=GUEST_TIMEOUT_S + 60)
-    finally:
-        if vm.poll() is None:
-            # Every process of the session: `timeout` puts qemu in a process group of its own.
-            subprocess.run(["pkill", "-KILL", "-s", str(vm.pid)], check=False)
-            vm.wait()
-    proc = subprocess.CompletedProcess(vm.args, vm.returncode, b"", stderr)
-    log = (exchange / "output.log").read_text(errors="replace") if (exchange / "output.log").exists() else ""
-    detail = f"run.sh exited {proc.returncode}\n{proc.stderr.decode(errors='replace')[-3000:]}\n{log[-6000:]}"
+    return [*env_args, str(exchange), "--", "sh", "-c", script], exchange
+
+
+GUEST = Guest("cgroup_v2", _prepare, GUEST_TIMEOUT_S)
+
+
+@pytest.mark.timeout(GUEST_TIMEOUT_S + 900)
+def test_every_nsjail_test_passes_in_a_guest_whose_only_hierarchy_is_cgroup_v2(background_guests):
+    outcome = background_guests.get("cgroup_v2").wait()
+    exchange, detail = outcome.exchange, outcome.detail()
+    expected = json.loads((exchange / "expected.json").read_text())
+    assert len(expected) > 50, expected[:5]
 
     # It was a v2-only host: one hierarchy line, the limits' controllers offered, no v1 mounts.
     assert (exchange / "cgroup").read_text().strip() == "0::/", detail
     assert {"memory", "pids", "cpu"} <= set((exchange / "controllers").read_text().split()), detail
     assert not {"memory", "pids", "cpuacct"} & set((exchange / "hierarchy").read_text().split()), detail
 
-    assert proc.returncode == 0, detail
-    suite = ET.parse(junit).getroot()
+    assert outcome.returncode == 0, detail
+    suite = ET.parse(exchange / "junit.xml").getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     ran = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")]
     assert int(suite.get("failures")) == 0 and int(suite.get("errors")) == 0, detail

@@ -7,7 +7,7 @@ this host's root filesystem, with cgroup2 alone at /sys/fs/cgroup. In it
 (Type=notify: `systemctl start` returns once it serves), a Docker call and an nsjail
 call run, a memory kill and a pids limit hold on both, and the unit's stop leaves
 nothing. The guest emulates its CPU (some 25 times slower than this host), so the whole
-story runs in one boot."""
+story runs in one boot, behind the host's tests (guests.py); these tests wait for it."""
 
 from __future__ import annotations
 
@@ -24,35 +24,34 @@ from sandboxd.backends.nsjail.backend import NsjailBackend
 from sandboxd.core.settings import DaemonSettings
 
 from .conftest import BUSYBOX_IMAGE, public_tmpdir
+from .guests import REPO, Guest
 
-REPO = Path(__file__).resolve().parents[2]
-RUN = REPO / "scripts" / "cgroup2-vm" / "run.sh"
 GUEST_SCRIPT = Path(__file__).with_name("systemd_guest.py")
 GUEST_TIMEOUT_S = 1500
 UNIT = "/system.slice/sandboxd.service"
+# The first test waits for the guest, which may still be queued behind test_cgroup_v2's.
+pytestmark = pytest.mark.timeout(2 * GUEST_TIMEOUT_S)
 
 
-@pytest.fixture(scope="module")
-def guest(docker_engine) -> dict:
-    # The guest's dockerd starts empty and has no registry: the image is loaded from a
-    # tar made here; nsjail reads the export made here (the guest shares this root).
+def _prepare() -> tuple[list[str], Path]:
+    """On the guests' thread: the guest's dockerd starts empty and has no registry, so
+    the image is loaded from a tar made here; nsjail reads the export made here (the
+    guest shares this root)."""
     NsjailBackend(DaemonSettings().nsjail.rootfs_dir).image_digest(BUSYBOX_IMAGE)
     exchange = public_tmpdir("sandboxd-systemd-")
     subprocess.run(["docker", "save", "-o", str(exchange / "busybox.tar"), BUSYBOX_IMAGE], check=True, timeout=120)
     os.chmod(exchange / "busybox.tar", 0o644)
-    vm = subprocess.Popen([str(RUN), "--systemd", str(exchange), "--", sys.executable, str(GUEST_SCRIPT),
-                           str(exchange), str(REPO)], cwd=REPO,
-                          env={**os.environ, "CGROUP2_VM_TIMEOUT": str(GUEST_TIMEOUT_S)}, stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        _, stderr = vm.communicate(timeout=GUEST_TIMEOUT_S + 60)
-    finally:
-        if vm.poll() is None:
-            subprocess.run(["pkill", "-KILL", "-s", str(vm.pid)], check=False)
-            vm.wait()
-    log = (exchange / "output.log").read_text(errors="replace") if (exchange / "output.log").exists() else ""
-    detail = f"run.sh exited {vm.returncode}\n{stderr.decode(errors='replace')[-3000:]}\n{log[-4000:]}"
-    assert vm.returncode == 0 and (exchange / "result.json").exists(), detail
+    return ["--systemd", str(exchange), "--", sys.executable, str(GUEST_SCRIPT), str(exchange), str(REPO)], exchange
+
+
+GUEST = Guest("systemd", _prepare, GUEST_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def guest(background_guests) -> dict:
+    outcome = background_guests.get("systemd").wait()
+    exchange, detail = outcome.exchange, outcome.detail(4000)
+    assert outcome.returncode == 0 and (exchange / "result.json").exists(), detail
     result = json.loads((exchange / "result.json").read_text())
     assert "exception" not in result, f"{result['exception']}\n{result.get('journal')}"
     return result

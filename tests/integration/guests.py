@@ -1,0 +1,113 @@
+"""The qemu guests of test_cgroup_v2.py and test_systemd_unit.py (scripts/cgroup2-vm),
+run behind the host's tests instead of in front of them: the guest emulates its CPU and
+takes minutes, while most host tests wait on sandboxes rather than on the CPU. The
+session starts them one after the other on a thread as it begins
+(conftest.background_guests); their tests are moved to the end and wait for them there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = REPO / "scripts" / "cgroup2-vm" / "run.sh"
+GUEST_MODULES = ("test_cgroup_v2.py", "test_systemd_unit.py")
+
+
+@dataclass
+class GuestOutcome:
+    returncode: int
+    stderr: str
+    exchange: Path
+    log: str
+
+    def detail(self, log_tail: int = 6000) -> str:
+        return f"run.sh exited {self.returncode}\n{self.stderr[-3000:]}\n{self.log[-log_tail:]}"
+
+
+@dataclass
+class Guest:
+    """One guest run: `prepare` (on the thread) returns run.sh's arguments and the
+    exchange directory the guest writes into."""
+
+    name: str
+    prepare: Callable[[], tuple[list[str], Path]]
+    timeout_s: int
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: GuestOutcome | None = None
+    failure: BaseException | None = None
+    _vm: subprocess.Popen | None = None
+
+    def run(self) -> None:
+        try:
+            args, exchange = self.prepare()
+            # Its own session: whatever ends it ends qemu with it.
+            self._vm = subprocess.Popen([str(RUN), *args], cwd=REPO, stdin=subprocess.DEVNULL,
+                                        env={**os.environ, "CGROUP2_VM_TIMEOUT": str(self.timeout_s)},
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            try:
+                _, stderr = self._vm.communicate(timeout=self.timeout_s + 60)
+            finally:
+                self.kill()
+            log_file = exchange / "output.log"
+            log = log_file.read_text(errors="replace") if log_file.exists() else ""
+            self.outcome = GuestOutcome(self._vm.returncode, stderr.decode(errors="replace"), exchange, log)
+        except BaseException as exc:  # the test reports it
+            self.failure = exc
+        finally:
+            self.done.set()
+
+    def kill(self) -> None:
+        vm = self._vm
+        if vm is not None and vm.poll() is None:
+            # Every process of the session: `timeout` puts qemu in a process group of its own.
+            subprocess.run(["pkill", "-KILL", "-s", str(vm.pid)], check=False)
+            vm.wait()
+
+    def wait(self) -> GuestOutcome:
+        if not self.done.wait(self.timeout_s + 600):
+            raise TimeoutError(f"the {self.name} guest did not end")
+        if self.failure is not None:
+            raise self.failure
+        assert self.outcome is not None
+        return self.outcome
+
+
+class GuestQueue:
+    """The guests a session runs, in order, on one thread (two emulated CPUs at once
+    would leave the host's tests none)."""
+
+    def __init__(self) -> None:
+        self.guests: dict[str, Guest] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def add(self, guest: Guest) -> None:
+        self.guests[guest.name] = guest
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="qemu-guests", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for guest in list(self.guests.values()):
+            if self._stopping:
+                guest.failure = RuntimeError("the session ended before this guest ran")
+                guest.done.set()
+                continue
+            guest.run()
+
+    def get(self, name: str) -> Guest:
+        return self.guests[name]
+
+    def stop(self) -> None:
+        self._stopping = True
+        for guest in self.guests.values():
+            guest.kill()
+
+
+QUEUE = GuestQueue()
