@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import io
 import json
 import sys
@@ -402,8 +403,18 @@ def schema(settings: dict[str, dict[str, Setting]]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ main
 
+def section_sources(source_path: Path) -> dict[str, dict[str, Setting]]:
+    """The settings source's classes, and those of the other modules a section is
+    defined in (core/artifact_settings.py)."""
+    found = source_settings(source_path.read_text(encoding="utf-8"))
+    for path in sorted({inspect.getsourcefile(s.model) or "" for s in sections()} - {"", str(source_path)}):
+        if Path(path).resolve() != Path(settings_module.__file__).resolve():
+            found = {**source_settings(Path(path).read_text(encoding="utf-8")), **found}
+    return found
+
+
 def generated(source_path: Path) -> dict[str, str]:
-    settings = described(source_settings(source_path.read_text(encoding="utf-8")))
+    settings = described(section_sources(source_path))
     return {MARKDOWN: markdown(settings),
             SCHEMA: json.dumps(schema(settings), indent=2, ensure_ascii=False) + "\n"}
 

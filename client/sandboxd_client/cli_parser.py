@@ -8,7 +8,7 @@ import argparse
 from . import __version__
 from .cli_exec import cmd_exec
 from .cli_live import cmd_cancel, cmd_logs, cmd_pool, cmd_ps
-from .cli_records import cmd_artifact_get, cmd_artifact_ls, cmd_audit, cmd_explain, cmd_trace
+from .cli_records import cmd_artifact_get, cmd_artifact_ls, cmd_audit, cmd_diff, cmd_explain, cmd_trace
 from .cli_setup import CONTEXT_COMMANDS, cmd_completion, cmd_context
 from .client import default_socket
 from .completion import SCRIPTS
@@ -85,6 +85,9 @@ def _records(sub, conn) -> None:
     ls.add_argument("tool_call_id")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_artifact_ls)
+    p = sub.add_parser("diff", parents=[conn], help="what a call changed in its write roots, as a unified diff")
+    p.add_argument("tool_call_id", metavar="CALL_ID")
+    p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("trace", parents=[conn], help="a call's event chain: `trace CALL_ID`, `trace verify`, "
                        "`trace export`")

@@ -44,7 +44,24 @@ def cmd_artifact_ls(args: argparse.Namespace) -> int:
         print(json.dumps([to_json(r) for r in refs], sort_keys=True))
     else:
         for r in refs:
-            print(f"{r.artifact_id}\t{r.kind}\t{r.size_bytes}\t{r.content_hash}")
+            where = f"\t{r.change} {r.path}" + (f" (from {r.previous_path})" if r.previous_path else "") \
+                if r.path else ""
+            print(f"{r.artifact_id}\t{r.kind}\t{r.size_bytes}\t{r.content_hash}{where}")
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """A call's diff artifact (the changed text files against their content before it), on stdout."""
+    with connect(args) as client:
+        try:
+            diffs = [r for r in client.list_artifacts(args.tool_call_id) if r.kind == "diff"]
+            if not diffs:
+                return fail(f"call {args.tool_call_id} has no diff: it changed no file in a write root, "
+                            "or the daemon keeps no diffs (artifacts.diff)", 1)
+            client.download_artifact(diffs[0].artifact_id, sys.stdout.buffer)
+            sys.stdout.buffer.flush()
+        except SandboxdClientError as exc:
+            return fail(f"{exc.code.name}: {exc.message}", 1)
     return 0
 
 

@@ -39,6 +39,7 @@ from sandboxd.core.errors import BackendUnavailable, SandboxdError
 from sandboxd.core.hostfacts import HostFacts
 from sandboxd.core.metrics import MetricsServer, render
 from sandboxd.core.mounts import unmount
+from sandboxd.outputs import tempdir
 from sandboxd.core.sdnotify import SystemdNotifier
 from sandboxd.core.settings import DaemonSettings
 from sandboxd.egress.proxy import EgressProxy
@@ -213,6 +214,7 @@ class _Sandboxing:
 def _start_sandboxing(settings: DaemonSettings, daemon_id: str, host: HostFacts, home: CgroupHome | str,
                       cleanup: ExitStack) -> _Sandboxing:
     shim, no_shim_reason = _install_shim(settings)  # before the backends: every jail starts with it
+    tempdir.reap(settings.runtime_dir)  # persistOutputs' tmpfs a killed daemon left mounted
     _check_file_recording(settings)
     backends, unavailable = start_backends(settings, daemon_id, shim, host, home,
                                          str(settings.runtime_dir / STAGING_SUBDIR), cleanup)

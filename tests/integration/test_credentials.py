@@ -16,7 +16,7 @@ import pytest
 from sandboxd_testing import make_daemon
 from sandboxd_client import errors
 
-from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, docker_client, public_tmpdir, sandbox_containers, stop_and_clean
+from .conftest import BACKENDS, DAEMON_ENV, AdapterClient, call, sh, docker_client, public_tmpdir, sandbox_containers, stop_and_clean
 
 FILE_SECRET = "ghp_file_secret_9f8e7d6c5b4a3210"
 ENV_SECRET = "env-secret-Zq81-p0w3r-7777"
@@ -130,6 +130,27 @@ def test_printed_secrets_never_reach_the_client_the_artifacts_or_the_trace(bc, b
     assert text.count("[REDACTED:gh]") >= 6 and "[REDACTED:cmdtok]" in text
     assert "[REDACTED:gh]" in out.stderr.decode()
     assert "plain: [REDACTED:gh]\n" in text and "split:[REDACTED:gh]\n" in text
+
+
+def test_a_secret_written_to_a_file_is_struck_from_its_artifact_and_the_diff(bc, broker_daemon):
+    """The file itself keeps the value (the call wrote it); what the daemon keeps of it
+    (the file artifact, the diff, under a name chosen after the secret too) does not."""
+    ws = broker_daemon.new_workspace({"config.ini": "token = none\n"})
+    c = with_refs(ws, sh(f"printf 'token = %s\\n' \"$GH_TOKEN\" > /workspace/config.ini; "
+                         f"cp /workspace/config.ini \"/workspace/copy-$GH_TOKEN\""),
+                  [{"bindingId": "gh", "envName": "GH_TOKEN"}])
+    c["policy"]["filesystem"] = {"writeRoots": ["/workspace"]}
+    out = bc.run(c)
+    assert out.result.status == "success", out.stderr
+    assert (ws / "config.ini").read_text() == f"token = {FILE_SECRET}\n"
+    kept = {a.path: a for a in out.result.artifacts if a.kind in ("file", "diff")}
+    assert set(kept) == {"/workspace/config.ini", "/workspace/copy-[REDACTED:gh]", ""}, set(kept)
+    for ref in kept.values():
+        buf = io.BytesIO()
+        bc.download_artifact(ref.artifact_id, buf)
+        assert FILE_SECRET.encode() not in buf.getvalue() and b"[REDACTED:gh]" in buf.getvalue(), ref
+    trace = "".join(e.payload_json for e in bc.get_trace(out.tool_call_id))
+    assert FILE_SECRET not in trace
 
 
 def test_docker_inspect_of_a_running_sandbox_shows_no_secret(broker_daemon, docker_engine):

@@ -26,7 +26,7 @@ CLIENT = Path(sandboxd_client.__file__).parent
 
 def leaf_commands() -> list[list[str]]:
     """Every runnable command's words, with what its positionals need."""
-    needs = {"artifact get": ["a"], "artifact ls": ["c"], "trace": ["c"], "logs": ["c"], "cancel": ["c"],
+    needs = {"artifact get": ["a"], "artifact ls": ["c"], "trace": ["c"], "logs": ["c"], "diff": ["c"], "cancel": ["c"],
              "pool release": ["l"], "context use": ["n"], "context set": ["n"], "context rm": ["n"],
              "completion": ["bash"], "exec": ["--", "true"]}
     return [c.path.split() + needs.get(c.path, []) for c in walk(build_parser()) if c.path and not c.subcommands]

@@ -129,8 +129,18 @@ def case_egress_allowlist():
     return policy, plan, {"attachments": att, "argv": ("pip", "download", "requests")}
 
 
+def case_kept_temp():
+    """persistOutputs: the daemon's tmpfs bound at tempDir instead of the engine's."""
+    policy = resolve({"filesystem": {"writeRoots": ["/workspace"], "persistOutputs": True},
+                      "process": {"maxTmpSizeMb": 16}})
+    plan = HostPlan(workspace=WS, uid=1000, gid=1000, binds=(Bind("/workspace", WS, False),), masks=(),
+                    outputs_dir="/var/lib/sandboxd-runtime/outputs/sbx-0001")
+    return policy, plan, {}
+
+
 CASES = {
     "default": case_default,
+    "kept_temp": case_kept_temp,
     "egress_allowlist": case_egress_allowlist,
     "partial_workspace": case_partial_workspace,
     "writable_workspace_custom_temp": case_writable_workspace_custom_temp,
@@ -222,9 +232,12 @@ def test_mount_targets_are_unique(compiled):
 
 
 def test_temp_dir_tmpfs(compiled):
-    policy, _, spec = compiled
+    policy, plan, spec = compiled
     [tmp] = [m for m in spec.mounts if m.target == policy.temp_dir]
-    assert tmp == MountSpec("tmpfs", policy.temp_dir, tmpfs_size_bytes=policy.tmp_size_bytes, tmpfs_mode=0o1777)
+    if policy.persist_outputs:  # the daemon's own tmpfs, which outlives the sandbox
+        assert tmp == MountSpec("bind", policy.temp_dir, source=plan.outputs_dir, read_only=False)
+    else:
+        assert tmp == MountSpec("tmpfs", policy.temp_dir, tmpfs_size_bytes=policy.tmp_size_bytes, tmpfs_mode=0o1777)
 
 
 def test_labels(compiled):

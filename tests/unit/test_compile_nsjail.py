@@ -104,8 +104,18 @@ def case_writable_workspace_custom_temp():
                           "ident": SandboxIdentity("daemon-2", "sbx-abcdef", "tc-writable")}
 
 
+def case_kept_temp():
+    """persistOutputs: the daemon's tmpfs bound at tempDir instead of the engine's."""
+    policy = resolve({"filesystem": {"writeRoots": ["/workspace"], "persistOutputs": True},
+                      "process": {"maxTmpSizeMb": 16}})
+    plan = HostPlan(workspace=WS, uid=1000, gid=1000, binds=(Bind("/workspace", WS, False),), masks=(),
+                    outputs_dir="/var/lib/sandboxd-runtime/outputs/sbx-0001")
+    return policy, plan, {}
+
+
 CASES = {
     "default": case_default,
+    "kept_temp": case_kept_temp,
     "partial_workspace": case_partial_workspace,
     "writable_workspace_custom_temp": case_writable_workspace_custom_temp,
 }
@@ -253,7 +263,7 @@ def test_command_line():
 
 
 def test_root_first_read_only_and_system_mounts(compiled):
-    _, _, spec = compiled
+    _, plan, spec = compiled
     root = spec.mounts[0]
     assert root == NsjailMount(dst="/", src=ROOTFS, is_bind=True, rw=False, is_dir=True, nosuid=True, nodev=True)
     by_dst = {m.dst: m for m in spec.mounts}
@@ -266,9 +276,11 @@ def test_root_first_read_only_and_system_mounts(compiled):
     assert all(m.src == m.dst and m.rw and m.noexec for m in spec.mounts if m.dst in devices)
     assert by_dst["/dev/shm"].noexec and by_dst["/dev/pts"].fstype == "devpts"
     # Nothing of the host but the image, the workspace, the mask file, devices, init,
-    # the shim and the seccomp program.
+    # the shim, the seccomp program and persistOutputs' tmpfs (noexec, as the engine's).
     for m in spec.mounts:
-        if m.is_bind:
+        if m.is_bind and plan.outputs_dir and m.src == plan.outputs_dir:
+            assert m.rw and m.noexec and m.nosuid and m.nodev
+        elif m.is_bind:
             assert m.src in (ROOTFS, INIT, MASK_FILE, SHIM, SECCOMP) or m.src.startswith("/dev/") or \
                 is_within(m.src, spec.labels["sandboxd.workspace"]), m
 

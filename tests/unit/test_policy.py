@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from google.protobuf import json_format
 
-from sandboxd.core.errors import InvalidArgument, PermissionDenied, SandboxdError, Unimplemented
+from sandboxd.core.errors import InvalidArgument, PermissionDenied, SandboxdError
 from sandboxd.policy.models import (
     BASE_ENV_NAMES,
     BASE_PATH,
@@ -346,10 +346,11 @@ def test_good_temp_dir(temp, want):
     assert resolve({"filesystem": {"readRoots": ["/workspace"], "tempDir": temp}}).temp_dir == want
 
 
-def test_persist_outputs_is_unimplemented():
-    exc = refused(Unimplemented, resolve, {"filesystem": {"readRoots": ["/workspace"], "persistOutputs": True}})
-    assert exc.field == "policy.filesystem.persistOutputs"
-    assert exc.status == "UNIMPLEMENTED"
+def test_persist_outputs_is_part_of_the_effective_policy():
+    kept = resolve({"filesystem": {"readRoots": ["/workspace"], "persistOutputs": True}})
+    assert kept.persist_outputs and kept.to_json_dict()["persistOutputs"] is True
+    assert not resolve({"filesystem": {"readRoots": ["/workspace"]}}).persist_outputs
+    assert kept.digest() != resolve({"filesystem": {"readRoots": ["/workspace"]}}).digest()
 
 
 # ------------------------------------------------------------------ network

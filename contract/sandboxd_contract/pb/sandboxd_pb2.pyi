@@ -180,7 +180,7 @@ class PreparedToolCall(_message.Message):
     def __init__(self, tool_call_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., parent_event_id: _Optional[str] = ..., intent_id: _Optional[str] = ..., tool_id: _Optional[str] = ..., tool_version: _Optional[str] = ..., proposed_by: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., stdin: _Optional[bytes] = ..., workspace: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., credential_refs: _Optional[_Iterable[_Union[CredentialRef, _Mapping]]] = ..., authorization: _Optional[_Union[Authorization, _Mapping]] = ..., runtime: _Optional[_Union[RuntimeSettings, _Mapping]] = ...) -> None: ...
 
 class ArtifactRef(_message.Message):
-    __slots__ = ("artifact_id", "kind", "uri", "content_hash", "size_bytes", "summary", "tool_call_id", "event_id", "created_at")
+    __slots__ = ("artifact_id", "kind", "uri", "content_hash", "size_bytes", "summary", "tool_call_id", "event_id", "created_at", "path", "change", "previous_path", "file_mode")
     ARTIFACT_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,10 @@ class ArtifactRef(_message.Message):
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_PATH_FIELD_NUMBER: _ClassVar[int]
+    FILE_MODE_FIELD_NUMBER: _ClassVar[int]
     artifact_id: str
     kind: str
     uri: str
@@ -199,7 +203,11 @@ class ArtifactRef(_message.Message):
     tool_call_id: str
     event_id: str
     created_at: str
-    def __init__(self, artifact_id: _Optional[str] = ..., kind: _Optional[str] = ..., uri: _Optional[str] = ..., content_hash: _Optional[str] = ..., size_bytes: _Optional[int] = ..., summary: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., event_id: _Optional[str] = ..., created_at: _Optional[str] = ...) -> None: ...
+    path: str
+    change: str
+    previous_path: str
+    file_mode: str
+    def __init__(self, artifact_id: _Optional[str] = ..., kind: _Optional[str] = ..., uri: _Optional[str] = ..., content_hash: _Optional[str] = ..., size_bytes: _Optional[int] = ..., summary: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., event_id: _Optional[str] = ..., created_at: _Optional[str] = ..., path: _Optional[str] = ..., change: _Optional[str] = ..., previous_path: _Optional[str] = ..., file_mode: _Optional[str] = ...) -> None: ...
 
 class EffectsObserved(_message.Message):
     __slots__ = ("reads", "writes", "deletes", "external_calls", "incomplete")
@@ -248,7 +256,7 @@ class Provenance(_message.Message):
     def __init__(self, event_id: _Optional[str] = ..., artifact_refs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ToolResult(_message.Message):
-    __slots__ = ("tool_call_id", "status", "exit_code", "signal", "timed_out", "oom_killed", "stdout_truncated", "stderr_truncated", "stdout_preview", "stderr_preview", "artifacts", "effects_observed", "usage", "error", "provenance")
+    __slots__ = ("tool_call_id", "status", "exit_code", "signal", "timed_out", "oom_killed", "stdout_truncated", "stderr_truncated", "stdout_preview", "stderr_preview", "artifacts", "effects_observed", "usage", "error", "provenance", "artifacts_omitted")
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +272,7 @@ class ToolResult(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROVENANCE_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     tool_call_id: str
     status: str
     exit_code: int
@@ -279,7 +288,8 @@ class ToolResult(_message.Message):
     usage: Usage
     error: ToolError
     provenance: Provenance
-    def __init__(self, tool_call_id: _Optional[str] = ..., status: _Optional[str] = ..., exit_code: _Optional[int] = ..., signal: _Optional[str] = ..., timed_out: _Optional[bool] = ..., oom_killed: _Optional[bool] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., stdout_preview: _Optional[str] = ..., stderr_preview: _Optional[str] = ..., artifacts: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., effects_observed: _Optional[_Union[EffectsObserved, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[ToolError, _Mapping]] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ...) -> None: ...
+    artifacts_omitted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tool_call_id: _Optional[str] = ..., status: _Optional[str] = ..., exit_code: _Optional[int] = ..., signal: _Optional[str] = ..., timed_out: _Optional[bool] = ..., oom_killed: _Optional[bool] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., stdout_preview: _Optional[str] = ..., stderr_preview: _Optional[str] = ..., artifacts: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., effects_observed: _Optional[_Union[EffectsObserved, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[ToolError, _Mapping]] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., artifacts_omitted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("call",)

@@ -88,7 +88,8 @@ def serialize_event(event: pb.ExecuteEvent | bytes) -> bytes:
 def artifact_to_pb(r: ArtifactRecord) -> pb.ArtifactRef:
     return pb.ArtifactRef(artifact_id=r.artifact_id, kind=r.kind, uri=r.uri, content_hash=r.content_hash,
                           size_bytes=r.size_bytes, summary=r.summary, tool_call_id=r.tool_call_id,
-                          event_id=r.event_id, created_at=r.created_at)
+                          event_id=r.event_id, created_at=r.created_at, path=r.path, change=r.change,
+                          previous_path=r.previous_path, file_mode=r.file_mode)
 
 
 def event_to_pb(e: Event) -> pb.TraceEvent:

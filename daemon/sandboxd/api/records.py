@@ -13,7 +13,7 @@ from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
 from sandboxd.api.auth import Authenticator
 from sandboxd.api.messages import artifact_to_pb, call_summary, event_to_pb
 from sandboxd.calls.executor import CallExecutor
-from sandboxd.core.errors import InvalidArgument, NotFound, PermissionDenied
+from sandboxd.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from sandboxd.ledger import audit
 from sandboxd.ledger.artifacts import FileArtifactStore
 from sandboxd.ledger.events import CheckpointFile, EventLog
@@ -60,6 +60,9 @@ class ArtifactServicer(pb_grpc.ArtifactServiceServicer):
             self._executor.check_access(record.tool_call_id, caller)
         except NotFound:
             raise NotFound(f"no artifact {request.artifact_id}", field="artifactId") from None
+        if record.change == "deleted":
+            raise FailedPrecondition(f"artifact {request.artifact_id} records that the call deleted {record.path}: "
+                                     "it has no content to download", field="artifactId")
         try:
             blob = self._store.open(record)
         except FileNotFoundError:  # expired between the row and the blob

@@ -19,7 +19,7 @@ from typing import Any
 from sandboxd.calls.admission import Admission, CallTable, Submitted
 from sandboxd.calls.janitor import Janitor
 from sandboxd.calls.placement import Placement, RecordingTools, placement_for
-from sandboxd.calls.prepare import Prepared, Preparer
+from sandboxd.calls.prepare import Prepared, Preparer, refuse_kept_tempdir
 from sandboxd.calls.recovery import recover_interrupted
 from sandboxd.calls.replay import AttachedRun, ReplayRun
 from sandboxd.calls.reservations import WorkspaceReservations
@@ -40,6 +40,7 @@ from sandboxd.pools import Lease, PoolManager
 from sandboxd.recording import snapshot
 from sandboxd.recording.filewatch import fid_supported
 from sandboxd.recording.live_snapshot import LiveSnapshots
+from sandboxd.recording.baseline import Baseline
 from sandboxd.recording.recorder import WriteRoots
 from sandboxd.sandbox.output import OutputSpool
 from sandboxd.sandbox.protocol import Backend
@@ -52,6 +53,15 @@ log = logging.getLogger("sandboxd.calls.executor")
 MAX_CANCEL_REASON_CHARS = 1024
 # A write root's snapshot is brought up to date this long after a change reaches it.
 REFRESH_WRITE_ROOTS_AFTER_S = 0.02
+
+
+def baseline_for(settings: DaemonSettings) -> Baseline | None:
+    caps = settings.artifacts
+    if not caps.diff or caps.baseline_max_mb == 0:
+        return None
+    baseline = Baseline(settings.state_dir / "baseline", caps.baseline_max_mb * 2**20, caps.diff_max_file_kb * 1024)
+    baseline.open()
+    return baseline
 
 
 class CallExecutor:
@@ -75,8 +85,10 @@ class CallExecutor:
         self.artifacts = artifacts
         self.backends = dict(backends)
         self.daemon_id = daemon_id
+        # Text files' content as hashed, for a call's diff (what a file held before it).
+        self.baseline = baseline_for(settings)
         # Content hashes of workspace files, reused while a file is unchanged.
-        self.hashes = snapshot.HashCache()
+        self.hashes = snapshot.HashCache(baseline=self.baseline)
         # Write roots' snapshots kept current between calls (a walk costs the whole tree).
         # Brought up to date 20 ms after a change, between calls: a call's snapshot then
         # finds nothing to rescan but what its own command did.
@@ -158,7 +170,9 @@ class CallExecutor:
         later looks its image up and compiles then)."""
         if self.pools is None:
             raise FailedPrecondition("this daemon keeps no pools")
-        return self._preparer.prepare(parse_call(raw), "pool", caller, resolve_credentials=False, sandbox=sandbox)
+        template = self._preparer.prepare(parse_call(raw), "pool", caller, resolve_credentials=False, sandbox=sandbox)
+        refuse_kept_tempdir(template.policy, "a warm sandbox serves many calls")
+        return template
 
     def acquire(self, raw: Mapping[str, Any], caller: Principal, lease_ms: int, wait_ms: int) -> Lease:
         """A lease on a warm sandbox for this workspace, image and policy."""

@@ -17,9 +17,11 @@ from sandboxd.calls.reservations import WorkspaceReservations
 from sandboxd.calls.result import NetworkRecord
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.ledger.store import Database
+from sandboxd.outputs import tempdir
 from sandboxd.policy.preflight import HostPlan
 from sandboxd.pools import PoolManager
 from sandboxd.recording import snapshot
+from sandboxd.recording.changes import ChangedFile
 from sandboxd.recording.recorder import FileRecorder, GatedWatch, KeptWatch, WriteRoots
 from sandboxd.sandbox.output import OutputSpool
 from sandboxd.sandbox.engine import create_sandbox
@@ -63,6 +65,7 @@ class _Placement(ABC):
         self._db = db
         self._resources = ExitStack()
         self.sandbox: Sandbox | None = None  # once created (for a lease: taken)
+        self.kept_tempdir = ""  # persistOutputs: the host tmpfs at tempDir, until released
         self.network = NetworkRecord()
 
     def __enter__(self) -> "_Placement":
@@ -72,7 +75,18 @@ class _Placement(ABC):
                  tb: TracebackType | None) -> None:
         self._resources.close()
 
-    def _write_roots(self) -> WriteRoots:
+    def kept_outputs(self) -> tuple[list[ChangedFile], list[str]]:
+        """persistOutputs: what the call left in its tempDir, and why that may not be all."""
+        if not self.kept_tempdir:
+            return [], []
+        return tempdir.kept_files(self.prepared.policy.temp_dir, self.kept_tempdir)
+
+    def release_outputs(self) -> None:
+        if self.kept_tempdir:
+            tempdir.release(self.kept_tempdir)
+            self.kept_tempdir = ""
+
+    def write_roots(self) -> WriteRoots:
         # What mount marks cannot see (creations, deletions, renames, chmods, the content
         # a write found) comes from a before/after walk of the writable mounts.
         return [(b.sandbox_path, b.host_path) for b in self.prepared.plan.binds if not b.read_only]
@@ -126,7 +140,7 @@ class FreshPlacement(_Placement):
         gate = p.attachments.gate_host_path
         watcher = GatedWatch(gate, p.plan.uid, p.plan.gid, tuple(b.sandbox_path for b in p.plan.binds),
                              lambda: tools.fid(p.plan), label) if gate else None
-        return FileRecorder(watcher, self._write_roots(), tools.walk, tools.refresh, label)
+        return FileRecorder(watcher, self.write_roots(), tools.walk, tools.refresh, label)
 
     def open(self) -> None:
         """The egress endpoint and the secrets' files, before the sandbox exists."""
@@ -158,6 +172,9 @@ class FreshPlacement(_Placement):
 
     def _make(self) -> Sandbox:
         p = self.prepared
+        if p.plan.outputs_dir:  # persistOutputs: released by the run once it is collected
+            tempdir.make(p.plan.outputs_dir, p.policy.tmp_size_bytes, p.plan.uid, p.plan.gid)
+            self.kept_tempdir = p.plan.outputs_dir
         return create_sandbox(p.backend, p.spec)
 
 
@@ -191,10 +208,10 @@ class LeasedPlacement(_Placement):
         if tools.file_watch and p.policy.record_file_access and p.plan.binds:
             watcher = KeptWatch(ws, tuple(b.sandbox_path for b in ws.prepared.plan.binds),
                                 lambda: tools.fid(ws.prepared.plan), self._lease.broken)
-            return FileRecorder(watcher, self._write_roots(), tools.walk, tools.refresh, label)
+            return FileRecorder(watcher, self.write_roots(), tools.walk, tools.refresh, label)
         if ws.watch is not None:
             ws.watch.unrecorded()  # the sandbox's kept watch sees this command too
-        return FileRecorder(None, self._write_roots(), tools.walk, tools.refresh, label)
+        return FileRecorder(None, self.write_roots(), tools.walk, tools.refresh, label)
 
     def open(self) -> None:
         """Nothing: the sandbox has its endpoint, and a command's env secrets travel over

@@ -17,6 +17,7 @@ from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, Invalid
 from sandboxd.core.settings import DaemonSettings
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.ledger import events as ev
+from sandboxd.outputs.tempdir import outputs_dir
 from sandboxd.policy import images
 from sandboxd.policy.models import EffectivePolicy, PreparedToolCall, check_admission, resolve_policy
 from sandboxd.policy.preflight import HostPlan, preflight
@@ -101,7 +102,8 @@ class Preparer:
             return Prepared(call, policy, plan, image, "", backend, None, "")
         digest = self.resolve_allowed_image(backend, image)
         sandbox_id = "sbx-" + ev.new_id("x")[2:]
-        plan = replace(plan, staging_dir=self.staging_dir(sandbox_id))
+        plan = replace(plan, staging_dir=self.staging_dir(sandbox_id),
+                       outputs_dir=outputs_dir(self._settings.runtime_dir, sandbox_id) if policy.persist_outputs else "")
         egress = self._egress(policy, sandbox_id)
         secrets = (self._broker.resolve(call, policy, caller.name)
                    if resolve_credentials and caller is not None else ())
@@ -158,6 +160,7 @@ class Preparer:
         """A call in a leased sandbox: the same checks as any call, then the lease's
         sandbox (its policy class must match) and a command spec for its supervisor."""
         prepared = self.prepare(call, tool_call_id, caller, resolve_credentials=False, sandbox=False)
+        refuse_kept_tempdir(prepared.policy, "a leased sandbox's tempDir outlives the call")
         secrets = self._broker.resolve(call, prepared.policy, caller.name) if call.credential_refs else ()
         pools = self._pools
         if pools is None:
@@ -199,6 +202,12 @@ def resolve_allowed_image(allowed_images: tuple[str, ...], backend: Backend, ima
         raise PermissionDenied(f"image {image!r} resolves to {digest[:19]} ({shown}), which is not in the "
                                "daemon's allowed images", field="runtime.image")
     return digest
+
+
+def refuse_kept_tempdir(policy: EffectivePolicy, why: str) -> None:
+    """persistOutputs needs a sandbox of the call's own: its tempDir is walked after it is gone."""
+    if policy.persist_outputs:
+        raise FailedPrecondition(f"persistOutputs needs a fresh sandbox: {why}", field="policy.filesystem.persistOutputs")
 
 
 def staging_dir(runtime_dir: Path, sandbox_id: str) -> str:

@@ -56,6 +56,8 @@ class CallEnd:
     artifacts: list[ArtifactRecord]
     files: FileRecord = field(default_factory=FileRecord)
     network: NetworkRecord = field(default_factory=NetworkRecord)
+    # Changed files not kept as artifacts, and why (outputs/collect.py).
+    artifacts_omitted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -92,13 +94,19 @@ def error_result(tool_call_id: str, code: str, message: str) -> dict[str, Any]:
 
 
 def artifact_json(r: ArtifactRecord) -> dict[str, Any]:
-    return {"artifactId": r.artifact_id, "kind": r.kind, "uri": r.uri, "contentHash": r.content_hash,
-            "sizeBytes": r.size_bytes, "summary": r.summary, "toolCallId": r.tool_call_id,
-            "eventId": r.event_id, "createdAt": r.created_at}
+    out = {"artifactId": r.artifact_id, "kind": r.kind, "uri": r.uri, "contentHash": r.content_hash,
+           "sizeBytes": r.size_bytes, "summary": r.summary, "toolCallId": r.tool_call_id,
+           "eventId": r.event_id, "createdAt": r.created_at}
+    if r.path:
+        out |= {"path": r.path, "change": r.change, "fileMode": r.file_mode}
+        if r.previous_path:
+            out["previousPath"] = r.previous_path
+    return out
 
 
 def persisted(r: ArtifactRecord) -> EventDraft:
-    return draft(ArtifactPersisted(r.artifact_id, r.kind, r.content_hash, r.size_bytes), r.event_id)
+    return draft(ArtifactPersisted(r.artifact_id, r.kind, r.content_hash, r.size_bytes, r.path, r.change,
+                                   r.previous_path, r.file_mode), r.event_id)
 
 
 def result_of(end: CallEnd, validated_id: str) -> dict[str, Any]:
@@ -123,6 +131,8 @@ def result_of(end: CallEnd, validated_id: str) -> dict[str, Any]:
                   "outputBytes": out.produced_bytes + err.produced_bytes},
         "provenance": {"eventId": validated_id, "artifactRefs": [r.artifact_id for r in end.artifacts]},
     }
+    if end.artifacts_omitted:
+        result["artifactsOmitted"] = end.artifacts_omitted
     if error:
         result["error"] = error
     return result

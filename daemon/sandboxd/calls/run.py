@@ -20,10 +20,13 @@ from sandboxd.calls.replay import Answer, ReplayRun
 from sandboxd.calls.result import CallEnd, FinishedCall, error_result, finished_call
 from sandboxd.calls.stream import StreamItem
 from sandboxd.core.errors import FailedPrecondition, SandboxdError
+from sandboxd.core.settings import DaemonSettings
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import ArtifactRecord, FileArtifactStore
 from sandboxd.ledger.events import EventDraft, EventLog
 from sandboxd.ledger.store import Database
+from sandboxd.outputs.collect import Collected, OutputCollector
+from sandboxd.recording.baseline import Baseline
 from sandboxd.recording.recorder import FileRecord, FileRecorder
 from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool, StreamSummary
 from sandboxd.sandbox.protocol import ExitStatus, Process, ResourceUsage
@@ -44,6 +47,8 @@ class RunHost(Protocol):
     events: EventLog
     db: Database
     artifacts: FileArtifactStore
+    settings: DaemonSettings
+    baseline: Baseline | None
 
     def after_call(self, spool: OutputSpool | None, tool_call_id: str) -> None: ...
 
@@ -297,6 +302,7 @@ class CallRun:
                 self._cond.notify_all()
         finally:
             try:
+                self._placement.release_outputs()
                 # Unrecorded, the spool stays for the next start, which recovers the
                 # call from it.
                 self._host.after_call(self.spool if recorded else None, self.tool_call_id)
@@ -304,12 +310,33 @@ class CallRun:
             finally:
                 self._ran.set()
 
+    def _left_behind(self, files: FileRecord) -> Collected:
+        """The changed files, persistOutputs' files and the diff as artifacts
+        (outputs/collect.py). A failure here costs the call its file artifacts, never
+        its recorded result."""
+        placement, p = self._placement, self.prepared
+        try:
+            kept, gaps = placement.kept_outputs()
+            if not files.changed and not kept:
+                return Collected(omitted=gaps)
+            roots = placement.write_roots() + ([(p.policy.temp_dir, placement.kept_tempdir)] if kept else [])
+            collector = OutputCollector(self._host.settings.artifacts, self._host.artifacts, self._host.baseline,
+                                        self.tool_call_id, roots, p.redactor if p.secrets or p.redaction else None)
+            collected = collector.collect(files.changed, kept)
+            collected.omitted[:0] = gaps
+            return collected
+        except Exception as exc:
+            log.exception("collecting the files of %s failed", self.tool_call_id)
+            return Collected(omitted=[f"the changed files could not be collected: {exc}"])
+
     def _finish(self, ending: _Ending, latency_ms: int, cancel_reason: str, files: FileRecord) -> None:
         host, p = self._host, self.prepared
         out, err = self.spool.summary(STDOUT), self.spool.summary(STDERR)
         records = output_artifacts(host.artifacts, self.tool_call_id, out, err)
+        left = self._left_behind(files)
+        records += left.records
         end = CallEnd(self.tool_call_id, p.policy, ending.status, ending.usage, latency_ms, ending.timed_out,
-                      cancel_reason, ending.failure, out, err, records, files, self._placement.network)
+                      cancel_reason, ending.failure, out, err, records, files, self._placement.network, left.omitted)
         redact = p.redactor().redact_text if p.secrets or p.redaction else None
         done: FinishedCall = finished_call(end, ev.new_id("ev"), ev.new_id("ev"), redact)
         drafts = self._pending_started + done.drafts

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
+from sandboxd.core.artifact_settings import ArtifactSettings
 from sandboxd.core.assets import CGROUP_EXEC, FANOTIFY_READER, RELAY_LIBRARY, SECCOMP_PROFILE, SHIM, packaged
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -248,19 +249,6 @@ class RetentionSettings(BaseModel):
     sweep_interval_s: float = Field(default=3600.0, gt=0)
     # Calls expired per transaction: a large backlog never holds the log for long.
     batch: int = Field(default=200, ge=1)
-
-
-class ArtifactSettings(BaseModel):
-    """Where artifact blobs are kept (ledger/blobs.py, s3_blobs.py); every read verifies their sha256."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    store: Literal["local", "s3"] = "local"  # `local`: <state_dir>/blobs only; `s3`: the S3-compatible store below
-    endpoint_url: str | None = Field(default=None, pattern=r"^https?://")  # The S3 API's URL, e.g. http://127.0.0.1:8333; unset: AWS
-    bucket: str = Field(default="sandboxd", min_length=3, max_length=63)  # An existing bucket (the daemon creates none).
-    prefix: str = Field(default="", pattern=r"^([\w.-]+/)*$")  # Put before every key `sha256/<ab>/<hex>`, e.g. "sandboxd/"
-    region: str = "us-east-1"  # The region requests are signed for
-    credentials_file: Path | None = None  # An AWS-style credentials file ([default], mode 0600); unset: AWS_* env
-    addressing_style: Literal["path", "virtual", "auto"] = "path"  # The bucket in the URL's path (most servers) or host
 
 
 class PoolSettings(BaseModel):

@@ -33,6 +33,11 @@ def open_blob_store(settings: ArtifactSettings, blob_dir: Path) -> BlobStore:
     return store
 
 
+_WITH_FILES = ("SELECT a.*, coalesce(f.path, '') AS path, coalesce(f.change, '') AS change,"
+               " coalesce(f.previous_path, '') AS previous_path, coalesce(f.file_mode, '') AS file_mode"
+               " FROM artifacts a LEFT JOIN file_artifacts f ON f.artifact_id = a.artifact_id")
+
+
 @dataclass(frozen=True)
 class ArtifactRecord:
     artifact_id: str
@@ -43,6 +48,12 @@ class ArtifactRecord:
     size_bytes: int
     summary: str
     created_at: str
+    # A `file` artifact's: the sandbox path, created | modified | renamed | deleted,
+    # where a renamed file was, its mode after the call ("0644"; "" when deleted).
+    path: str = ""
+    change: str = ""
+    previous_path: str = ""
+    file_mode: str = ""
 
     @property
     def uri(self) -> str:
@@ -65,6 +76,12 @@ class FileArtifactStore:
     def blob_path(self, content_hash: str) -> Path:
         """Where the local store keeps a blob (with S3: until it is uploaded)."""
         return LocalBlobStore(self._blob_dir).path(content_hash)
+
+    def incoming_dir(self) -> Path:
+        """Where a blob is written before it is put (beside the store: the put is a rename)."""
+        path = self._blob_dir / "incoming"
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return path
 
     def put_blob(self, src: Path, content_hash: str) -> Path:
         """Moves a finished, already-hashed spool file into the content address.
@@ -108,9 +125,13 @@ class FileArtifactStore:
             (record.artifact_id, record.tool_call_id, record.event_id, record.kind, record.content_hash,
              record.size_bytes, record.summary, record.created_at),
         )
+        if record.path:
+            conn.execute("INSERT INTO file_artifacts (artifact_id, path, change, previous_path, file_mode)"
+                         " VALUES (?,?,?,?,?)",
+                         (record.artifact_id, record.path, record.change, record.previous_path, record.file_mode))
 
     def get(self, artifact_id: str) -> ArtifactRecord:
-        rows = self._db.query("SELECT * FROM artifacts WHERE artifact_id = ?", (artifact_id,))
+        rows = self._db.query(f"{_WITH_FILES} WHERE a.artifact_id = ?", (artifact_id,))
         if not rows:
             raise NotFound(f"no artifact {artifact_id}", field="artifactId")
         return ArtifactRecord(**rows[0])
@@ -122,7 +143,8 @@ class FileArtifactStore:
         return (rows[0]["tool_call_id"], rows[0]["expired_at"]) if rows else None
 
     def list_for_call(self, tool_call_id: str) -> list[ArtifactRecord]:
-        rows = self._db.query("SELECT * FROM artifacts WHERE tool_call_id = ? ORDER BY created_at, artifact_id", (tool_call_id,))
+        rows = self._db.query(f"{_WITH_FILES} WHERE a.tool_call_id = ? ORDER BY a.created_at, a.artifact_id",
+                              (tool_call_id,))
         return [ArtifactRecord(**r) for r in rows]
 
     def open(self, record: ArtifactRecord) -> BinaryIO:

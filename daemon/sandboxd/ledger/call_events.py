@@ -325,20 +325,32 @@ class ToolResultValidated:
 @dataclass(frozen=True)
 class ArtifactFacts:
     """An artifact by id, kind, content hash and size: as persisted (ArtifactPersisted)
-    and as retention names the ones it removed (RemovedArtifact, in ToolCallExpired)."""
+    and as retention names the ones it removed (RemovedArtifact, in ToolCallExpired).
+    A `file` artifact also names its path and what the call did to it (absent for the
+    other kinds, whose payloads stay as they were)."""
 
     artifact_id: str
     kind: str
     content_hash: str
     size_bytes: int
+    path: str = ""
+    change: str = ""  # created | modified | renamed | deleted
+    previous_path: str = ""
+    file_mode: str = ""
 
     def to_payload(self) -> dict[str, Any]:
-        return {"artifactId": self.artifact_id, "kind": self.kind, "contentHash": self.content_hash,
-                "sizeBytes": self.size_bytes}
+        out: dict[str, Any] = {"artifactId": self.artifact_id, "kind": self.kind, "contentHash": self.content_hash,
+                               "sizeBytes": self.size_bytes}
+        if self.path:
+            out |= {"path": self.path, "change": self.change, "fileMode": self.file_mode}
+            if self.previous_path:
+                out["previousPath"] = self.previous_path
+        return out
 
     @classmethod
     def from_payload(cls, p: Mapping[str, Any]) -> Self:
-        return cls(p.get("artifactId", ""), p.get("kind", ""), p.get("contentHash", ""), p.get("sizeBytes", 0))
+        return cls(p.get("artifactId", ""), p.get("kind", ""), p.get("contentHash", ""), p.get("sizeBytes", 0),
+                   p.get("path", ""), p.get("change", ""), p.get("previousPath", ""), p.get("fileMode", ""))
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ def expire_calls(db: Database, events: EventLog, index: AuditIndex, before: str,
                 " ORDER BY artifact_id", (tool_call_id,)).fetchall()
             last = conn.execute("SELECT event_id FROM events WHERE tool_call_id = ? ORDER BY seq DESC LIMIT 1",
                                 (tool_call_id,)).fetchone()
+            conn.execute("DELETE FROM file_artifacts WHERE artifact_id IN"
+                         " (SELECT artifact_id FROM artifacts WHERE tool_call_id = ?)", (tool_call_id,))
             conn.execute("DELETE FROM artifacts WHERE tool_call_id = ?", (tool_call_id,))
             # Each blob stays pending here until it is gone: a crash after this commit
             # leaves it to the next sweep, never on disk for good.

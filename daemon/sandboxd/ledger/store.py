@@ -37,6 +37,15 @@ CREATE TABLE IF NOT EXISTS artifacts (
 );
 CREATE INDEX IF NOT EXISTS artifacts_by_call ON artifacts (tool_call_id);
 CREATE INDEX IF NOT EXISTS artifacts_by_content ON artifacts (content_hash);
+-- A `file` artifact's path and what the call did to it (a table of its own: the
+-- artifacts table of an older store stays as it is).
+CREATE TABLE IF NOT EXISTS file_artifacts (
+    artifact_id TEXT PRIMARY KEY,
+    path TEXT NOT NULL,
+    change TEXT NOT NULL,
+    previous_path TEXT NOT NULL,
+    file_mode TEXT NOT NULL
+);
 -- Artifacts removed by retention: a download names the expiry instead of "no artifact";
 -- blob_pending until the blob is gone (or named by another call), across restarts.
 CREATE TABLE IF NOT EXISTS expired_artifacts (

@@ -20,7 +20,7 @@ from sandboxd_contract.canonical import canonical_json
 
 from sandboxd.policy.egress_rules import normalize_pattern
 from sandboxd.policy.roots import is_within, normalized_roots
-from sandboxd.core.errors import InvalidArgument, PermissionDenied, Unimplemented
+from sandboxd.core.errors import InvalidArgument, PermissionDenied
 from sandboxd.core.settings import LimitSettings
 
 WORKSPACE = "/workspace"
@@ -175,6 +175,7 @@ class EffectivePolicy:
     cpu_millicores: int = 0
     max_file_size_bytes: int = 0
     tmp_size_bytes: int = 0
+    persist_outputs: bool = False  # tempDir's files kept as artifacts (a daemon tmpfs bound there)
     record_command: bool = True
     record_file_access: bool = True
     record_network_access: bool = True
@@ -370,6 +371,7 @@ def resolve_policy(
         cpu_millicores=_limit(proc.cpu_millicores, limits.default_cpu_millicores, limits.max_cpu_millicores, f"{pp}.cpuMillicores", "millicores"),
         max_file_size_bytes=_limit(proc.max_file_size_mb, limits.default_file_size_mb, limits.max_file_size_mb, f"{pp}.maxFileSizeMb", "MB") * 2**20,
         tmp_size_bytes=_tmp_size_mb(proc.max_tmp_size_mb, limits, memory_mb, pp) * 2**20,
+        persist_outputs=bool(policy.filesystem and policy.filesystem.persist_outputs),
         record_command=policy.audit.record_command,
         record_file_access=policy.audit.record_file_access,
         record_network_access=policy.audit.record_network_access,
@@ -381,9 +383,6 @@ def _resolve_filesystem(call: PreparedToolCall) -> _Filesystem:
     fs_prefix = "policy.filesystem"
     if fs is None:
         fs = FilesystemPolicy(read_roots=[WORKSPACE])
-    if fs.persist_outputs:
-        raise Unimplemented("keeping tempDir after the call is not supported yet", field=f"{fs_prefix}.persistOutputs")
-
     temp_dir = normalize_sandbox_path(fs.temp_dir or DEFAULT_TEMP_DIR, f"{fs_prefix}.tempDir", base="/")
     if temp_dir == "/" or is_within(temp_dir, WORKSPACE) or any(is_within(temp_dir, p) for p in _FORBIDDEN_MOUNT_PARENTS):
         raise InvalidArgument("must be a directory outside /workspace, /proc, /sys and /dev", field=f"{fs_prefix}.tempDir")

@@ -52,6 +52,9 @@ class HostPlan:
     # Set for a sandbox about to be made: its roots are bound here first, and the engine
     # mounts them from here (backends/staging.py). "" only in pure tests.
     staging_dir: str = ""
+    # Set for a sandbox about to be made that keeps its tempDir (persistOutputs): the
+    # daemon's tmpfs bound there instead of the engine's (outputs/tempdir.py).
+    outputs_dir: str = ""
 
     @property
     def writes_workspace(self) -> bool:

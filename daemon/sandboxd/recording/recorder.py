@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from sandboxd.core.errors import FailedPrecondition
 from sandboxd.recording import snapshot
+from sandboxd.recording.changes import ChangedFile, changed_files
 from sandboxd.recording.filewatch import MAX_PATHS as MAX_WATCHED_PATHS
 from sandboxd.recording.filewatch import FileWatch, FileWatchError, GateArrival
 from sandboxd.recording.live_snapshot import LiveSnapshots
@@ -34,6 +35,8 @@ class FileRecord:
     """What a call did to files: FileAccessObserved entries, and why they may not be all."""
     events: snapshot.FileEvents = field(default_factory=lambda: snapshot.FileEvents([], []))
     incomplete: list[str] = field(default_factory=list)
+    # The regular files the call created, modified, renamed or deleted (its artifacts' source).
+    changed: list[ChangedFile] = field(default_factory=list)
 
 
 def _watch_gaps(watch: Any) -> list[str]:
@@ -74,9 +77,10 @@ def file_record(accesses: Sequence[tuple[str, int, int]], watch: Any, before: sn
             if unhashed:
                 incomplete.append(f"{len(unhashed)} files have no content hash (over the hashing caps or "
                                   "unreadable): see sha256BeforeMissing / sha256AfterMissing")
-    events = snapshot.file_events(list(accesses), changes, before.entries if before else {},
-                                  after.entries if after else {})
-    return FileRecord(events, [snapshot.printable(gap) for gap in incomplete])  # gaps name paths
+    before_entries, after_entries = before.entries if before else {}, after.entries if after else {}
+    changed = changed_files(changes, before_entries, after_entries)
+    events = snapshot.file_events(list(accesses), changes, before_entries, after_entries)
+    return FileRecord(events, [snapshot.printable(gap) for gap in incomplete], changed)  # gaps name paths
 
 
 def make_gate(path: Path, uid: int, gid: int) -> None:

@@ -79,8 +79,10 @@ class HashCache:
     """sha256 of regular files by (device, inode), valid while size, mtime and ctime
     are what they were when it was read. Bounded: the oldest entries go first."""
 
-    def __init__(self, max_entries: int = 250_000):
+    def __init__(self, max_entries: int = 250_000, baseline: Any = None):
         self._max = max_entries
+        # baseline.Baseline: given the content of the files it wants as they are read.
+        self._baseline = baseline
         self._lock = threading.Lock()
         self._by_inode: OrderedDict[tuple[int, int], tuple[int, int, int, str]] = OrderedDict()
         self.hashed_bytes = 0  # content read (for tests and metrics)
@@ -103,8 +105,13 @@ class HashCache:
             first = os.fstat(fd)
             if not stat.S_ISREG(first.st_mode) or (first.st_dev, first.st_ino) != key:
                 return "", "replaced while it was read"
-            with os.fdopen(os.dup(fd), "rb") as f:
-                digest = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+            content = None
+            if self._baseline is not None and self._baseline.wants(first.st_size):
+                content = _read_all(fd, first.st_size)
+                digest = "sha256:" + hashlib.sha256(content).hexdigest()
+            else:
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    digest = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
             last = os.fstat(fd)
         finally:
             os.close(fd)
@@ -112,6 +119,8 @@ class HashCache:
         self.hashed_bytes += last.st_size
         if (last.st_size, last.st_mtime_ns, last.st_ctime_ns) != stamp:
             return "", "changed while it was read"
+        if content is not None and len(content) == last.st_size:
+            self._baseline.keep(digest, content)
         if time.time_ns() - max(stamp[1], stamp[2]) < RACY_NS:
             # Changed moments ago: a write in the same timestamp tick would keep the
             # stamp, so the hash is used now but not trusted later (git's racy rule).
@@ -122,6 +131,18 @@ class HashCache:
             while len(self._by_inode) > self._max:
                 self._by_inode.popitem(last=False)
         return digest, ""
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    """A small file's whole content (one byte more is asked for: a file that grew shows)."""
+    parts, want = [], size + 1
+    while want > 0:
+        part = os.read(fd, want)
+        if not part:
+            break
+        parts.append(part)
+        want -= len(part)
+    return b"".join(parts)
 
 
 def take(binds: Iterable[tuple[str, str]], hashes: HashCache | None = None, budget: HashBudget | None = None,

@@ -264,7 +264,10 @@ def sandbox_mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str,
                                 tmpfs_size_bytes=WORKSPACE_BASE_TMPFS_BYTES, tmpfs_mode=0o755))
     for i, b in enumerate(plan.binds):
         mounts.append(MountSpec("bind", b.sandbox_path, source=bind_source(plan, i), read_only=b.read_only))
-    mounts.append(MountSpec("tmpfs", policy.temp_dir, tmpfs_size_bytes=policy.tmp_size_bytes, tmpfs_mode=0o1777))
+    if plan.outputs_dir:  # persistOutputs: the daemon's tmpfs, which outlives the sandbox
+        mounts.append(MountSpec("bind", policy.temp_dir, source=plan.outputs_dir, read_only=False))
+    else:
+        mounts.append(MountSpec("tmpfs", policy.temp_dir, tmpfs_size_bytes=policy.tmp_size_bytes, tmpfs_mode=0o1777))
     for m in plan.masks:
         if m.kind == "dir":
             # Docker ignores a tmpfs mode of 0; 0500 root-owned is as closed to the sandbox user.

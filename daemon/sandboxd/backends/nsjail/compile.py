@@ -182,7 +182,8 @@ def _workspace_mounts(policy: EffectivePolicy, plan: HostPlan, mask_file: str) -
             # A blocked file is the mask file bound read-only; other binds are the
             # workspace's, file or directory as the host has them.
             out.append(NsjailMount(dst=m.target, src=m.source, is_bind=True, rw=not m.read_only,
-                                   is_dir=False if m.source == mask_file else None, nosuid=True, nodev=True))
+                                   is_dir=False if m.source == mask_file else None, nosuid=True, nodev=True,
+                                   noexec=bool(plan.outputs_dir) and m.source == plan.outputs_dir))
         elif m.target == policy.temp_dir:
             # Docker mounts its tmpfs noexec; so does this.
             out.append(NsjailMount(dst=m.target, fstype="tmpfs", rw=True,

@@ -1,0 +1,203 @@
+"""A finished call's changed files kept as `file` artifacts, and its diff as a `diff`
+artifact, within the daemon's per-call caps (ArtifactSettings). Runs after the sandbox
+is gone and before the result is recorded: the writer still holds its workspace alone,
+and a file that changed since the record anyway is told, not kept. With secrets in the
+call, what is kept is redacted as its output is (the content hash is then the
+redacted bytes')."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sandboxd.core.artifact_settings import ArtifactSettings
+from sandboxd.ledger import events as ev
+from sandboxd.ledger.artifacts import ArtifactRecord, FileArtifactStore
+from sandboxd.outputs.diff import FileVersions, unified_diff
+from sandboxd.outputs.reading import NotReadable, copy_verified, locate, read_chunks
+from sandboxd.recording.baseline import Baseline
+from sandboxd.recording.changes import ChangedFile
+from sandboxd.recording.snapshot import printable
+from sandboxd.secrets.redact import Redactor
+
+# Omissions listed one by one in the result; the rest are counted.
+MAX_OMISSIONS_LISTED = 100
+_FILE_STREAM = 9  # the Redactor's stream number for a file's bytes (any but stdout's and stderr's)
+
+
+@dataclass
+class Collected:
+    records: list[ArtifactRecord] = field(default_factory=list)
+    omitted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Budget:
+    files: int
+    bytes: int
+
+
+class OutputCollector:
+    """One call's collection: its store, caps and write roots."""
+
+    def __init__(self, settings: ArtifactSettings, store: FileArtifactStore, baseline: Baseline | None,
+                 tool_call_id: str, write_roots: list[tuple[str, str]],
+                 redactor: Callable[[], Redactor] | None = None):
+        self._settings = settings
+        self._store = store
+        self._baseline = baseline
+        self._call = tool_call_id
+        self._roots = write_roots
+        self._redactor = redactor
+        self._budget = _Budget(settings.max_files_per_call, settings.max_collected_mb_per_call * 2**20)
+        self._omitted: list[str] = []
+        self._afters: dict[str, bytes] = {}  # raw content kept for the diff, by path
+        text_redactor = redactor() if redactor is not None else None
+        # A name is as much the sandbox's choice as the content: struck the same way.
+        self._redact_text = text_redactor.redact_text if text_redactor is not None and text_redactor.active \
+            else (lambda text: text)
+        self._incoming = store.incoming_dir()
+
+    def collect(self, changed: list[ChangedFile], kept: list[ChangedFile] | None = None) -> Collected:
+        """`changed`: the write roots' changed files (artifacts, and the diff); `kept`:
+        persistOutputs' files of the tempDir (artifacts even with collect_files off)."""
+        records: list[ArtifactRecord] = []
+        # The write roots' first: what a call did to the workspace matters most under the caps.
+        for f in (changed if self._settings.collect_files else []) + (kept or []):
+            record = self._file_artifact(f)
+            if record is not None:
+                records.append(record)
+        if self._settings.diff and changed:
+            records.append(self._diff_artifact(changed))
+        return Collected(records, self._omissions())
+
+    # -- file artifacts ------------------------------------------------------------
+    def _shown(self, path: str) -> str:
+        return self._redact_text(printable(path))
+
+    def _omit(self, path: str, why: str) -> None:
+        self._omitted.append(f"{self._shown(path)}: {why}")
+
+    def _omissions(self) -> list[str]:
+        listed = self._omitted[:MAX_OMISSIONS_LISTED]
+        if len(self._omitted) > MAX_OMISSIONS_LISTED:
+            listed.append(f"... and {len(self._omitted) - MAX_OMISSIONS_LISTED} more files not kept")
+        return listed
+
+    def _file_artifact(self, f: ChangedFile) -> ArtifactRecord | None:
+        if self._budget.files <= 0:
+            self._omit(f.path, f"over the per-call cap of {self._settings.max_files_per_call} file artifacts")
+            return None
+        shown = self._shown(f.path)
+        if f.change == "deleted":
+            self._budget.files -= 1
+            return self._record(f, f.sha256_before, 0, f"{shown}: deleted by the call")
+        if f.size > self._budget.bytes:
+            self._omit(f.path, f"{f.size} bytes: over the per-call cap of "
+                               f"{self._settings.max_collected_mb_per_call} MB of file artifacts")
+            return None
+        try:
+            content_hash, size, redacted = self._copy_in(f)
+        except NotReadable as exc:
+            self._omit(f.path, str(exc))
+            return None
+        self._budget.files -= 1
+        self._budget.bytes -= size
+        summary = f"{shown}: {f.change}" + (f" from {self._shown(f.previous_path)}" if f.previous_path else "")
+        summary += f", {size} bytes" + ("; secrets redacted" if redacted else "")
+        return self._record(f, content_hash, size, summary)
+
+    def _record(self, f: ChangedFile, content_hash: str, size: int, summary: str) -> ArtifactRecord:
+        mode = "" if f.change == "deleted" else f"{stat.S_IMODE(f.mode):04o}"
+        return ArtifactRecord(ev.new_id("art"), self._call, ev.new_id("ev"), "file", content_hash, size, summary,
+                              ev.utc_now(), self._shown(f.path), f.change, self._shown(f.previous_path), mode)
+
+    def _copy_in(self, f: ChangedFile) -> tuple[str, int, bool]:
+        """The file into the store: (content hash, size stored, redacted)."""
+        keep_for_diff = self._settings.diff and f.size <= self._settings.diff_max_file_kb * 1024
+        kept: list[bytes] = []
+        redactor = self._redactor() if self._redactor is not None else None
+        redacting = redactor is not None and redactor.active
+        tmp = self._incoming / f"{self._call}.{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                def sink(data: bytes) -> None:
+                    if keep_for_diff:
+                        kept.append(data)
+                    out.write(redactor.feed(_FILE_STREAM, data) if redacting and redactor else data)
+
+                raw_hash = copy_verified(read_chunks(locate(f.path, self._roots), f.size), f.sha256_after, sink)
+                if redacting and redactor:
+                    out.write(redactor.flush(_FILE_STREAM))
+            size = tmp.stat().st_size
+            content_hash = raw_hash if not redacting else _hash_file(tmp)
+            self._store.put_blob(tmp, content_hash)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if keep_for_diff:
+            self._afters[f.path] = b"".join(kept)
+        return content_hash, size, redacting
+
+    # -- the diff ------------------------------------------------------------------
+    def _diff_artifact(self, changed: list[ChangedFile]) -> ArtifactRecord:
+        text, left_out = unified_diff((self._versions(f) for f in changed), self._settings.diff_max_mb * 2**20)
+        redactor = self._redactor() if self._redactor is not None else None
+        if redactor is not None and redactor.active:
+            text = redactor.feed(_FILE_STREAM, text) + redactor.flush(_FILE_STREAM)
+        tmp = self._incoming / f"{self._call}.{uuid.uuid4().hex}.diff"
+        tmp.write_bytes(text)
+        content_hash = _hash_file(tmp)
+        self._store.put_blob(tmp, content_hash)
+        summary = f"diff of {len(changed)} changed files, {len(text)} bytes"
+        if left_out:
+            summary += f"; {len(left_out)} only named (the diff's cap of {self._settings.diff_max_mb} MB)"
+        return ArtifactRecord(ev.new_id("art"), self._call, ev.new_id("ev"), "diff", content_hash, len(text),
+                              summary, ev.utc_now())
+
+    def _versions(self, f: ChangedFile) -> FileVersions:
+        cap = self._settings.diff_max_file_kb * 1024
+        before: bytes | None = b""
+        after: bytes | None = b""
+        why = ""
+        if f.change != "created":
+            before, why = self._before(f, cap)
+        if f.change != "deleted" and before is not None:
+            after, why = self._after(f, cap)
+        return FileVersions(printable(f.path), f.change, f.mode, before, after, printable(f.previous_path), why)
+
+    def _before(self, f: ChangedFile, cap: int) -> tuple[bytes | None, str]:
+        if not f.sha256_before:
+            return None, "the file had no content hash before the call (over the hashing caps)"
+        if f.change == "renamed" and f.sha256_before == f.sha256_after:
+            return b"", ""  # the same content: the rename is all there is to show
+        kept = self._baseline.read(f.sha256_before) if self._baseline is not None else None
+        if kept is None:
+            return None, ("its content before the call was not kept (binary, larger than "
+                          f"{self._settings.diff_max_file_kb} KB, or past the baseline's cap)")
+        return kept, ""
+
+    def _after(self, f: ChangedFile, cap: int) -> tuple[bytes | None, str]:
+        if f.change == "renamed" and f.sha256_before == f.sha256_after:
+            return b"", ""
+        if f.size > cap:
+            return None, f"{f.size} bytes: larger than the diff's per-file cap of {self._settings.diff_max_file_kb} KB"
+        if f.path in self._afters:
+            return self._afters[f.path], ""
+        try:  # not kept as an artifact (a cap, or collection off): read for the diff alone
+            kept: list[bytes] = []
+            copy_verified(read_chunks(locate(f.path, self._roots), f.size), f.sha256_after, kept.append)
+            return b"".join(kept), ""
+        except NotReadable as exc:
+            return None, str(exc)
+
+
+def _hash_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()

@@ -1,0 +1,91 @@
+"""Reading a file the call left, by its sandbox path, from the host directory bound
+there: opened beneath the write root with no symlink on the way (the sandbox may have
+left links anywhere), only if it is still a regular file, and no more bytes than the
+record says it held (a file that changed since the record is told, not kept)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from sandboxd.core.safe_open import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
+from sandboxd.recording.snapshot import _open_beneath_root
+
+CHUNK_BYTES = 1024 * 1024
+_BENEATH = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+
+
+class NotReadable(Exception):
+    """Why a changed file cannot be kept (its text goes into artifactsOmitted)."""
+
+
+@dataclass(frozen=True)
+class Located:
+    host_root: str  # the directory to open beneath
+    relative: str  # the path below it ("" never: a bound file is its parent's child)
+
+
+def locate(path: str, write_roots: list[tuple[str, str]]) -> Located:
+    """The host directory and relative path of a sandbox path in one of the write roots
+    ((sandbox path, host path) pairs); the deepest root that holds it."""
+    best: tuple[str, str] | None = None
+    for sandbox_root, host_root in write_roots:
+        root = sandbox_root.rstrip("/")
+        if (path == root or path.startswith(root + "/")) and (best is None or len(root) > len(best[0])):
+            best = (root, host_root)
+    if best is None:
+        raise NotReadable("not in a write root")
+    root, host_root = best
+    if path == root:  # a bound file
+        return Located(os.path.dirname(host_root), os.path.basename(host_root))
+    return Located(host_root, path[len(root) + 1:])
+
+
+def read_chunks(where: Located, size: int) -> Iterator[bytes]:
+    """The file's bytes, in chunks; NotReadable when it is not a regular file there now,
+    or holds more than `size` bytes."""
+    try:
+        root_fd = _open_beneath_root(where.host_root)
+    except OSError as exc:
+        raise NotReadable(f"its write root cannot be opened ({exc.strerror})") from None
+    try:
+        try:
+            path_fd = openat2(root_fd, where.relative, _BENEATH)
+        except OSError as exc:
+            raise NotReadable(f"not readable ({exc.strerror})") from None
+        try:
+            if not stat.S_ISREG(os.fstat(path_fd).st_mode):
+                raise NotReadable("no longer a regular file")
+            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        finally:
+            os.close(path_fd)
+    finally:
+        os.close(root_fd)
+    try:
+        left = size + 1  # one byte more: a file that grew shows
+        while left > 0:
+            data = os.read(fd, min(CHUNK_BYTES, left))
+            if not data:
+                return
+            left -= len(data)
+            if left <= 0:
+                raise NotReadable("changed after the call ended (it is larger than the record says)")
+            yield data
+    finally:
+        os.close(fd)
+
+
+def copy_verified(chunks: Iterator[bytes], expected_sha256: str, sink: Callable[[bytes], None]) -> str:
+    """Passes the chunks to `sink` and returns their sha256 ("sha256:<hex>"); NotReadable
+    when the record holds a different hash (the file changed after the call ended)."""
+    digest = hashlib.sha256()
+    for data in chunks:
+        digest.update(data)
+        sink(data)
+    found = "sha256:" + digest.hexdigest()
+    if expected_sha256 and found != expected_sha256:
+        raise NotReadable("changed after the call ended (its content no longer has the recorded hash)")
+    return found

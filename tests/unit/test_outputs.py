@@ -1,0 +1,287 @@
+"""What a call leaves behind, below the sandbox: the changed files found by comparing
+two real snapshots of a directory (recording/changes.py), the baseline that keeps text
+files as they were hashed (recording/baseline.py), the diff's text (outputs/diff.py),
+and the collector that stores the files and the diff within the caps
+(outputs/collect.py). A real call on both backends: tests/integration/test_file_artifacts.py."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from sandboxd.core.artifact_settings import ArtifactSettings
+from sandboxd.ledger.artifacts import FileArtifactStore
+from sandboxd.ledger.store import Database
+from sandboxd.outputs.collect import MAX_OMISSIONS_LISTED, OutputCollector
+from sandboxd.outputs.diff import FileVersions, file_diff, unified_diff
+from sandboxd.outputs.reading import NotReadable, locate, read_chunks
+from sandboxd.recording import snapshot
+from sandboxd.recording.baseline import Baseline
+from sandboxd.recording.changes import changed_files
+from sandboxd.secrets.redact import Redactor
+
+ROOT = "/workspace"
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class Workspace:
+    """A directory, its hash cache and baseline, and snapshots as a recorded call takes them."""
+
+    def __init__(self, tmp_path: Path, files: dict[str, bytes], baseline_bytes: int = 2**20):
+        self.dir = tmp_path / "ws"
+        self.dir.mkdir()
+        for name, data in files.items():
+            (self.dir / name).parent.mkdir(parents=True, exist_ok=True)
+            (self.dir / name).write_bytes(data)
+        self.baseline = Baseline(tmp_path / "baseline", baseline_bytes, 64 * 1024)
+        self.baseline.open()
+        self.hashes = snapshot.HashCache(baseline=self.baseline)
+        self.roots = [(ROOT, str(self.dir))]
+        self.before = self.snap()
+
+    def snap(self) -> snapshot.Snapshot:
+        return snapshot.take(self.roots, self.hashes)
+
+    def changed(self):
+        after = self.snap()
+        return changed_files(snapshot.diff(self.before.entries, after.entries), self.before.entries, after.entries)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return FileArtifactStore(tmp_path / "blobs", Database(tmp_path / "db.sqlite"))
+
+
+def collect(ws: Workspace, store: FileArtifactStore, redactor=None, **caps):
+    collector = OutputCollector(ArtifactSettings(**caps), store, ws.baseline, "call_1", ws.roots, redactor)
+    return collector.collect(ws.changed())
+
+
+def read_blob(store: FileArtifactStore, content_hash: str) -> bytes:
+    with store.open_blob(content_hash) as f:
+        return f.read()
+
+
+# ------------------------------------------------------------------ changes
+
+def test_creations_edits_renames_and_deletions_are_told_apart(tmp_path):
+    ws = Workspace(tmp_path, {"edit.txt": b"one\n", "gone.txt": b"bye\n", "old.txt": b"moved\n",
+                              "sed.txt": b"a\n", "same.txt": b"s\n"})
+    (ws.dir / "edit.txt").write_bytes(b"two\n")
+    (ws.dir / "gone.txt").unlink()
+    os.rename(ws.dir / "old.txt", ws.dir / "new.txt")
+    (ws.dir / "tmp").write_bytes(b"b\n")
+    os.rename(ws.dir / "tmp", ws.dir / "sed.txt")  # replaced by a rename over it: an edit
+    (ws.dir / "made.txt").write_bytes(b"fresh\n")
+    (ws.dir / "dir").mkdir()
+    os.symlink("edit.txt", ws.dir / "link")
+    os.chmod(ws.dir / "same.txt", 0o600)  # a mode alone is no change of content
+    got = {c.path: c for c in ws.changed()}
+    assert {p: c.change for p, c in got.items()} == {
+        "/workspace/edit.txt": "modified", "/workspace/gone.txt": "deleted", "/workspace/new.txt": "renamed",
+        "/workspace/sed.txt": "modified", "/workspace/made.txt": "created"}
+    assert got["/workspace/new.txt"].previous_path == "/workspace/old.txt"
+    assert got["/workspace/edit.txt"].sha256_before == sha(b"one\n")
+    assert got["/workspace/edit.txt"].sha256_after == sha(b"two\n")
+    assert got["/workspace/gone.txt"].sha256_before == sha(b"bye\n") and got["/workspace/gone.txt"].size == 0
+    assert got["/workspace/made.txt"].sha256_before == ""
+
+
+# ------------------------------------------------------------------ baseline
+
+def test_the_baseline_keeps_text_as_hashed_and_not_binaries_or_large_files(tmp_path):
+    ws = Workspace(tmp_path, {"a.txt": b"text\n", "bin": b"\x00\x01binary", "big.txt": b"x" * (65 * 1024)})
+    assert ws.baseline.read(sha(b"text\n")) == b"text\n"
+    assert ws.baseline.read(sha(b"\x00\x01binary")) is None
+    assert ws.baseline.read(sha(b"x" * (65 * 1024))) is None
+    # A kept file altered on disk is not served as what it was.
+    kept = tmp_path / "baseline" / hashlib.sha256(b"text\n").hexdigest()
+    kept.write_bytes(b"forged\n")
+    assert ws.baseline.read(sha(b"text\n")) is None
+
+
+def test_the_baseline_drops_the_least_recently_used_past_its_cap(tmp_path):
+    baseline = Baseline(tmp_path / "b", max_bytes=100, max_file_bytes=100)
+    baseline.open()
+    for n in range(3):
+        baseline.keep(sha(bytes([65 + n]) * 40), bytes([65 + n]) * 40)
+    assert baseline.read(sha(b"A" * 40)) is None  # the oldest went
+    assert baseline.read(sha(b"C" * 40)) == b"C" * 40 and baseline.kept_bytes == 80
+    assert sorted(os.listdir(tmp_path / "b")) == sorted(hashlib.sha256(c * 40).hexdigest() for c in (b"B", b"C"))
+
+
+def test_a_restart_empties_the_baseline(tmp_path):
+    baseline = Baseline(tmp_path / "b", 100, 100)
+    baseline.open()
+    baseline.keep(sha(b"x"), b"x")
+    Baseline(tmp_path / "b", 100, 100).open()
+    assert os.listdir(tmp_path / "b") == []
+
+
+# ------------------------------------------------------------------ the diff's text
+
+def test_a_modified_text_file_gets_a_unified_diff():
+    text = file_diff(FileVersions("/workspace/a.py", "modified", 0o100644, b"x = 1\ny = 2\n", b"x = 1\ny = 3\n"))
+    assert text == ("diff --git a/workspace/a.py b/workspace/a.py\n--- a/workspace/a.py\n+++ b/workspace/a.py\n"
+                    "@@ -1,2 +1,2 @@\n x = 1\n-y = 2\n+y = 3\n")
+
+
+def test_created_deleted_renamed_binary_and_unknown_files_are_named():
+    created = file_diff(FileVersions("/w/n.txt", "created", 0o100755, b"", b"hi"))
+    assert created.splitlines() == ["diff --git a/w/n.txt b/w/n.txt", "new file mode 100755", "--- /dev/null",
+                                    "+++ b/w/n.txt", "@@ -0,0 +1 @@", "+hi", "\\ No newline at end of file"]
+    deleted = file_diff(FileVersions("/w/d.txt", "deleted", 0o100644, b"bye\n", b""))
+    assert "deleted file mode 100644\n--- a/w/d.txt\n+++ /dev/null\n" in deleted and "-bye\n" in deleted
+    renamed = file_diff(FileVersions("/w/b", "renamed", 0o100644, b"", b"", previous_path="/w/a"))
+    assert renamed == "diff --git a/w/a b/w/b\nrename from w/a\nrename to w/b\n"
+    binary = file_diff(FileVersions("/w/x", "modified", 0o100644, b"\x00a", b"\x00b"))
+    assert binary.endswith("Binary files a/w/x and b/w/x differ\n")
+    unknown = file_diff(FileVersions("/w/u", "modified", 0o100644, None, b"after", why="not kept"))
+    assert unknown.endswith("# sandboxd: not diffed: not kept\n")
+
+
+def test_the_diff_stops_at_its_cap_and_names_the_rest():
+    files = [FileVersions(f"/w/{n}", "created", 0o100644, b"", b"line\n" * 20) for n in range(5)]
+    whole, left_out = unified_diff(files, 10**6)
+    assert left_out == []
+    capped, left_out = unified_diff(files, len(whole) // 2)
+    assert left_out == ["/w/2", "/w/3", "/w/4"]
+    assert capped.endswith(b"# sandboxd: not diffed (the diff reached its cap of "
+                           + str(len(whole) // 2).encode() + b" bytes): /w/4\n")
+
+
+def test_bytes_that_are_not_utf8_survive_the_diff():
+    text, _ = unified_diff([FileVersions("/w/l", "modified", 0o100644, b"caf\xe9\n", b"caf\xe8\n")], 10**6)
+    assert b"-caf\xe9\n+caf\xe8\n" in text
+
+
+# ------------------------------------------------------------------ reading a changed file
+
+def test_a_file_is_read_beneath_its_root_and_never_through_a_symlink(tmp_path):
+    ws = tmp_path / "ws"
+    (ws / "sub").mkdir(parents=True)
+    (ws / "sub" / "f").write_bytes(b"data")
+    (tmp_path / "outside").write_bytes(b"secret")
+    roots = [("/workspace", str(ws)), ("/workspace/sub", str(ws / "sub"))]
+    where = locate("/workspace/sub/f", roots)
+    assert where.host_root == str(ws / "sub") and where.relative == "f"
+    assert b"".join(read_chunks(where, 4)) == b"data"
+    os.symlink(tmp_path / "outside", ws / "link")
+    os.symlink(tmp_path, ws / "dirlink")
+    # A link at the end is opened as the link itself (O_PATH), one on the way not at all.
+    with pytest.raises(NotReadable, match="no longer a regular file"):
+        list(read_chunks(locate("/workspace/link", roots), 6))
+    with pytest.raises(NotReadable, match="not readable"):
+        list(read_chunks(locate("/workspace/dirlink/outside", roots), 6))
+    os.mkfifo(ws / "fifo")
+    with pytest.raises(NotReadable, match="no longer a regular file"):
+        list(read_chunks(locate("/workspace/fifo", roots), 0))
+    with pytest.raises(NotReadable, match="larger than the record"):
+        list(read_chunks(where, 3))
+    with pytest.raises(NotReadable, match="not in a write root"):
+        locate("/etc/passwd", roots)
+
+
+# ------------------------------------------------------------------ collection
+
+def test_changed_files_become_artifacts_with_a_diff(tmp_path, store):
+    ws = Workspace(tmp_path, {"a.py": b"x = 1\n", "gone.txt": b"bye\n", "old": b"same\n"})
+    (ws.dir / "a.py").write_bytes(b"x = 2\n")
+    (ws.dir / "new.bin").write_bytes(b"\x00\x01")
+    os.chmod(ws.dir / "new.bin", 0o755)
+    (ws.dir / "gone.txt").unlink()
+    os.rename(ws.dir / "old", ws.dir / "moved")
+    got = collect(ws, store)
+    assert got.omitted == []
+    files = {r.path: r for r in got.records if r.kind == "file"}
+    assert {p: r.change for p, r in files.items()} == {
+        "/workspace/a.py": "modified", "/workspace/new.bin": "created", "/workspace/gone.txt": "deleted",
+        "/workspace/moved": "renamed"}
+    assert read_blob(store, files["/workspace/a.py"].content_hash) == b"x = 2\n"
+    assert files["/workspace/new.bin"].file_mode == "0755" and files["/workspace/new.bin"].size_bytes == 2
+    assert files["/workspace/moved"].previous_path == "/workspace/old"
+    assert files["/workspace/gone.txt"].size_bytes == 0 and files["/workspace/gone.txt"].file_mode == ""
+    assert files["/workspace/gone.txt"].content_hash == sha(b"bye\n")
+    [diff] = [r for r in got.records if r.kind == "diff"]
+    text = read_blob(store, diff.content_hash).decode()
+    assert "-x = 1\n+x = 2\n" in text
+    assert "diff --git a/workspace/gone.txt b/workspace/gone.txt\ndeleted file mode 100644\n" in text
+    assert "rename from workspace/old\nrename to workspace/moved\n" in text
+    assert "Binary files /dev/null and b/workspace/new.bin differ" in text
+    assert not list((tmp_path / "blobs" / "incoming").iterdir())  # every spool moved in
+
+
+def test_past_the_count_and_byte_caps_files_are_left_out_and_said(tmp_path, store):
+    ws = Workspace(tmp_path, {})
+    for n in range(4):
+        (ws.dir / f"f{n}").write_bytes(b"z" * 600_000)
+    got = collect(ws, store, max_files_per_call=3, max_collected_mb_per_call=1)
+    kept = [r.path for r in got.records if r.kind == "file"]
+    assert kept == ["/workspace/f0"]  # the second would pass 1 MB
+    assert got.omitted == [f"/workspace/f{n}: 600000 bytes: over the per-call cap of 1 MB of file artifacts"
+                           for n in (1, 2, 3)]
+    got = collect(ws, store, max_files_per_call=2)
+    assert [r.path for r in got.records if r.kind == "file"] == ["/workspace/f0", "/workspace/f1"]
+    assert got.omitted == [f"/workspace/f{n}: over the per-call cap of 2 file artifacts" for n in (2, 3)]
+
+
+def test_omissions_past_the_listed_number_are_counted(tmp_path, store):
+    ws = Workspace(tmp_path, {})
+    for n in range(MAX_OMISSIONS_LISTED + 5):
+        (ws.dir / f"f{n:03}").write_bytes(b"x")
+    got = collect(ws, store, max_files_per_call=0, diff=False)
+    assert got.records == [] and len(got.omitted) == MAX_OMISSIONS_LISTED + 1
+    assert got.omitted[-1] == "... and 5 more files not kept"
+
+
+def test_a_file_changed_after_the_record_or_swapped_for_a_link_is_not_kept(tmp_path, store):
+    ws = Workspace(tmp_path, {})
+    (ws.dir / "a").write_bytes(b"recorded")
+    (ws.dir / "b").write_bytes(b"recorded")
+    (tmp_path / "outside").write_bytes(b"host secret")
+    changed = ws.changed()
+    (ws.dir / "a").write_bytes(b"RECORDED")  # same size, other content
+    (ws.dir / "b").unlink()
+    os.symlink(tmp_path / "outside", ws.dir / "b")
+    got = OutputCollector(ArtifactSettings(), store, ws.baseline, "call_1", ws.roots).collect(changed)
+    assert [r.kind for r in got.records] == ["diff"]
+    assert got.omitted == ["/workspace/a: changed after the call ended (its content no longer has the recorded hash)",
+                           "/workspace/b: no longer a regular file"]
+    with store.open_blob(got.records[0].content_hash) as f:
+        assert b"host secret" not in f.read()
+
+
+def test_secrets_are_redacted_from_kept_files_and_the_diff(tmp_path, store):
+    ws = Workspace(tmp_path, {"cfg": b"token = none\n"})
+    (ws.dir / "cfg").write_bytes(b"token = hunter2-secret-value\n")
+    got = collect(ws, store, redactor=lambda: Redactor({"api": b"hunter2-secret-value"}))
+    [file] = [r for r in got.records if r.kind == "file"]
+    assert read_blob(store, file.content_hash) == b"token = [REDACTED:api]\n"
+    assert file.content_hash == sha(b"token = [REDACTED:api]\n") and "secrets redacted" in file.summary
+    [diff] = [r for r in got.records if r.kind == "diff"]
+    text = read_blob(store, diff.content_hash)
+    assert b"hunter2" not in text and b"+token = [REDACTED:api]\n" in text
+
+
+def test_a_diff_without_the_content_before_says_so(tmp_path, store):
+    ws = Workspace(tmp_path, {"a": b"before\n"}, baseline_bytes=0)
+    (ws.dir / "a").write_bytes(b"after\n")
+    got = collect(ws, store)
+    [diff] = [r for r in got.records if r.kind == "diff"]
+    assert b"# sandboxd: not diffed: its content before the call was not kept" in read_blob(store, diff.content_hash)
+
+
+def test_collection_off_keeps_no_file_and_no_diff(tmp_path, store):
+    ws = Workspace(tmp_path, {})
+    (ws.dir / "a").write_bytes(b"x")
+    assert collect(ws, store, collect_files=False, diff=False).records == []
+    only_diff = collect(ws, store, collect_files=False)
+    assert [r.kind for r in only_diff.records] == ["diff"]
+    assert stat.S_ISDIR(os.stat(tmp_path / "blobs").st_mode)
