@@ -321,7 +321,7 @@ def build_daemon(settings: DaemonSettings, host: HostFacts) -> Daemon:
         metrics = None
         if settings.metrics_address:
             metrics = MetricsServer(settings.metrics_address,
-                                    lambda: _metrics_text(executor, ledger.audit_index, retention))
+                                    lambda: _metrics_text(executor, ledger.audit_index, retention, ledger.artifacts))
             metrics.start()
             cleanup.callback(metrics.stop)
         retention.start()  # serving first: a backlog of expired calls never delays start-up
@@ -330,9 +330,14 @@ def build_daemon(settings: DaemonSettings, host: HostFacts) -> Daemon:
                   ledger.audit_index, watchdog=limits.watchdog, mounted_secrets=mounted_secrets)
 
 
-def _metrics_text(executor: CallExecutor, audit_index: audit.AuditIndex, retention: RetentionSweeper) -> str:
+def _metrics_text(executor: CallExecutor, audit_index: audit.AuditIndex, retention: RetentionSweeper,
+                  artifacts: FileArtifactStore) -> str:
     running = len(executor.running_calls())
-    text = render([
+    pending = getattr(artifacts.blobs, "pending", None)  # the S3 store's uploader (s3_blobs.py)
+    uploads = [] if pending is None else [
+        ("sandboxd_artifact_uploads_pending", "gauge", "Blobs kept locally until the S3 store has them",
+         [f"sandboxd_artifact_uploads_pending {pending()}"])]
+    text = render(uploads + [
         ("sandboxd_calls_running", "gauge", "Calls running now", [f"sandboxd_calls_running {running}"]),
         ("sandboxd_audit_index_lag_events", "gauge", "Events the forensic index has not indexed yet",
          [f"sandboxd_audit_index_lag_events {audit_index.lag()}"]),

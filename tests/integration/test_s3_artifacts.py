@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import socket
+import subprocess
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from sandboxd_client import errors
+from sandboxd_testing.harness import SANDBOXD
 
 from .conftest import call, public_tmpdir, sh, wait_for
 from .seaweed import BUCKET, SeaweedS3, weed_binary
@@ -85,8 +90,17 @@ def test_output_goes_to_s3_and_downloads_back(s3_server, s3_daemon):
         assert download(c, art.artifact_id) == done.stdout  # from S3, verified
 
 
+def uploads_pending(port: int) -> int:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    [line] = [x for x in text.splitlines() if x.startswith("sandboxd_artifact_uploads_pending ")]
+    return int(line.split()[1])
+
+
 def test_a_store_down_mid_call_spools_locally_and_uploads_when_back(s3_server, s3_daemon):
-    d = s3_daemon()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = s3_daemon(metrics_address=f"127.0.0.1:{port}")
     ws = d.new_workspace()
     with d.client() as c, ThreadPoolExecutor(1) as pool:
         running = pool.submit(c.run, call(ws, sh("sleep 2; echo made while S3 was down")))
@@ -100,10 +114,12 @@ def test_a_store_down_mid_call_spools_locally_and_uploads_when_back(s3_server, s
             assert download(c, art.artifact_id) == done.stdout  # from the local store meanwhile
             time.sleep(1)  # the uploader has tried and failed
             assert not in_s3(s3_server, art.content_hash) and local_blobs(d)
+            assert uploads_pending(port) >= 1  # the operator sees the backlog
         finally:
             s3_server.start()
         assert wait_for(lambda: in_s3(s3_server, art.content_hash), 30), d.log()
         assert wait_for(lambda: not local_blobs(d), 10)
+        assert uploads_pending(port) == 0
         assert download(c, art.artifact_id) == done.stdout  # from S3 now
     assert "blobs wait in the local store" in d.log_path.read_text()
 
@@ -149,3 +165,25 @@ def test_a_tenant_reads_only_its_own_artifacts_in_s3(s3_server, s3_daemon):
             download(bob, art.artifact_id)
         with pytest.raises(errors.NotFound):
             bob.list_artifacts(mine.tool_call_id)
+
+
+def _store_finding(d) -> dict:
+    got = subprocess.run([SANDBOXD, "check", "--config", str(d.config), "--json"], env=d.env, capture_output=True,
+                         text=True, timeout=120, stdin=subprocess.DEVNULL)
+    [finding] = [f for f in json.loads(got.stdout) if f["probe"] == "artifact-store"]
+    return {**finding, "exit": got.returncode}
+
+
+def test_check_reaches_the_bucket_and_tells_a_missing_one_from_a_silent_store(s3_server, spare_daemon, tmp_path):
+    settings = s3_server.artifact_settings(tmp_path / "s3-credentials", PREFIX)
+    ok = _store_finding(spare_daemon(artifacts=settings))
+    assert ok["status"] == "ok" and "the bucket answers" in ok["reason"], ok
+    missing = _store_finding(spare_daemon(artifacts={**settings, "bucket": "no-such-bucket"}))
+    assert (missing["status"], missing["field"], missing["exit"]) == ("fail", "artifacts.bucket", 1), missing
+    assert "no bucket no-such-bucket" in missing["reason"]
+    with socket.socket() as unused:  # a loopback port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        silent_url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    silent = _store_finding(spare_daemon(artifacts={**settings, "endpoint_url": silent_url}))
+    assert silent["status"] == "warn" and "blobs wait in the local store" in silent["reason"], silent
+    assert silent["exit"] == 0

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import TextIO
 
+from sandboxd.check.artifact_probes import artifact_store_finding
 from sandboxd.check.config import load_config
 from sandboxd.check.dirs import dir_findings
 from sandboxd.check.dockerd_probes import docker_findings
@@ -52,4 +53,5 @@ def probe_host(settings: DaemonSettings, config_path: str | None) -> list[Findin
     findings += nsjail_findings(settings, facts)
     findings += workspace_findings(settings)
     findings += dir_findings(settings)
+    findings.append(artifact_store_finding(settings))
     return findings
