@@ -22,6 +22,7 @@ from sandboxd.policy.models import is_within
 from sandboxd.policy.preflight import Bind, HostPlan, Mask
 
 from .conftest import resolve
+from .test_compile import case_kept_temp  # the same inputs make both engines' goldens
 
 GOLDEN = Path(__file__).parent / "golden"
 MASK_FILE = "/var/lib/sandboxd-rootfs/mask"
@@ -102,15 +103,6 @@ def case_writable_workspace_custom_temp():
     )
     return policy, plan, {"argv": ("sh", "-c", "ls -la /workspace"),
                           "ident": SandboxIdentity("daemon-2", "sbx-abcdef", "tc-writable")}
-
-
-def case_kept_temp():
-    """persistOutputs: the daemon's tmpfs bound at tempDir instead of the engine's."""
-    policy = resolve({"filesystem": {"writeRoots": ["/workspace"], "persistOutputs": True},
-                      "process": {"maxTmpSizeMb": 16}})
-    plan = HostPlan(workspace=WS, uid=1000, gid=1000, binds=(Bind("/workspace", WS, False),), masks=(),
-                    outputs_dir="/var/lib/sandboxd-runtime/outputs/sbx-0001")
-    return policy, plan, {}
 
 
 CASES = {
