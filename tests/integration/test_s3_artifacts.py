@@ -46,7 +46,9 @@ def s3_server() -> SeaweedS3:
 def s3_daemon(spare_daemon, s3_server, tmp_path):
     """A daemon of the test's own whose artifacts go to the S3 server."""
     def make(**settings):
-        d = spare_daemon(artifacts=s3_server.artifact_settings(tmp_path / "s3-credentials", PREFIX), **settings)
+        # Multipart from 5 MB (S3's smallest part): a test's output crosses it in seconds.
+        artifacts = {**s3_server.artifact_settings(tmp_path / "s3-credentials", PREFIX), "multipart_threshold_mb": 5}
+        d = spare_daemon(artifacts=artifacts, **settings)
         return d.start()
     return make
 
@@ -187,3 +189,18 @@ def test_check_reaches_the_bucket_and_tells_a_missing_one_from_a_silent_store(s3
     silent = _store_finding(spare_daemon(artifacts={**settings, "endpoint_url": silent_url}))
     assert silent["status"] == "warn" and "blobs wait in the local store" in silent["reason"], silent
     assert silent["exit"] == 0
+
+
+def test_a_blob_past_the_multipart_threshold_goes_up_in_parts(s3_server, s3_daemon):
+    d = s3_daemon()
+    ws = d.new_workspace()
+    with d.client() as c:
+        done = c.run(call(ws, sh("head -c 12000000 /dev/urandom | od -An -tx1 | head -c 12000000")),
+                     timeout_s=120)
+        art = stdout_artifact(done)
+        assert art.size_bytes == 12_000_000, done.stderr
+        assert wait_for(lambda: in_s3(s3_server, art.content_hash), 30), d.log()
+        head = s3_server.client().head_object(Bucket=BUCKET, Key=object_key(art.content_hash))
+        assert head["ETag"].strip('"').endswith("-3")  # three parts of 5 MiB at most
+        assert wait_for(lambda: not local_blobs(d), 10)
+        assert hashlib.sha256(download(c, art.artifact_id)).hexdigest() == art.content_hash.removeprefix("sha256:")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import subprocess
 import sys
 import threading
@@ -278,3 +279,68 @@ def test_a_credentials_file_must_be_private(tmp_path):
     path.write_text("[other]\naws_access_key_id = AK\n")
     with pytest.raises(FailedPrecondition, match="no \\[default\\]"):
         read_credentials_file(path)
+
+
+class FakeS3Client:
+    """The calls S3BlobStore makes of boto3's client, kept in memory."""
+
+    def __init__(self):
+        self.objects: dict[str, bytes] = {}
+        self.uploads: dict[str, list[bytes]] = {}
+        self.aborted: list[str] = []
+        self.calls: list[str] = []
+
+    def put_object(self, Bucket, Key, Body, ContentLength, ContentMD5):  # noqa: N803 - boto3's names
+        self.calls.append("put_object")
+        self.objects[Key] = Body.read()
+
+    def create_multipart_upload(self, Bucket, Key):  # noqa: N803
+        upload_id = f"u{len(self.uploads)}"
+        self.uploads[upload_id] = []
+        return {"UploadId": upload_id}
+
+    def upload_part(self, Bucket, Key, UploadId, Body, PartNumber, ContentMD5):  # noqa: N803
+        import base64 as b64
+
+        assert ContentMD5 == b64.b64encode(hashlib.md5(Body).digest()).decode()
+        assert PartNumber == len(self.uploads[UploadId]) + 1
+        self.uploads[UploadId].append(Body)
+        return {"ETag": f'"{PartNumber}"'}
+
+    def complete_multipart_upload(self, Bucket, Key, UploadId, MultipartUpload):  # noqa: N803
+        assert [p["PartNumber"] for p in MultipartUpload["Parts"]] == list(range(1, len(self.uploads[UploadId]) + 1))
+        self.objects[Key] = b"".join(self.uploads.pop(UploadId))
+
+    def abort_multipart_upload(self, Bucket, Key, UploadId):  # noqa: N803
+        self.aborted.append(UploadId)
+        self.uploads.pop(UploadId, None)
+
+    def head_object(self, Bucket, Key):  # noqa: N803
+        return {"ContentLength": len(self.objects[Key])}
+
+
+def test_a_blob_past_the_threshold_goes_up_in_parts_each_checked(tmp_path):
+    from sandboxd.ledger.s3_blobs import MIN_PART_BYTES, S3BlobStore
+
+    client = FakeS3Client()
+    store = S3BlobStore(client, "b", "p/", "fake", multipart_bytes=MIN_PART_BYTES)
+    data = os.urandom(MIN_PART_BYTES * 2 + 123)
+    path, content_hash = spool(tmp_path, data)
+    store.upload(path, content_hash)
+    assert client.objects[store.key(content_hash)] == data and "put_object" not in client.calls
+    small, small_hash = spool(tmp_path, b"small", "small")
+    store.upload(small, small_hash)
+    assert client.calls == ["put_object"] and client.objects[store.key(small_hash)] == b"small"
+
+
+def test_a_corrupt_local_blob_never_completes_a_multipart_upload(tmp_path):
+    from sandboxd.ledger.s3_blobs import MIN_PART_BYTES, S3BlobStore
+
+    client = FakeS3Client()
+    store = S3BlobStore(client, "b", "", "fake", multipart_bytes=MIN_PART_BYTES)
+    data = os.urandom(MIN_PART_BYTES + 10)
+    path, content_hash = spool(tmp_path, data)
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # the local copy rotted after it was hashed
+    with pytest.raises(BlobIntegrityError, match="it is not uploaded"):
+        store.upload(path, content_hash)
+    assert client.objects == {} and client.aborted == ["u0"]

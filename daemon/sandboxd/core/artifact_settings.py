@@ -22,6 +22,8 @@ class ArtifactSettings(BaseModel):
     region: str = "us-east-1"  # The region requests are signed for
     credentials_file: Path | None = None  # An AWS-style credentials file ([default], mode 0600); unset: AWS_* env
     addressing_style: Literal["path", "virtual", "auto"] = "path"  # The bucket in the URL's path (most servers) or host
+    # Blobs larger than this go to S3 in parts (one PUT stops at 5 GB), each part's MD5 checked.
+    multipart_threshold_mb: int = Field(default=256, ge=5, le=5 * 1024)
     # Keep each file a call created or modified under its write roots as a `file` artifact.
     collect_files: bool = True
     # Per call, at most this many file artifacts (changed files and persistOutputs' files together).

@@ -35,6 +35,10 @@ log = logging.getLogger("sandboxd.ledger.s3_blobs")
 
 # Between two upload attempts while S3 is down: doubling from the first to the last.
 RETRY_FIRST_S = 0.5
+# S3's multipart rules: at most 10,000 parts, each (but the last) at least 5 MiB.
+MAX_PARTS = 10_000
+MIN_PART_BYTES = 5 * 2**20
+MAX_PART_IN_MEMORY = 64 * 2**20
 RETRY_MAX_S = 5.0
 _MISSING = ("NoSuchKey", "NotFound", "NoSuchBucket", "404")
 
@@ -66,11 +70,12 @@ def read_credentials_file(path: Path) -> dict[str, str]:
 class S3BlobStore:
     """Blobs as objects `<prefix>sha256/<ab>/<hex>` of one bucket."""
 
-    def __init__(self, client: Any, bucket: str, prefix: str, where: str):
+    def __init__(self, client: Any, bucket: str, prefix: str, where: str, multipart_bytes: int = 256 * 2**20):
         self._client = client
         self.bucket = bucket
         self.prefix = prefix
         self.where = where
+        self.multipart_bytes = multipart_bytes
 
     def key(self, content_hash: str) -> str:
         return self.prefix + blob_key(content_hash)
@@ -96,24 +101,64 @@ class S3BlobStore:
 
     def upload(self, path: Path, content_hash: str) -> None:
         """Copies a local blob to its key. Its bytes are checked against the sha256 on the
-        way (a corrupt local copy is never uploaded) and the server against their MD5."""
-        md5, sha256, size = hashlib.md5(usedforsecurity=False), hashlib.sha256(), 0
+        way (a corrupt local copy is never uploaded) and the server against their MD5;
+        past `multipart_bytes` in parts (one PUT stops at 5 GB), each part's MD5 checked."""
+        size = path.stat().st_size
         with open(path, "rb") as f:
-            while chunk := f.read(READ_CHUNK_BYTES):
-                md5.update(chunk)
-                sha256.update(chunk)
-                size += len(chunk)
-            if f"sha256:{sha256.hexdigest()}" != content_hash:
-                raise BlobIntegrityError(f"local blob {content_hash} hashes to sha256:{sha256.hexdigest()}: "
-                                         "it is not uploaded")
-            f.seek(0)
-            with self._translated(f"upload of {content_hash}"):
-                self._client.put_object(Bucket=self.bucket, Key=self.key(content_hash), Body=f, ContentLength=size,
-                                        ContentMD5=base64.b64encode(md5.digest()).decode())
+            if size > self.multipart_bytes:
+                found = self._upload_parts(f, content_hash, size)
+            else:
+                found = self._upload_whole(f, content_hash, size)
+        if found != content_hash:
+            raise BlobIntegrityError(f"local blob {content_hash} hashes to {found}: it is not uploaded")
         with self._translated(f"upload of {content_hash}"):
             stored = self._client.head_object(Bucket=self.bucket, Key=self.key(content_hash))["ContentLength"]
         if stored != size:
             raise BlobStoreUnavailable(f"upload of {content_hash}: {self.where} holds {stored} of its {size} bytes")
+
+    def _upload_whole(self, f: BinaryIO, content_hash: str, size: int) -> str:
+        md5, sha256 = hashlib.md5(usedforsecurity=False), hashlib.sha256()
+        while chunk := f.read(READ_CHUNK_BYTES):
+            md5.update(chunk)
+            sha256.update(chunk)
+        if f"sha256:{sha256.hexdigest()}" != content_hash:
+            return f"sha256:{sha256.hexdigest()}"  # refused by upload(), before any byte leaves
+        f.seek(0)
+        with self._translated(f"upload of {content_hash}"):
+            self._client.put_object(Bucket=self.bucket, Key=self.key(content_hash), Body=f, ContentLength=size,
+                                    ContentMD5=base64.b64encode(md5.digest()).decode())
+        return content_hash
+
+    def _upload_parts(self, f: BinaryIO, content_hash: str, size: int) -> str:
+        """A multipart upload, completed only once every part's bytes hashed to the blob's
+        sha256 (else aborted: the key never holds other bytes)."""
+        key, sha256 = self.key(content_hash), hashlib.sha256()
+        # Parts held in memory one at a time: at most 64 MB unless 10,000 of them would not hold it.
+        part_bytes = max(min(self.multipart_bytes, MAX_PART_IN_MEMORY), MIN_PART_BYTES, -(-size // MAX_PARTS))
+        with self._translated(f"upload of {content_hash}"):
+            upload_id = self._client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        parts: list[dict[str, Any]] = []
+        try:
+            while data := f.read(part_bytes):
+                sha256.update(data)
+                md5 = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+                with self._translated(f"upload of {content_hash}"):
+                    etag = self._client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, Body=data,
+                                                    PartNumber=len(parts) + 1, ContentMD5=md5)["ETag"]
+                parts.append({"PartNumber": len(parts) + 1, "ETag": etag})
+            found = f"sha256:{sha256.hexdigest()}"
+            if found != content_hash:
+                raise BlobIntegrityError(f"local blob {content_hash} hashes to {found}: it is not uploaded")
+            with self._translated(f"upload of {content_hash}"):
+                self._client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                                       MultipartUpload={"Parts": parts})
+        except BaseException:
+            try:
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            except Exception:  # noqa: BLE001 - the store's own expiry rule takes it then
+                log.warning("aborting the multipart upload of %s failed", content_hash)
+            raise
+        return found
 
     def open(self, content_hash: str) -> BinaryIO:
         with self._translated(f"read of {content_hash}"):
@@ -170,7 +215,7 @@ def s3_store(settings: ArtifactSettings) -> S3BlobStore:
     # A session of its own: boto3's module-level default session is shared state.
     client = boto3.session.Session().client("s3", endpoint_url=settings.endpoint_url, config=config, **credentials)
     where = f"the S3 store {settings.endpoint_url or 'aws'}/{settings.bucket}/{settings.prefix}"
-    store = S3BlobStore(client, settings.bucket, settings.prefix, where)
+    store = S3BlobStore(client, settings.bucket, settings.prefix, where, settings.multipart_threshold_mb * 2**20)
     try:
         store.check_bucket()
     except FileNotFoundError:
