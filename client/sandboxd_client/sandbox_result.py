@@ -32,8 +32,10 @@ class ToolErrorInfo:
 
 @dataclass(frozen=True)
 class ArtifactRef:
-    """A stored artifact of the command (its stdout, its stderr, ...): fetch one with
-    `sandbox.client.download_artifact(ref.artifact_id, sink)`, which checks its sha256."""
+    """A stored artifact of the command (its stdout, its stderr, a file it changed, the
+    diff): fetch one with `sandbox.client.download_artifact(ref.artifact_id, sink)`,
+    which checks its sha256. A `file` artifact names its `path` and `change` (created,
+    modified, renamed from `previous_path`, or deleted: nothing to download)."""
 
     artifact_id: str
     kind: str
@@ -41,6 +43,10 @@ class ArtifactRef:
     content_hash: str
     size_bytes: int
     summary: str = ""
+    path: str = ""
+    change: str = ""
+    previous_path: str = ""
+    file_mode: str = ""
 
 
 @dataclass(frozen=True)
@@ -78,14 +84,24 @@ class CommandResult:
     artifacts: tuple[ArtifactRef, ...] = ()
     raw: pb.ToolResult = field(default_factory=pb.ToolResult, compare=False)
 
+    @property
+    def changed_files(self) -> tuple[ArtifactRef, ...]:
+        """The files the command created, modified, renamed or deleted in its write roots."""
+        return tuple(a for a in self.artifacts if a.kind == "file")
+
+    @property
+    def diff(self) -> ArtifactRef | None:
+        """Its diff artifact (the text it changed, against the content before), if any."""
+        return next((a for a in self.artifacts if a.kind == "diff"), None)
+
     @classmethod
     def of(cls, argv: Sequence[str], result: pb.ToolResult, stdout: bytes, stderr: bytes,
            tool_call_id: str = "") -> "CommandResult":
         error = None
         if result.HasField("error") and (result.error.code or result.error.message):
             error = ToolErrorInfo(result.error.code, result.error.message, result.error.retryable)
-        artifacts = tuple(ArtifactRef(a.artifact_id, a.kind, a.uri, a.content_hash, a.size_bytes, a.summary)
-                          for a in result.artifacts)
+        artifacts = tuple(ArtifactRef(a.artifact_id, a.kind, a.uri, a.content_hash, a.size_bytes, a.summary, a.path,
+                                      a.change, a.previous_path, a.file_mode) for a in result.artifacts)
         return cls(tuple(argv), result.tool_call_id or tool_call_id, result.status, result.exit_code, stdout, stderr,
                    result.timed_out, result.oom_killed, result.signal, result.stdout_truncated,
                    result.stderr_truncated, error, artifacts, result)

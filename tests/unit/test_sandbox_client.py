@@ -191,6 +191,20 @@ def test_a_result_has_the_tool_results_fields_and_the_whole_output():
     assert CommandResult.of(["true"], tool_result(status="success"), b"", b"").error is None
 
 
+def test_a_result_names_the_files_the_command_changed_and_its_diff():
+    raw = tool_result(status="success", artifacts=[
+        pb.ArtifactRef(artifact_id="art_out", kind="stdout"),
+        pb.ArtifactRef(artifact_id="art_f", kind="file", path="/workspace/b", change="renamed",
+                       previous_path="/workspace/a", file_mode="0644"),
+        pb.ArtifactRef(artifact_id="art_d", kind="diff")])
+    r = CommandResult.of(["mv", "a", "b"], raw, b"", b"")
+    [moved] = r.changed_files
+    assert (moved.path, moved.change, moved.previous_path, moved.file_mode) == ("/workspace/b", "renamed",
+                                                                               "/workspace/a", "0644")
+    assert r.diff is not None and r.diff.artifact_id == "art_d"
+    assert CommandResult.of(["true"], tool_result(status="success"), b"", b"").diff is None
+
+
 @pytest.mark.parametrize("status, exit_code, ok", [("success", 0, True), ("partial", 0, True), ("error", 1, False),
                                                     ("error", -1, False), ("cancelled", 0, False)])
 def test_check_passes_a_command_that_ran_and_exited_0(status, exit_code, ok):
