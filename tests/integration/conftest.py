@@ -59,20 +59,18 @@ def docker_engine():
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """The qemu guests' tests last: their guests run behind the host's tests (guests.py)."""
+    """The qemu guests' tests last (guests.py): a failure of the host's own comes first."""
     items.sort(key=lambda item: item.path.name in GUEST_MODULES)  # stable: each group keeps its order
 
 
-@pytest.fixture(scope="session", autouse=True)
-def background_guests(request):
-    """Starts the selected tests' guests, one after the other, as the session begins."""
+@pytest.fixture(scope="session")
+def background_guests(request, docker_engine):
+    """The selected tests' guests, started by the first test that waits for one (the
+    guests' preparation exports and saves images with dockerd)."""
     modules = {item.path.name: item.module for item in request.session.items if item.path.name in GUEST_MODULES}
     for name in GUEST_MODULES:
         if name in modules:
             QUEUE.add(modules[name].GUEST)
-    if QUEUE.guests:
-        request.getfixturevalue("docker_engine")  # the guests' preparation exports and saves images
-        QUEUE.start()
     yield QUEUE
     QUEUE.stop()
 

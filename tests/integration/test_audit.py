@@ -148,6 +148,7 @@ def test_retention_turns_old_calls_into_tombstones_and_the_log_still_verifies(sp
         assert trace[-1].parent_event_id == kept[-1]
         assert c.verify_log().ok
         assert not c.query_calls(command_contains="expiring-output").calls
+        assert {a["kind"] for a in tomb["artifactsRemoved"]} == {"stdout", "file", "diff"}
         assert c.list_artifacts(old.tool_call_id) == [] and not blob.exists()
         with pytest.raises(errors.NotFound, match="expired at .*retention period"):
             c.download_artifact(art.artifact_id, io.BytesIO())
@@ -166,4 +167,5 @@ def test_retention_turns_old_calls_into_tombstones_and_the_log_still_verifies(sp
         assert sink.getvalue() == b"fresh-output\n"
     shown = ctl(d, "trace", old.tool_call_id)
     assert shown.returncode == 0 and b"ToolCallExpired" in shown.stdout
-    assert b"1 artifact(s) and the call's index rows removed" in shown.stdout
+    # Its stdout, the file it changed (runs.txt) and the diff.
+    assert b"3 artifact(s) and the call's index rows removed" in shown.stdout

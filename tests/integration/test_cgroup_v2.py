@@ -5,7 +5,7 @@ environment's init), so the v2 host is a qemu guest (scripts/cgroup2-vm/run.sh) 
 boots Debian's kernel on this host's own root filesystem, with cgroup2 mounted at
 /sys/fs/cgroup and nothing else: no Docker, no v1 hierarchy. In it, the nsjail tests
 that depend on the cgroups run (SELECTION); each must pass, none may be skipped. The
-guest runs behind the host's tests (guests.py); this test waits for it at the end."""
+guest is launched by guests.py when this test, one of the suite's last, asks for it."""
 
 from __future__ import annotations
 

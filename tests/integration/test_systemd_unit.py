@@ -7,7 +7,7 @@ this host's root filesystem, with cgroup2 alone at /sys/fs/cgroup. In it
 (Type=notify: `systemctl start` returns once it serves), a Docker call and an nsjail
 call run, a memory kill and a pids limit hold on both, and the unit's stop leaves
 nothing. The guest emulates its CPU (some 25 times slower than this host), so the whole
-story runs in one boot, behind the host's tests (guests.py); these tests wait for it."""
+story runs in one boot (guests.py), after test_cgroup_v2's guest when both run."""
 
 from __future__ import annotations
 
