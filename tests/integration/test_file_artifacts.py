@@ -50,8 +50,11 @@ def test_changed_files_are_artifacts_and_the_diff_shows_the_edit(client, daemon)
         download(client, files["/workspace/gone.txt"].artifact_id)
     [diff] = [a for a in out.result.artifacts if a.kind == "diff"]
     text = download(client, diff.artifact_id).decode()
-    assert "--- a/workspace/src/app.py\n+++ b/workspace/src/app.py\n@@ -1,2 +1,2 @@\n-x = 1\n+x = 2\n y = 0\n" in text
-    assert "deleted file mode 100644\n--- a/workspace/gone.txt\n+++ /dev/null\n@@ -1 +0,0 @@\n-bye\n" in text
+    # sed -i replaces the file with a new inode, and a deleted file's inode is gone: the
+    # content they had is not shown (it may have been closed to the sandbox), only named.
+    in_place_only = "# sandboxd: not diffed: its content before the call is shown only for a file changed in place\n"
+    assert f"diff --git a/workspace/src/app.py b/workspace/src/app.py\n{in_place_only}" in text
+    assert f"deleted file mode 100644\n{in_place_only}" in text and "bye" not in text
     assert "rename from workspace/old.txt\nrename to workspace/moved.txt\n" in text
     assert "new file mode 100644\n--- /dev/null\n+++ b/workspace/new.txt\n@@ -0,0 +1 @@\n+new\n" in text
     assert "Binary files /dev/null and b/workspace/blob.bin differ" in text
@@ -63,6 +66,32 @@ def test_changed_files_are_artifacts_and_the_diff_shows_the_edit(client, daemon)
     # The listing of the call's artifacts has them too.
     listed = {a.artifact_id: a for a in client.list_artifacts(out.tool_call_id)}
     assert listed[files["/workspace/moved.txt"].artifact_id].previous_path == "/workspace/old.txt"
+
+
+def test_a_file_edited_in_place_is_diffed_and_one_closed_to_the_sandbox_is_not_kept(client, daemon):
+    ws = daemon.new_workspace({"src/app.py": "x = 1\ny = 0\n"})
+    (ws / "root.key").write_text("ROOTONLY\n")  # root's, 0600: the sandbox cannot read it
+    (ws / "root.key").chmod(0o600)
+    out = client.run(call(ws, sh("printf 'x = 1\\ny = 1\\n' > /workspace/src/app.py; "
+                                 "mv /workspace/root.key /workspace/moved.key"),
+                          {"filesystem": {"writeRoots": ["/workspace"]}}))
+    assert out.result.status == "success", out.stderr
+    files = {a.path for a in out.result.artifacts if a.kind == "file"}
+    assert files == {"/workspace/src/app.py"}
+    assert list(out.result.artifacts_omitted) == ["/workspace/moved.key: the sandbox's user cannot read it: not kept"]
+    [diff] = [a for a in out.result.artifacts if a.kind == "diff"]
+    text = download(client, diff.artifact_id).decode()
+    assert "@@ -1,2 +1,2 @@\n x = 1\n-y = 0\n+y = 1\n" in text and "ROOTONLY" not in text
+
+
+def test_with_blocked_paths_a_renamed_parent_leaks_nothing(client, daemon):
+    ws = daemon.new_workspace({"conf/secret.env": "TOKEN=abc\n", "conf/app.ini": "a\n"})
+    out = client.run(call(ws, sh("mv /workspace/conf /workspace/moved"),
+                          {"filesystem": {"writeRoots": ["/workspace"], "blockedPaths": ["conf/secret.env"]}}))
+    assert out.result.status == "success", out.stderr
+    assert {a.kind for a in out.result.artifacts} <= {"stdout", "stderr"}
+    assert list(out.result.artifacts_omitted) == [
+        "2 changed files: none is kept or diffed when the policy blocks paths"]
 
 
 def test_a_call_that_changes_nothing_leaves_no_file_artifact(client, daemon):

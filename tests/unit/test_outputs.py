@@ -17,7 +17,7 @@ from sandboxd.core.artifact_settings import ArtifactSettings
 from sandboxd.ledger.artifacts import FileArtifactStore
 from sandboxd.ledger.store import Database
 from sandboxd.outputs.collect import MAX_OMISSIONS_LISTED, OutputCollector
-from sandboxd.outputs.diff import FileVersions, file_diff, unified_diff
+from sandboxd.outputs.diff import MAX_DIFF_LINES, FileVersions, file_diff, unified_diff
 from sandboxd.outputs.reading import NotReadable, locate, read_chunks
 from sandboxd.recording import snapshot
 from sandboxd.recording.baseline import Baseline
@@ -154,7 +154,15 @@ def test_the_diff_stops_at_its_cap_and_names_the_rest():
     capped, left_out = unified_diff(files, len(whole) // 2)
     assert left_out == ["/w/2", "/w/3", "/w/4"]
     assert capped.endswith(b"# sandboxd: not diffed (the diff reached its cap of "
-                           + str(len(whole) // 2).encode() + b" bytes): /w/4\n")
+                           + str(len(whole) // 2).encode() + b" bytes or 10 s): /w/4\n")
+    _, out_of_time = unified_diff(files, 10**6, budget_s=-1)
+    assert out_of_time == [f.path for f in files]
+
+
+def test_a_file_of_too_many_lines_is_named_not_diffed():
+    many = b"x\n" * (MAX_DIFF_LINES + 1)
+    text = file_diff(FileVersions("/w/big", "modified", 0o100644, many, many + b"y\n"))
+    assert text.endswith(f"# sandboxd: not diffed: more than {MAX_DIFF_LINES} lines\n")
 
 
 def test_bytes_that_are_not_utf8_survive_the_diff():
@@ -285,3 +293,53 @@ def test_collection_off_keeps_no_file_and_no_diff(tmp_path, store):
     only_diff = collect(ws, store, collect_files=False)
     assert [r.kind for r in only_diff.records] == ["diff"]
     assert stat.S_ISDIR(os.stat(tmp_path / "blobs").st_mode)
+
+
+# ------------------------------------------------------------------ what the sandbox could not read
+
+def collect_as(ws: Workspace, store: FileArtifactStore, reader, blocked=()):
+    return OutputCollector(ArtifactSettings(), store, ws.baseline, "call_1", ws.roots, None, reader,
+                           blocked).collect(ws.changed())
+
+
+def test_a_file_the_sandboxs_user_could_not_read_is_not_kept(tmp_path, store):
+    ws = Workspace(tmp_path, {"mine.txt": b"x\n"})
+    os.chown(ws.dir, 1000, 1000)
+    (ws.dir / "root.key").write_bytes(b"ROOTONLY\n")
+    os.chmod(ws.dir / "root.key", 0o600)  # root's, as the daemon writes it
+    (ws.dir / "closed").mkdir(mode=0o700)
+    (ws.dir / "closed" / "open.txt").write_bytes(b"behind a closed directory\n")
+    os.chmod(ws.dir / "closed" / "open.txt", 0o644)
+    (ws.dir / "mine.txt").write_bytes(b"y\n")
+    os.chown(ws.dir / "mine.txt", 1000, 1000)
+    got = collect_as(ws, store, (1000, 1000))
+    assert [r.path for r in got.records if r.kind == "file"] == ["/workspace/mine.txt"]
+    assert sorted(got.omitted) == ["/workspace/closed/open.txt: the sandbox's user cannot read it: not kept",
+                                   "/workspace/root.key: the sandbox's user cannot read it: not kept"]
+    [diff] = [r for r in got.records if r.kind == "diff"]
+    text = read_blob(store, diff.content_hash)
+    assert b"ROOTONLY" not in text and b"behind a closed" not in text and b"-x\n+y\n" in text
+
+
+def test_the_content_before_is_shown_only_for_a_file_changed_in_place(tmp_path, store):
+    ws = Workspace(tmp_path, {"gone.txt": b"old secret\n", "sed.txt": b"a\n", "edit.txt": b"1\n"})
+    (ws.dir / "gone.txt").unlink()
+    (ws.dir / "tmp").write_bytes(b"b\n")
+    os.rename(ws.dir / "tmp", ws.dir / "sed.txt")
+    with open(ws.dir / "edit.txt", "ab") as f:
+        f.write(b"2\n")
+    got = collect_as(ws, store, None)
+    [diff] = [r for r in got.records if r.kind == "diff"]
+    text = read_blob(store, diff.content_hash).decode()
+    assert "old secret" not in text and "-a\n" not in text
+    assert " 1\n+2\n" in text
+    assert text.count("# sandboxd: not diffed: its content before the call is shown only for a file changed "
+                      "in place") == 2
+
+
+def test_with_blocked_paths_no_changed_file_is_kept(tmp_path, store):
+    ws = Workspace(tmp_path, {"conf/secret.env": b"TOKEN=abc\n"})
+    os.rename(ws.dir / "conf", ws.dir / "moved")  # the mask moves with it in the sandbox, not on the host
+    got = collect_as(ws, store, None, blocked=("/workspace/conf/secret.env",))
+    assert got.records == []
+    assert got.omitted == ["1 changed files: none is kept or diffed when the policy blocks paths"]

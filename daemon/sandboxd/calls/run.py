@@ -27,6 +27,7 @@ from sandboxd.ledger.events import EventDraft, EventLog
 from sandboxd.ledger.store import Database
 from sandboxd.outputs.collect import Collected, OutputCollector
 from sandboxd.recording.baseline import Baseline
+from sandboxd.recording.snapshot import printable
 from sandboxd.recording.recorder import FileRecord, FileRecorder
 from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool, StreamSummary
 from sandboxd.sandbox.protocol import ExitStatus, Process, ResourceUsage
@@ -36,6 +37,8 @@ log = logging.getLogger("sandboxd.calls.run")
 KILL_GRACE_S = 10.0
 # A command still running this long after its start has ToolCallStarted committed on its own.
 STARTED_COMMIT_AFTER_S = 0.05
+# Of persistOutputs' walk's gaps, at most this many are listed in artifactsOmitted.
+MAX_LISTED_GAPS = 20
 
 
 def _always() -> bool:
@@ -315,19 +318,24 @@ class CallRun:
         (outputs/collect.py). A failure here costs the call its file artifacts, never
         its recorded result."""
         placement, p = self._placement, self.prepared
+        redactor = p.redactor if p.secrets or p.redaction else None
+        redact = redactor().redact_text if redactor is not None else (lambda text: text)
         try:
             kept, gaps = placement.kept_outputs()
+            # Gaps name paths the sandbox chose: printable and redacted, as every name is.
+            gaps = [redact(printable(gap)) for gap in gaps[:MAX_LISTED_GAPS]]
             if not files.changed and not kept:
                 return Collected(omitted=gaps)
             roots = placement.write_roots() + ([(p.policy.temp_dir, placement.kept_tempdir)] if kept else [])
             collector = OutputCollector(self._host.settings.artifacts, self._host.artifacts, self._host.baseline,
-                                        self.tool_call_id, roots, p.redactor if p.secrets or p.redaction else None)
+                                        self.tool_call_id, roots, redactor, reader=(p.plan.uid, p.plan.gid),
+                                        blocked=tuple(m.sandbox_path for m in p.plan.masks))
             collected = collector.collect(files.changed, kept)
             collected.omitted[:0] = gaps
             return collected
         except Exception as exc:
             log.exception("collecting the files of %s failed", self.tool_call_id)
-            return Collected(omitted=[f"the changed files could not be collected: {exc}"])
+            return Collected(omitted=[redact(printable(f"the changed files could not be collected: {exc}"))])
 
     def _finish(self, ending: _Ending, latency_ms: int, cancel_reason: str, files: FileRecord) -> None:
         host, p = self._host, self.prepared

@@ -47,12 +47,19 @@ class OutputCollector:
 
     def __init__(self, settings: ArtifactSettings, store: FileArtifactStore, baseline: Baseline | None,
                  tool_call_id: str, write_roots: list[tuple[str, str]],
-                 redactor: Callable[[], Redactor] | None = None):
+                 redactor: Callable[[], Redactor] | None = None, reader: tuple[int, int] | None = None,
+                 blocked: tuple[str, ...] = ()):
+        """`reader`: the sandbox's (uid, gid): only what it could read is kept. `blocked`:
+        the policy's blocked paths; with any, no changed file is kept (a rename of a
+        blocked file's parent moves it out from under its mask on the host, and what
+        came from under a mask cannot yet be told apart)."""
         self._settings = settings
         self._store = store
         self._baseline = baseline
         self._call = tool_call_id
         self._roots = write_roots
+        self._reader = reader
+        self._blocked = blocked
         self._redactor = redactor
         self._budget = _Budget(settings.max_files_per_call, settings.max_collected_mb_per_call * 2**20)
         self._omitted: list[str] = []
@@ -67,6 +74,9 @@ class OutputCollector:
         """`changed`: the write roots' changed files (artifacts, and the diff); `kept`:
         persistOutputs' files of the tempDir (artifacts even with collect_files off)."""
         records: list[ArtifactRecord] = []
+        if self._blocked and changed:
+            self._omitted.append(f"{len(changed)} changed files: none is kept or diffed when the policy blocks paths")
+            changed = []
         # The write roots' first: what a call did to the workspace matters most under the caps.
         for f in (changed if self._settings.collect_files else []) + (kept or []):
             record = self._file_artifact(f)
@@ -132,7 +142,8 @@ class OutputCollector:
                         kept.append(data)
                     out.write(redactor.feed(_FILE_STREAM, data) if redacting and redactor else data)
 
-                raw_hash = copy_verified(read_chunks(locate(f.path, self._roots), f.size), f.sha256_after, sink)
+                raw_hash = copy_verified(read_chunks(locate(f.path, self._roots), f.size, self._reader),
+                                         f.sha256_after, sink)
                 if redacting and redactor:
                     out.write(redactor.flush(_FILE_STREAM))
             size = tmp.stat().st_size
@@ -173,6 +184,11 @@ class OutputCollector:
         return FileVersions(printable(f.path), f.change, f.mode, before, after, printable(f.previous_path), why)
 
     def _before(self, f: ChangedFile, cap: int) -> tuple[bytes | None, str]:
+        if f.change == "deleted" or f.replaced or (f.change == "renamed" and f.sha256_before != f.sha256_after):
+            # Only a file the call changed in place is known to have been readable to the
+            # sandbox before (it reads it now, the same inode at the same path); another
+            # inode's old content may have been closed to it.
+            return None, "its content before the call is shown only for a file changed in place"
         if not f.sha256_before:
             return None, "the file had no content hash before the call (over the hashing caps)"
         if f.change == "renamed" and f.sha256_before == f.sha256_after:
@@ -192,7 +208,8 @@ class OutputCollector:
             return self._afters[f.path], ""
         try:  # not kept as an artifact (a cap, or collection off): read for the diff alone
             kept: list[bytes] = []
-            copy_verified(read_chunks(locate(f.path, self._roots), f.size), f.sha256_after, kept.append)
+            copy_verified(read_chunks(locate(f.path, self._roots), f.size, self._reader), f.sha256_after,
+                          kept.append)
             return b"".join(kept), ""
         except NotReadable as exc:
             return None, str(exc)

@@ -6,10 +6,17 @@ the reason on a `# sandboxd:` line (patch tools skip such lines)."""
 from __future__ import annotations
 
 import difflib
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sandboxd.recording.baseline import looks_binary
+
+# difflib's cost grows with the square of the lines in the worst case (a 1 MB file of
+# short repeated lines took ten minutes): past this many lines a file is only named,
+# and the whole diff stops computing after DIFF_TIME_BUDGET_S (the rest only named).
+MAX_DIFF_LINES = 5000
+DIFF_TIME_BUDGET_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -59,19 +66,23 @@ def file_diff(f: FileVersions) -> str:
     if looks_binary(f.before) or looks_binary(f.after):
         return "".join(head + [f"Binary files {old if f.change != 'created' else '/dev/null'} and "
                                f"{new if f.change != 'deleted' else '/dev/null'} differ\n"])
+    if max(f.before.count(b"\n"), f.after.count(b"\n")) > MAX_DIFF_LINES:
+        return "".join(head + [f"# sandboxd: not diffed: more than {MAX_DIFF_LINES} lines\n"])
     hunks = _hunks(f.before, f.after, old if f.change != "created" else "/dev/null",
                    new if f.change != "deleted" else "/dev/null")
     return "".join(head + hunks)
 
 
-def unified_diff(files: Iterable[FileVersions], max_bytes: int) -> tuple[bytes, list[str]]:
+def unified_diff(files: Iterable[FileVersions], max_bytes: int,
+                 budget_s: float = DIFF_TIME_BUDGET_S) -> tuple[bytes, list[str]]:
     """The whole diff (bytes as the files held them) and the paths only named because
-    the diff reached `max_bytes` first."""
+    the diff reached `max_bytes` or its time budget first."""
     parts: list[bytes] = []
     size = 0
     left_out: list[str] = []
+    deadline = time.monotonic() + budget_s
     for f in files:
-        if left_out:
+        if left_out or time.monotonic() > deadline:
             left_out.append(f.path)
             continue
         part = file_diff(f).encode("utf-8", "surrogateescape")
@@ -81,7 +92,7 @@ def unified_diff(files: Iterable[FileVersions], max_bytes: int) -> tuple[bytes, 
         parts.append(part)
         size += len(part)
     if left_out:
-        note = "".join(f"# sandboxd: not diffed (the diff reached its cap of {max_bytes} bytes): {p}\n"
-                       for p in left_out)
+        note = "".join(f"# sandboxd: not diffed (the diff reached its cap of {max_bytes} bytes or "
+                       f"{budget_s:g} s): {p}\n" for p in left_out)
         parts.append(note.encode("utf-8", "surrogateescape"))
     return b"".join(parts), left_out

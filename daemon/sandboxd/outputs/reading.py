@@ -44,9 +44,40 @@ def locate(path: str, write_roots: list[tuple[str, str]]) -> Located:
     return Located(host_root, path[len(root) + 1:])
 
 
-def read_chunks(where: Located, size: int) -> Iterator[bytes]:
+def _allows(st: os.stat_result, reader: tuple[int, int], bit: int) -> bool:
+    """Whether the sandbox's user (uid, gid) has `bit` (4 read, 1 search) by the mode
+    bits (its supplementary groups are not counted: what is unsure is not read)."""
+    uid, gid = reader
+    if st.st_uid == uid:
+        return bool(st.st_mode & (bit << 6))
+    if st.st_gid == gid:
+        return bool(st.st_mode & (bit << 3))
+    return bool(st.st_mode & bit)
+
+
+def _reachable(root_fd: int, relative: str, reader: tuple[int, int]) -> bool:
+    """Whether the sandbox's user could search every directory from the write root down
+    to `relative` (the daemon reads as root: what the sandbox could not reach, a file it
+    moved out of a directory closed to it, must not come out through its artifacts)."""
+    fd = os.dup(root_fd)
+    try:
+        for part in relative.split("/")[:-1]:
+            if not _allows(os.fstat(fd), reader, 1):
+                return False
+            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return _allows(os.fstat(fd), reader, 1)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def read_chunks(where: Located, size: int, reader: tuple[int, int] | None = None) -> Iterator[bytes]:
     """The file's bytes, in chunks; NotReadable when it is not a regular file there now,
-    or holds more than `size` bytes."""
+    holds more than `size` bytes, or (with `reader`, the sandbox's uid and gid) is one
+    the sandbox's user could not have read."""
     try:
         root_fd = _open_beneath_root(where.host_root)
     except OSError as exc:
@@ -57,8 +88,11 @@ def read_chunks(where: Located, size: int) -> Iterator[bytes]:
         except OSError as exc:
             raise NotReadable(f"not readable ({exc.strerror})") from None
         try:
-            if not stat.S_ISREG(os.fstat(path_fd).st_mode):
+            st = os.fstat(path_fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise NotReadable("no longer a regular file")
+            if reader is not None and not (_allows(st, reader, 4) and _reachable(root_fd, where.relative, reader)):
+                raise NotReadable("the sandbox's user cannot read it: not kept")
             fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         finally:
             os.close(path_fd)

@@ -18,6 +18,7 @@ class ChangedFile(NamedTuple):
     sha256_before: str = ""  # "" when it did not exist, or was not hashed
     sha256_after: str = ""
     previous_path: str = ""  # renamed: where it was
+    replaced: bool = False  # modified by a new inode taking the path (a rename over it, sed -i)
 
 
 def changed_files(changes: list[dict[str, Any]], before: dict[str, Entry], after: dict[str, Entry]) -> list[ChangedFile]:
@@ -40,7 +41,8 @@ def changed_files(changes: list[dict[str, Any]], before: dict[str, Entry], after
             if path in out and out[path].change == "renamed":
                 continue  # renamed over: the rename says where its content came from
             out[path] = ChangedFile(path, "modified" if existed else "created", now.mode, now.size,
-                                    was.sha256 if existed and was else "", now.sha256)
+                                    was.sha256 if existed and was else "", now.sha256,
+                                    replaced=existed and was is not None and was.inode != now.inode)
         elif op == "delete":
             was = before.get(path)
             if was is not None and stat.S_ISREG(was.mode) and path not in after:
