@@ -343,3 +343,21 @@ def test_with_blocked_paths_no_changed_file_is_kept(tmp_path, store):
     got = collect_as(ws, store, None, blocked=("/workspace/conf/secret.env",))
     assert got.records == []
     assert got.omitted == ["1 changed files: none is kept or diffed when the policy blocks paths"]
+
+
+def test_only_content_the_diff_shows_is_held_in_memory(tmp_path, store):
+    ws = Workspace(tmp_path, {"sed.txt": b"a\n"})
+    (ws.dir / "new.txt").write_bytes(b"n\n")
+    (ws.dir / "tmp").write_bytes(b"b\n")
+    os.rename(ws.dir / "tmp", ws.dir / "sed.txt")  # replaced: its diff shows no content
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept.bin").write_bytes(b"k")
+    kept = [snapshot_file for snapshot_file in
+            changed_files([{"path": "/tmp/kept.bin", "operation": "create"}], {},
+                          snapshot.take([("/tmp", str(tmp_path / "out"))], snapshot.HashCache()).entries)]
+    collector = OutputCollector(ArtifactSettings(), store, ws.baseline, "call_1",
+                                ws.roots + [("/tmp", str(tmp_path / "out"))])
+    got = collector.collect(ws.changed(), kept)
+    assert {r.path for r in got.records if r.kind == "file"} == {"/workspace/new.txt", "/workspace/sed.txt",
+                                                                "/tmp/kept.bin"}
+    assert set(collector._afters) == {"/workspace/new.txt"}

@@ -64,6 +64,8 @@ class OutputCollector:
         self._budget = _Budget(settings.max_files_per_call, settings.max_collected_mb_per_call * 2**20)
         self._omitted: list[str] = []
         self._afters: dict[str, bytes] = {}  # raw content kept for the diff, by path
+        self._afters_left = settings.diff_max_mb * 2**20  # no more held than the diff can show
+        self._diffed: set[str] = set()  # the paths the diff shows content of
         text_redactor = redactor() if redactor is not None else None
         # A name is as much the sandbox's choice as the content: struck the same way.
         self._redact_text = text_redactor.redact_text if text_redactor is not None and text_redactor.active \
@@ -77,6 +79,8 @@ class OutputCollector:
         if self._blocked and changed:
             self._omitted.append(f"{len(changed)} changed files: none is kept or diffed when the policy blocks paths")
             changed = []
+        if self._settings.diff:
+            self._diffed = {f.path for f in changed if f.change != "deleted" and not f.replaced}
         # The write roots' first: what a call did to the workspace matters most under the caps.
         for f in (changed if self._settings.collect_files else []) + (kept or []):
             record = self._file_artifact(f)
@@ -129,7 +133,8 @@ class OutputCollector:
 
     def _copy_in(self, f: ChangedFile) -> tuple[str, int, bool]:
         """The file into the store: (content hash, size stored, redacted)."""
-        keep_for_diff = self._settings.diff and f.size <= self._settings.diff_max_file_kb * 1024
+        keep_for_diff = (f.path in self._diffed and f.size <= self._settings.diff_max_file_kb * 1024
+                         and f.size <= self._afters_left)
         kept: list[bytes] = []
         redactor = self._redactor() if self._redactor is not None else None
         redacting = redactor is not None and redactor.active
@@ -154,6 +159,7 @@ class OutputCollector:
             raise
         if keep_for_diff:
             self._afters[f.path] = b"".join(kept)
+            self._afters_left -= f.size
         return content_hash, size, redacting
 
     # -- the diff ------------------------------------------------------------------
