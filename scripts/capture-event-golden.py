@@ -31,12 +31,13 @@ from pathlib import Path
 
 from sandboxd_testing import DaemonProcess, make_daemon, prepared_call, wait_for
 from sandboxd_client import errors
+from sandboxd_client.transfer import target
 
 EVENT_TYPES = (
     "ToolCallRequested", "ToolArgsValidated", "ToolPolicyChecked", "ToolSandboxPrepared", "ToolCallStarted",
     "ToolCallFinished", "ToolResultValidated", "ArtifactPersisted", "ToolCallRejected", "NetworkAccessObserved",
     "CredentialInjected", "SandboxLeased", "SandboxLeaseEnded", "FileAccessObserved", "ToolCallReplayed",
-    "ToolCallExpired",
+    "ToolCallExpired", "FilesTransferred",
 )
 COLUMNS = ("seq", "event_id", "tool_call_id", "type", "time", "parent_event_id", "payload_json", "prev_hash", "hash")
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "tests" / "unit" / "golden" / "events" / "log.jsonl"
@@ -216,6 +217,18 @@ def lease_calls(d: DaemonProcess, c) -> None:
     c.release_sandbox(lease.lease_id)
 
 
+def transfer_calls(d: DaemonProcess, c, scratch: Path) -> None:
+    """FileService: an upload landed, a download sent, an upload refused."""
+    ws = d.new_workspace({"README.md": "transferred\n"})
+    source = scratch / "upload"
+    (source / "dir").mkdir(parents=True)
+    (source / "dir" / "a.txt").write_text("uploaded\n")
+    writable = target(ws, policy={"filesystem": {"writeRoots": ["/workspace"]}})
+    c.upload(writable, "/workspace/in", source)
+    c.download(target(ws), "/workspace", scratch / "download")
+    refused(lambda: c.upload(target(ws), "/workspace/in", source), "an upload under a read root")
+
+
 def cancelled_call(d: DaemonProcess, c) -> None:
     ws = d.new_workspace()
     stream = c.execute(call(ws, ["sleep", "60"]), timeout_s=120)
@@ -303,6 +316,7 @@ def capture(base: Path) -> list[dict]:
             file_calls(d, c)
             egress_and_credential_calls(d, c)
             lease_calls(d, c)
+            transfer_calls(d, c, base)
             cancelled_call(d, c)
             interrupted_call(d, c)
         # The same state, now with a retention period: the start records the killed

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import grpc
@@ -14,6 +16,7 @@ import grpc
 from .client import (CHANNEL_OPTIONS, CallOutcome, TlsFiles, checked_artifact, default_socket, explain_request,
                      output_refs, outcome_of, run_request, sandbox_request)
 from .errors import SandboxdClientError, from_rpc_error
+from .transfer import Receiver, TransferError, local_entries, upload_requests
 from sandboxd_contract.calls import build_call
 from sandboxd_contract.pb import sandboxd_pb2 as pb
 from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
@@ -56,6 +59,7 @@ class AsyncSandboxdClient:
         self._traces = pb_grpc.TraceServiceStub(self._channel)
         self._audit = pb_grpc.AuditServiceStub(self._channel)
         self._pools = pb_grpc.PoolServiceStub(self._channel)
+        self._files = pb_grpc.FileServiceStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -136,6 +140,31 @@ class AsyncSandboxdClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         return checked_artifact(artifact_id, ref, digest)
+
+    async def upload_requests(self, requests: Iterator[pb.UploadRequest]) -> pb.TransferResult:
+        """FileService.Upload of prepared requests (transfer.upload_requests makes them)."""
+        try:
+            return await self._files.Upload(requests)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def upload(self, to: pb.TransferTarget, path: str, source: str | os.PathLike) -> pb.TransferResult:
+        """As SandboxdClient.upload."""
+        return await self.upload_requests(upload_requests(to, path, local_entries(Path(source))))
+
+    async def download(self, frm: pb.TransferTarget, path: str, dest: str | os.PathLike) -> pb.TransferResult:
+        """As SandboxdClient.download."""
+        receiver = Receiver(Path(dest))
+        try:
+            async for chunk in self._files.Download(pb.DownloadRequest(target=frm, path=path)):
+                result = receiver.feed(chunk)
+                if result is not None:
+                    return result
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            receiver.abandon()
+        raise TransferError("the download ended before its result")
 
     async def get_trace(self, tool_call_id: str) -> list[pb.TraceEvent]:
         return list((await self._unary(self._traces.GetTrace, pb.GetTraceRequest(tool_call_id=tool_call_id))).events)

@@ -10,12 +10,14 @@ import io
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import grpc
 from google.protobuf import json_format
 
 from .errors import SandboxdClientError, from_rpc_error
+from .transfer import local_entries, receive, upload_requests
 from sandboxd_contract.calls import build_call, to_json
 from sandboxd_contract.pb import sandboxd_pb2 as pb
 from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
@@ -133,6 +135,7 @@ class SandboxdClient:
         self._traces = pb_grpc.TraceServiceStub(self._channel)
         self._audit = pb_grpc.AuditServiceStub(self._channel)
         self._pools = pb_grpc.PoolServiceStub(self._channel)
+        self._files = pb_grpc.FileServiceStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -217,6 +220,26 @@ class SandboxdClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         return checked_artifact(artifact_id, ref, digest)
+
+    def upload_requests(self, requests: Iterator[pb.UploadRequest]) -> pb.TransferResult:
+        """FileService.Upload of prepared requests (transfer.upload_requests makes them)."""
+        try:
+            return self._files.Upload(requests)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def upload(self, to: pb.TransferTarget, path: str, source: str | os.PathLike) -> pb.TransferResult:
+        """A local file (to `path` itself) or directory tree (below `path`) into a workspace
+        or a leased sandbox (`transfer.target(...)`); lands whole or not at all."""
+        return self.upload_requests(upload_requests(to, path, local_entries(Path(source))))
+
+    def download(self, frm: pb.TransferTarget, path: str, dest: str | os.PathLike) -> pb.TransferResult:
+        """A file (to `dest` itself) or directory tree (below `dest`) out of a workspace or
+        a leased sandbox, each file's sha256 checked."""
+        try:
+            return receive(self._files.Download(pb.DownloadRequest(target=frm, path=path)), Path(dest))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
 
     def get_trace(self, tool_call_id: str) -> list[pb.TraceEvent]:
         try:

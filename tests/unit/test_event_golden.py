@@ -26,7 +26,7 @@ EVENT_TYPES = frozenset({
     "ToolCallRequested", "ToolArgsValidated", "ToolPolicyChecked", "ToolSandboxPrepared", "ToolCallStarted",
     "ToolCallFinished", "ToolResultValidated", "ArtifactPersisted", "ToolCallRejected", "NetworkAccessObserved",
     "CredentialInjected", "SandboxLeased", "SandboxLeaseEnded", "FileAccessObserved", "ToolCallReplayed",
-    "ToolCallExpired",
+    "ToolCallExpired", "FilesTransferred",
 })
 COLUMNS = ("seq", "event_id", "tool_call_id", "type", "time", "parent_event_id", "payload_json", "prev_hash", "hash")
 

@@ -722,3 +722,69 @@ class CreatePoolRequest(_message.Message):
     SANDBOX_FIELD_NUMBER: _ClassVar[int]
     sandbox: AcquireSandboxRequest
     def __init__(self, sandbox: _Optional[_Union[AcquireSandboxRequest, _Mapping]] = ...) -> None: ...
+
+class TransferTarget(_message.Message):
+    __slots__ = ("workspace", "policy", "lease_id")
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    workspace: str
+    policy: SandboxPolicy
+    lease_id: str
+    def __init__(self, workspace: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class TransferEntry(_message.Message):
+    __slots__ = ("path", "kind", "mode", "size_bytes", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    kind: str
+    mode: int
+    size_bytes: int
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., kind: _Optional[str] = ..., mode: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class UploadRequest(_message.Message):
+    __slots__ = ("target", "path", "entry", "data")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    target: TransferTarget
+    path: str
+    entry: TransferEntry
+    data: bytes
+    def __init__(self, target: _Optional[_Union[TransferTarget, _Mapping]] = ..., path: _Optional[str] = ..., entry: _Optional[_Union[TransferEntry, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TransferResult(_message.Message):
+    __slots__ = ("transfer_id", "entries", "total_bytes", "skipped")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    entries: _containers.RepeatedCompositeFieldContainer[TransferEntry]
+    total_bytes: int
+    skipped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transfer_id: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TransferEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., skipped: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DownloadRequest(_message.Message):
+    __slots__ = ("target", "path")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    target: TransferTarget
+    path: str
+    def __init__(self, target: _Optional[_Union[TransferTarget, _Mapping]] = ..., path: _Optional[str] = ...) -> None: ...
+
+class DownloadChunk(_message.Message):
+    __slots__ = ("entry", "data", "result")
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    entry: TransferEntry
+    data: bytes
+    result: TransferResult
+    def __init__(self, entry: _Optional[_Union[TransferEntry, _Mapping]] = ..., data: _Optional[bytes] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...

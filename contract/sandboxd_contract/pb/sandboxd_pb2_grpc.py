@@ -904,3 +904,127 @@ class PoolService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class FileServiceStub:
+    """Files into and out of a workspace or a leased sandbox, without a command. Each
+    transfer is recorded (FilesTransferred: who, where, each path and its sha256); a
+    refused one too. An upload lands whole or not at all.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Upload = channel.stream_unary(
+                '/sandboxd.v1.FileService/Upload',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.UploadRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.TransferResult.FromString,
+                _registered_method=True)
+        self.Download = channel.unary_stream(
+                '/sandboxd.v1.FileService/Download',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DownloadRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DownloadChunk.FromString,
+                _registered_method=True)
+
+
+class FileServiceServicer:
+    """Files into and out of a workspace or a leased sandbox, without a command. Each
+    transfer is recorded (FilesTransferred: who, where, each path and its sha256); a
+    refused one too. An upload lands whole or not at all.
+    """
+
+    def Upload(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Download(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_FileServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Upload': grpc.stream_unary_rpc_method_handler(
+                    servicer.Upload,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.UploadRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.TransferResult.SerializeToString,
+            ),
+            'Download': grpc.unary_stream_rpc_method_handler(
+                    servicer.Download,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DownloadRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DownloadChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'sandboxd.v1.FileService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('sandboxd.v1.FileService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class FileService:
+    """Files into and out of a workspace or a leased sandbox, without a command. Each
+    transfer is recorded (FilesTransferred: who, where, each path and its sha256); a
+    refused one too. An upload lands whole or not at all.
+    """
+
+    @staticmethod
+    def Upload(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/sandboxd.v1.FileService/Upload',
+            sandboxd_dot_v1_dot_sandboxd__pb2.UploadRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.TransferResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Download(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandboxd.v1.FileService/Download',
+            sandboxd_dot_v1_dot_sandboxd__pb2.DownloadRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.DownloadChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -72,4 +72,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
         return handler

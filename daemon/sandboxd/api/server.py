@@ -21,15 +21,17 @@ from sandboxd.api.execution import ExecutionServicer, add_execution_service
 from sandboxd.api.limits import LimitInterceptor, worker_count
 from sandboxd.api.pools import PoolServicer
 from sandboxd.api.records import ArtifactServicer, AuditServicer, TraceServicer
+from sandboxd.api.transfer import FileServicer
 from sandboxd.calls.executor import CallExecutor
 from sandboxd.core.errors import BackendUnavailable
 from sandboxd.core.settings import DaemonSettings, TcpSettings
 from sandboxd.ledger.artifacts import FileArtifactStore
 from sandboxd.ledger.audit import AuditIndex
 from sandboxd.ledger.events import CheckpointFile, EventLog
+from sandboxd.transfer.service import FileTransfers
 
 log = logging.getLogger("sandboxd.api.server")
-SERVICES = ("ExecutionService", "ArtifactService", "TraceService", "AuditService", "PoolService")
+SERVICES = ("ExecutionService", "ArtifactService", "TraceService", "AuditService", "PoolService", "FileService")
 
 
 def _options(settings: DaemonSettings) -> list[tuple[str, int]]:
@@ -64,6 +66,7 @@ def build_server(settings: DaemonSettings, executor: CallExecutor, artifacts: Fi
     pb_grpc.add_TraceServiceServicer_to_server(TraceServicer(events, executor, authenticate, checkpoints), server)
     pb_grpc.add_AuditServiceServicer_to_server(AuditServicer(audit_index, authenticate), server)
     pb_grpc.add_PoolServiceServicer_to_server(PoolServicer(executor, authenticate), server)
+    pb_grpc.add_FileServiceServicer_to_server(FileServicer(FileTransfers(executor), authenticate), server)
     names = tuple(pb.DESCRIPTOR.services_by_name[n].full_name for n in SERVICES)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -185,6 +185,22 @@ class CallExecutor:
         assert self.pools is not None
         return self.pools.ensure(template, caller)
 
+    def prepare_transfer(self, workspace: str, policy: Mapping[str, Any] | None, caller: Principal) -> Prepared:
+        """A file transfer's view of a workspace: the host checks a call with `policy`
+        would pass (the caller's own workspace, its roots, its masks); no sandbox."""
+        raw: dict[str, Any] = {"toolId": "sandboxd.transfer", "argv": ["transfer"], "workspace": workspace,
+                               "authorization": {"status": "not_required"},
+                               # Any backend the daemon has: the roots do not depend on it.
+                               "runtime": {"adapter": next(iter(self.backends), "")}}
+        if policy is not None:
+            # Nothing runs, so nothing is recorded but the transfer itself.
+            raw["policy"] = {**policy, "audit": {"recordFileAccess": False}}
+        return self._preparer.prepare(parse_call(raw), "transfer", caller, resolve_credentials=False, sandbox=False)
+
+    @property
+    def reservations(self) -> WorkspaceReservations:
+        return self._reservations
+
     def explain(self, raw_call: Mapping[str, Any], caller: Principal) -> tuple[Prepared, list[str]]:
         """A dry run, with Execute's checks: another tenant's workspace is refused before
         anything of it is looked at."""

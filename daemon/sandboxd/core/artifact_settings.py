@@ -1,5 +1,6 @@
 """ArtifactSettings: where artifact blobs are kept and what a call leaves behind as
-artifacts (its changed files, the diff, persistOutputs' files). Its own module: the
+artifacts (its changed files, the diff, persistOutputs' files); TransferSettings: the caps
+of files put in and taken out (FileService). Their own module: the
 settings' one file had no room left; gen-config-docs reads the comments here too."""
 
 from __future__ import annotations
@@ -39,3 +40,16 @@ class ArtifactSettings(BaseModel):
     # Text files of the write roots kept as they were hashed (<state_dir>/baseline), so the diff has
     # their content before a call; the oldest go first past this size.
     baseline_max_mb: int = Field(default=256, ge=0)
+
+
+class TransferSettings(BaseModel):
+    """FileService's caps: files put into or taken out of a workspace or a leased sandbox (transfer/).
+    A transfer past a cap is refused before any byte of it lands or is sent."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # The most bytes one upload may carry (the files' declared sizes, summed).
+    max_upload_mb: int = Field(default=1024, ge=0)
+    # The most bytes one download may send (the tree's sizes, summed before the first byte).
+    max_download_mb: int = Field(default=1024, ge=0)
+    # The most files and directories in one transfer.
+    max_entries: int = Field(default=10_000, ge=1, le=1_000_000)

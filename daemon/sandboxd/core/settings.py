@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from sandboxd.core.artifact_settings import ArtifactSettings
+from sandboxd.core.artifact_settings import ArtifactSettings, TransferSettings
 from sandboxd.core.assets import CGROUP_EXEC, FANOTIFY_READER, RELAY_LIBRARY, SECCOMP_PROFILE, SHIM, packaged
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -398,6 +398,7 @@ class DaemonSettings(BaseModel):
     file_audit: FileAuditSettings = Field(default_factory=FileAuditSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
+    transfers: TransferSettings = Field(default_factory=TransferSettings)
     # host:port of the Prometheus endpoint (GET /metrics); unset: none.
     metrics_address: str | None = None
     # Peer uid on the Unix socket -> principal name; any other uid is refused.

@@ -72,7 +72,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS audit_network_once ON audit_network (event_seq
 -- column and an index for each, a test run's 3,000 reads cost 560 KB and 45-70 ms.)
 CREATE TABLE IF NOT EXISTS audit_paths (
     path TEXT NOT NULL,                   -- as the sandbox saw it, e.g. /workspace/src/auth.py
-    op TEXT NOT NULL,                     -- read | write | create | delete | rename | chmod
+    op TEXT NOT NULL,                     -- read | write | create | delete | rename | chmod | upload | download
     call_seq INTEGER NOT NULL,
     PRIMARY KEY (path, op, call_seq)
 ) WITHOUT ROWID;
@@ -84,7 +84,7 @@ CREATE TABLE IF NOT EXISTS audit_meta (
 """
 
 # FileAccessObserved payloads carry these operations.
-PATH_OPERATIONS = ("read", "write", "create", "delete", "rename", "chmod")
+PATH_OPERATIONS = ("read", "write", "create", "delete", "rename", "chmod", "upload", "download")
 STATUSES = ("running", "success", "error", "partial", "cancelled", "rejected")
 MAX_PAGE = 500
 # A call's proposedBy and sessionId are at most this long (policy.models.PreparedToolCall

@@ -9,13 +9,16 @@ import sqlite3
 from collections.abc import Iterable, Sequence
 
 from sandboxd.ledger import events as ev
-from sandboxd.ledger.event_types import (FileAccessObserved, NetworkAccessObserved, ToolCallExpired,
+from sandboxd.ledger.event_types import (FileAccessObserved, FilesTransferred, NetworkAccessObserved, ToolCallExpired,
                                          ToolCallRejected, ToolCallRequested, ToolPolicyChecked,
                                          ToolResultValidated, read_payload)
 
 # The types the index projects (the others it never reads: no payload parsed for them).
 INDEXED_TYPES = frozenset({ev.REQUESTED, ev.POLICY_CHECKED, ev.REJECTED, ev.RESULT_VALIDATED, ev.NETWORK_ACCESS,
-                           ev.EXPIRED, ev.FILE_ACCESS})
+                           ev.EXPIRED, ev.FILE_ACCESS, ev.FILES_TRANSFERRED})
+# A transfer's row: its tool id, and its status as a call's would read.
+TRANSFER_TOOL_IDS = {"upload": "sandboxd.upload", "download": "sandboxd.download"}
+TRANSFER_STATUS = {"ok": "success", "refused": "rejected"}
 
 
 def command_text(argv: Sequence[str]) -> str:
@@ -61,6 +64,8 @@ def index_event(conn: sqlite3.Connection, e: ev.Event) -> None:
             _index_expired(conn, e)
         case FileAccessObserved() as files:
             _index_file_access(conn, e, files)
+        case FilesTransferred() as transfer:
+            _index_transfer(conn, e, transfer)
 
 
 def _index_network(conn: sqlite3.Connection, e: ev.Event, network: NetworkAccessObserved) -> None:
@@ -94,6 +99,21 @@ def _index_file_access(conn: sqlite3.Connection, e: ev.Event, files: FileAccessO
     if call_seq is not None:
         conn.executemany("INSERT OR IGNORE INTO audit_paths (path, op, call_seq) VALUES (?,?,?)",
                          [(path, op, call_seq) for path, op in rows])
+
+
+def _index_transfer(conn: sqlite3.Connection, e: ev.Event, transfer: FilesTransferred) -> None:
+    """A transfer is found as a call is: by principal, workspace, status, and each path
+    it moved (op "upload" or "download")."""
+    conn.execute(
+        "INSERT OR IGNORE INTO audit_calls (seq, tool_call_id, principal, workspace, command, tool_id, backend,"
+        " status, error_code, requested_at, finished_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        (e.seq, e.tool_call_id, str(transfer.principal), str(transfer.workspace), "",
+         TRANSFER_TOOL_IDS.get(str(transfer.direction), "sandboxd.transfer"), "",
+         TRANSFER_STATUS.get(str(transfer.status), "error"), str(transfer.code), e.time, e.time))
+    paths = {str(transfer.path)} | {str(entry.get("path", "")) for entry in transfer.entries} - {""}
+    op = str(transfer.direction)
+    conn.executemany("INSERT OR IGNORE INTO audit_paths (path, op, call_seq) VALUES (?,?,?)",
+                     [(path, op, e.seq) for path in sorted(paths)])
 
 
 def _call_seq(conn: sqlite3.Connection, tool_call_id: str) -> int | None:

@@ -18,8 +18,8 @@ from sandboxd.ledger.call_events import (ArtifactPersisted, CheckedAuthorization
                                          ToolPolicyChecked, ToolResultValidated, ToolSandboxPrepared)
 from sandboxd.ledger.events import Event, EventDraft
 from sandboxd.ledger.sandbox_events import (ConnectionAttempt, CountedAttempts, CredentialInjected,
-                                            DestinationCount, FileAccessObserved, NetworkAccessObserved,
-                                            SandboxLeased, SandboxLeaseEnded)
+                                            DestinationCount, FileAccessObserved, FilesTransferred,
+                                            NetworkAccessObserved, SandboxLeased, SandboxLeaseEnded)
 
 __all__ = [
     "EVENT_TYPES", "TypedEvent", "draft", "read", "read_payload",
@@ -27,19 +27,20 @@ __all__ = [
     "ToolSandboxPrepared", "ToolCallStarted", "ToolCallFinished", "OutputDigest", "ToolResultValidated",
     "ArtifactPersisted", "ToolCallRejected", "ToolCallReplayed", "ToolCallExpired", "RemovedArtifact",
     "FileAccessObserved", "NetworkAccessObserved", "ConnectionAttempt", "CountedAttempts", "DestinationCount",
-    "CredentialInjected", "SandboxLeased", "SandboxLeaseEnded",
+    "CredentialInjected", "SandboxLeased", "SandboxLeaseEnded", "FilesTransferred",
 ]
 
 TypedEvent = (ToolCallRequested | ToolArgsValidated | ToolPolicyChecked | ToolSandboxPrepared | ToolCallStarted
               | ToolCallFinished | ToolResultValidated | ArtifactPersisted | ToolCallRejected | ToolCallReplayed
               | ToolCallExpired | FileAccessObserved | NetworkAccessObserved | CredentialInjected | SandboxLeased
-              | SandboxLeaseEnded)
+              | SandboxLeaseEnded | FilesTransferred)
 
 # Type name -> its class: every type the daemon writes (and so every type a log holds).
 EVENT_TYPES: Mapping[str, type[TypedEvent]] = {cls.TYPE: cls for cls in (
     ToolCallRequested, ToolArgsValidated, ToolPolicyChecked, ToolSandboxPrepared, ToolCallStarted,
     ToolCallFinished, ToolResultValidated, ArtifactPersisted, ToolCallRejected, NetworkAccessObserved,
     CredentialInjected, SandboxLeased, SandboxLeaseEnded, FileAccessObserved, ToolCallReplayed, ToolCallExpired,
+    FilesTransferred,
 )}
 
 

@@ -50,6 +50,8 @@ REPLAYED = "ToolCallReplayed"
 # The tombstone of a call past the retention period: its artifacts and index rows are
 # gone (listed here by id and content hash), its events stay.
 EXPIRED = "ToolCallExpired"
+# A FileService upload or download, under its transfer id: one event, refused or done.
+FILES_TRANSFERRED = "FilesTransferred"
 
 
 def new_id(prefix: str) -> str:

@@ -224,3 +224,37 @@ class SandboxLeaseEnded:
     @classmethod
     def from_payload(cls, p: Mapping[str, Any]) -> Self:
         return cls(p.get("reason", ""), p.get("sandboxId", ""))
+
+
+@dataclass(frozen=True)
+class FilesTransferred:
+    """A FileService transfer, its whole record (under the transfer's id): who, which way,
+    where (the workspace, the lease), the path as the sandbox sees it, how it ended
+    ("ok" | "refused" | "failed": then the error's code, field and reason), and each
+    entry moved ({path, kind, mode, sizeBytes, sha256}; an upload's only if it landed)."""
+
+    TYPE: ClassVar[str] = ev.FILES_TRANSFERRED
+    principal: str
+    direction: str  # "upload" | "download"
+    workspace: str
+    lease_id: str
+    path: str
+    status: str
+    entries: Sequence[Mapping[str, Any]] = ()
+    total_bytes: int = 0
+    code: str = ""
+    field: str = ""
+    reason: str = ""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"principal": self.principal, "direction": self.direction, "workspace": self.workspace,
+                "leaseId": self.lease_id, "path": self.path, "status": self.status,
+                "entries": [dict(e) for e in self.entries], "totalBytes": self.total_bytes, "code": self.code,
+                "field": self.field, "reason": self.reason}
+
+    @classmethod
+    def from_payload(cls, p: Mapping[str, Any]) -> Self:
+        return cls(p.get("principal", ""), p.get("direction", ""), p.get("workspace", ""), p.get("leaseId", ""),
+                   p.get("path", ""), p.get("status", ""),
+                   tuple(e for e in p.get("entries") or [] if isinstance(e, Mapping)), p.get("totalBytes", 0),
+                   p.get("code", ""), p.get("field", ""), p.get("reason", ""))

@@ -194,11 +194,11 @@ class PoolManager:
             lease = self._owned(lease_id, caller)
             self._end_lease(lease, "released")
 
-    def _owned(self, lease_id: str, caller: Principal) -> Lease:
+    def _owned(self, lease_id: str, caller: Principal, field: str = "runtime.leaseId") -> Lease:
         lease = self._leases.get(lease_id)
         if lease is None or (lease.principal != caller.name and not caller.admin):
             # Another tenant's lease reads exactly like one that does not exist.
-            raise NotFound(f"no lease {lease_id}", field="runtime.leaseId")
+            raise NotFound(f"no lease {lease_id}", field=field)
         return lease
 
     def _end_lease(self, lease: Lease, why: str) -> None:
@@ -225,24 +225,31 @@ class PoolManager:
     def sandbox_for(self, lease_id: str, caller: Principal, call: PoolTemplate) -> WarmSandbox:
         """The leased sandbox a call runs in, marked busy; the call's sandbox-fixing
         policy must be the lease's."""
-        key = template_key(call)
+        return self._hold(lease_id, caller, "pending", "runtime.leaseId", template_key(call))
+
+    def hold(self, lease_id: str, caller: Principal, holder: str) -> WarmSandbox:
+        """The leased sandbox, marked busy by `holder` (a file transfer): no command runs
+        in it until command_done."""
+        return self._hold(lease_id, caller, holder, "target.leaseId", None)
+
+    def _hold(self, lease_id: str, caller: Principal, holder: str, field: str, key: str | None) -> WarmSandbox:
         with self._cond:
-            lease = self._owned(lease_id, caller)
+            lease = self._owned(lease_id, caller, field)
             if lease.expires <= time.time():
                 self._end_lease(lease, "expired")
-                raise NotFound(f"lease {lease_id} expired", field="runtime.leaseId")
-            if key != lease.key:
+                raise NotFound(f"lease {lease_id} expired", field=field)
+            if key is not None and key != lease.key:
                 raise FailedPrecondition("the call's workspace, image, backend or sandbox policy differ from the "
                                          "lease's: only timeout, output caps, cwd and env may change per command",
-                                         field="runtime.leaseId")
+                                         field=field)
             ws = lease.sandbox
             if ws.busy:
-                raise Aborted(f"lease {lease_id} is running call {ws.busy}: one command at a time",
-                              field="runtime.leaseId")
+                raise Aborted(f"lease {lease_id} is running {ws.busy}: one command or transfer at a time",
+                              field=field)
             if ws.dead:
                 raise FailedPrecondition(f"the sandbox of lease {lease_id} is gone; release it and acquire another",
-                                         field="runtime.leaseId")
-            ws.busy = "pending"
+                                         field=field)
+            ws.busy = holder
             return ws
 
     def claim(self, ws: WarmSandbox, tool_call_id: str) -> None:

@@ -1,0 +1,211 @@
+"""FileService's work: a transfer's target resolved (a workspace, with the checks a call
+on it would pass and its reservation; or a leased sandbox, held so that no command runs
+in it meanwhile), its paths placed by rules.py, its files moved by upload.py or
+download.py as the sandbox's user, and its one FilesTransferred event recorded, refused
+or done, under the transfer's own id."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sandboxd.calls.executor import CallExecutor
+from sandboxd.core.as_user import AsUser
+from sandboxd.core.errors import InvalidArgument, NotFound, ResourceExhausted, SandboxdError
+from sandboxd.ledger import call_rows
+from sandboxd.ledger import events as ev
+from sandboxd.ledger.event_types import FilesTransferred, draft
+from sandboxd.policy.principal import Principal
+from sandboxd.transfer.download import Download, Part
+from sandboxd.transfer.rules import Where, entry_parts, join, place, sandbox_path
+from sandboxd.transfer.tree import Roots, too_many
+from sandboxd.transfer.upload import UploadStaging
+
+# What the record keeps of a refusal's strings.
+REASON_CHARS = 1024
+
+
+@dataclass
+class UploadPart:
+    """One UploadRequest, transport-free: the target and path (first message), an entry
+    ({path, kind, mode, sizeBytes, sha256}) and data."""
+
+    target: Mapping[str, Any] | None = None
+    path: str = ""
+    entry: Mapping[str, Any] | None = None
+    data: bytes = b""
+
+
+@dataclass
+class _Record:
+    principal: str
+    direction: str
+    path: str = ""
+    workspace: str = ""
+    lease_id: str = ""
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    total: int = 0
+
+
+class FileTransfers:
+    def __init__(self, executor: CallExecutor):
+        self._executor = executor
+        self._settings = executor.settings.transfers
+
+    # -- the record ----------------------------------------------------------------------
+    def _record(self, transfer_id: str, rec: _Record, exc: BaseException | None) -> None:
+        status, code, where, reason = "ok", "", "", ""
+        if isinstance(exc, SandboxdError):
+            status = "refused" if not rec.entries and not rec.total else "failed"
+            code, where, reason = exc.kind, exc.field or "", exc.reason[:REASON_CHARS]
+        elif exc is not None:
+            status, code, reason = "failed", "cancelled" if isinstance(exc, GeneratorExit) else "internal", str(exc)
+        event = FilesTransferred(rec.principal, rec.direction, rec.workspace, rec.lease_id, rec.path[:4096], status,
+                                 rec.entries, rec.total, code, where, reason[:REASON_CHARS])
+        db = self._executor.db
+        with db.transaction() as conn:
+            call_rows.insert_owner(conn, transfer_id, rec.principal)
+            self._executor.events.append(conn, transfer_id, "", [draft(event)])
+        if isinstance(exc, SandboxdError):
+            exc.tool_call_id = transfer_id
+
+    # -- the target ----------------------------------------------------------------------
+    @contextmanager
+    def _where(self, target: Mapping[str, Any], caller: Principal, transfer_id: str, rec: _Record,
+               write: bool) -> Iterator[Where]:
+        workspace, lease_id = target.get("workspace", ""), target.get("leaseId", "")
+        if bool(workspace) == bool(lease_id):
+            raise InvalidArgument("name exactly one of workspace and leaseId", field="target")
+        if lease_id:
+            rec.lease_id = lease_id
+            pools = self._executor.pools
+            if pools is None:
+                raise NotFound(f"no lease {lease_id}", field="target.leaseId")
+            ws = pools.hold(lease_id, caller, transfer_id)
+            try:
+                built = ws.prepared
+                rec.workspace = built.plan.workspace
+                yield _where_of(built.plan, built.policy, lease_id)
+            finally:
+                pools.command_done(ws, True)
+            return
+        rec.workspace = workspace
+        prepared = self._executor.prepare_transfer(workspace, target.get("policy"), caller)
+        rec.workspace = prepared.plan.workspace
+        reservations = self._executor.reservations
+        reservations.reserve(transfer_id, prepared.plan if write else _reader(prepared.plan))
+        try:
+            yield _where_of(prepared.plan, prepared.policy, "")
+        finally:
+            reservations.release(transfer_id)
+
+    # -- upload --------------------------------------------------------------------------
+    def upload(self, parts: Iterator[UploadPart], caller: Principal) -> dict[str, Any]:
+        transfer_id = ev.new_id("xfer")
+        rec = _Record(caller.name, "upload")
+        try:
+            first = next(parts, None)
+            if first is None or first.target is None:
+                raise InvalidArgument("the first message names the target and the path", field="target")
+            rec.path = sandbox_path(first.path, "path")
+            with self._where(first.target, caller, transfer_id, rec, write=True) as where:
+                place(where, rec.path, write=True, field="path")  # refused before anything is received
+                rec.entries = self._receive(first, parts, where, transfer_id, rec)
+        except BaseException as exc:
+            self._record(transfer_id, rec, exc)
+            raise
+        self._record(transfer_id, rec, None)
+        return {"transferId": transfer_id, "entries": rec.entries, "totalBytes": rec.total}
+
+    def _receive(self, first: UploadPart, parts: Iterator[UploadPart], where: Where, transfer_id: str,
+                 rec: _Record) -> list[dict[str, Any]]:
+        caps = self._settings
+        max_bytes = caps.max_upload_mb * 2**20
+        with ExitStack() as stack:
+            fs = stack.enter_context(AsUser(where.uid, where.gid))
+            roots = Roots()
+            stack.callback(roots.close)
+            staging = UploadStaging(fs, where, roots, transfer_id)
+            stack.callback(staging.rollback)  # a no-op once committed
+            seen: set[str] = set()
+            declared = 0
+            message: UploadPart | None = first
+            while message is not None:
+                if message.entry is not None:
+                    staging.end_file()
+                    declared = self._begin(staging, where, rec.path, message.entry, seen, declared, max_bytes)
+                if message.data:
+                    staging.write(message.data)
+                message = next(parts, None)
+            staging.end_file()
+            landed = staging.commit()
+            rec.total = sum(e.get("sizeBytes", 0) for e in landed)
+            return landed
+
+    def _begin(self, staging: UploadStaging, where: Where, base: str, entry: Mapping[str, Any], seen: set[str],
+               declared: int, max_bytes: int) -> int:
+        """Starts an entry; the bytes declared so far. Refused past a cap before any of
+        its bytes is written."""
+        field = f"entries[{len(seen)}]"
+        names = entry_parts(str(entry.get("path", "")), f"{field}.path")
+        path = join(base, names)
+        if path in seen:
+            raise InvalidArgument(f"{path} is named twice", field=f"{field}.path")
+        seen.add(path)
+        if len(seen) > self._settings.max_entries:
+            raise too_many(self._settings.max_entries, field)
+        kind = entry.get("kind") or "file"
+        mode = int(entry.get("mode", 0))
+        placed = place(where, path, write=True, field=f"{field}.path")
+        if kind == "dir":
+            staging.add_dir(placed, mode, field)
+            return declared
+        if kind != "file":
+            raise InvalidArgument(f"kind {kind!r}: only 'file' and 'dir' are uploaded", field=f"{field}.kind")
+        size = int(entry.get("sizeBytes", 0))
+        if declared + size > max_bytes:
+            raise ResourceExhausted(f"{declared + size} bytes declared, more than the {max_bytes} one upload may "
+                                    "carry (transfers.max_upload_mb)", field=f"{field}.sizeBytes")
+        staging.begin_file(placed, size, str(entry.get("sha256", "")), mode, field)
+        return declared + size
+
+    # -- download ------------------------------------------------------------------------
+    def download(self, target: Mapping[str, Any], path: str, caller: Principal) -> Iterator[Part]:
+        """("entry", ...), ("data", ...), ("done", ...) parts, then ("result", ...)."""
+        transfer_id = ev.new_id("xfer")
+        rec = _Record(caller.name, "download")
+        try:
+            rec.path = sandbox_path(path, "path")
+            with ExitStack() as stack:
+                where = stack.enter_context(self._where(target, caller, transfer_id, rec, write=False))
+                placed = place(where, rec.path, write=False, field="path")
+                fs = stack.enter_context(AsUser(where.uid, where.gid))
+                roots = Roots()
+                stack.callback(roots.close)
+                caps = self._settings
+                download = Download(fs, where, roots, placed, caps.max_download_mb * 2**20, caps.max_entries)
+                found = download.plan()
+                try:
+                    yield from download.send(found)
+                finally:
+                    rec.entries, rec.total = download.records, download.total
+                skipped = download.skipped
+        except BaseException as exc:
+            self._record(transfer_id, rec, exc)
+            raise
+        self._record(transfer_id, rec, None)
+        yield "result", {"transferId": transfer_id, "entries": rec.entries, "totalBytes": rec.total,
+                         "skipped": skipped}
+
+
+def _where_of(plan: Any, policy: Any, lease_id: str) -> Where:
+    return Where(plan.binds, plan.masks, tuple(policy.blocked_paths), policy.temp_dir, plan.uid, plan.gid,
+                 plan.workspace, lease_id)
+
+
+def _reader(plan: Any) -> Any:
+    """The plan as a reader's: a download writes nothing, so it may share the workspace
+    with other readers (never with a writer)."""
+    return replace(plan, binds=tuple(replace(b, read_only=True) for b in plan.binds))
