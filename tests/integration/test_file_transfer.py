@@ -18,7 +18,7 @@ from sandboxd_client import errors
 from sandboxd_client.transfer import LocalEntry, local_entries, target, upload_requests
 from sandboxd_contract.pb import sandboxd_pb2 as pb
 
-from .conftest import call, public_tmpdir, sh
+from .conftest import call, public_tmpdir, sh, wait_for
 
 WRITE_ALL = {"filesystem": {"writeRoots": ["/workspace"]}}
 
@@ -209,8 +209,15 @@ def test_files_go_into_a_leased_sandbox_and_out_of_it(daemon, adapter, tmp_path)
         got = c.download(to, "/workspace/made.txt", tmp_path / "made")
         assert (tmp_path / "made").read_text() == "made\n"
         assert record(c, got.transfer_id)["leaseId"] == lease.lease_id
-        with pytest.raises(errors.FailedPrecondition, match="tempDir"):
-            c.download(to, "/tmp/x", tmp_path / "x")
+        # Its tempDir too (a tmpfs only the sandbox has), through its init's root.
+        c.upload(to, "/tmp/up.txt", tmp_path / "src" / "pkg" / "mod.py")
+        out = c.run(call(ws, sh("cat /tmp/up.txt; stat -c %u /tmp/up.txt; echo temp > /tmp/made.txt"), WRITE_ALL,
+                         **leased))
+        assert out.stdout == b"x = 1\n1000\n", out.stderr
+        c.download(to, "/tmp/made.txt", tmp_path / "temp")
+        assert (tmp_path / "temp").read_text() == "temp\n"
+        with pytest.raises(errors.PermissionDenied, match="not under any write root"):
+            c.upload(to, "/etc/x", tmp_path / "src" / "run.sh")
     finally:
         c.release_sandbox(lease.lease_id)
     with pytest.raises(errors.NotFound):
@@ -237,3 +244,30 @@ def test_a_blocked_file_the_sandbox_moved_out_from_under_its_mask_is_never_sent(
         assert any(s.startswith("/workspace/e/secret.txt") for s in result.skipped)
     finally:
         c.release_sandbox(lease.lease_id)
+
+
+def test_an_upload_cut_off_before_its_end_lands_nothing(daemon, spare_daemon):
+    """Whole files sent, then the client breaks off (or goes quiet past the idle timeout):
+    the stream never ended, so nothing lands."""
+    entries = [(pb.TransferEntry(path="a.txt", kind="file", size_bytes=2), b"a\n"),
+               (pb.TransferEntry(path="d/b.txt", kind="file", size_bytes=2), b"b\n")]
+
+    def broken(to):
+        yield from entry_requests(to, "/workspace", entries)
+        raise RuntimeError("the client crashed")
+
+    ws = daemon.new_workspace({})
+    with pytest.raises(Exception):
+        daemon.client().upload_requests(broken(target(ws, policy=WRITE_ALL)))
+    quiet = spare_daemon(rpc_limits={"stream_idle_timeout_s": 1}).start()
+    ws2 = quiet.new_workspace({})
+
+    def stalled(to):
+        yield from entry_requests(to, "/workspace", entries)
+        threading.Event().wait(3)  # past the idle timeout, the stream still open
+
+    with pytest.raises(errors.SandboxdClientError):
+        quiet.client().upload_requests(stalled(target(ws2, policy=WRITE_ALL)))
+    # (The client's error comes as the daemon notices; its rollback follows at once.)
+    for w in (ws, ws2):
+        assert wait_for(lambda: leftovers(w) == [], timeout_s=5), leftovers(w)

@@ -13,6 +13,7 @@ from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
 
 from sandboxd.api.auth import Authenticator
 from sandboxd.api.messages import message_to_json
+from sandboxd.core.errors import Aborted
 from sandboxd.transfer.service import FileTransfers, UploadPart
 
 
@@ -23,12 +24,19 @@ def _target(target: pb.TransferTarget) -> dict[str, Any]:
     return raw
 
 
-def _parts(requests: Iterator[pb.UploadRequest]) -> Iterator[UploadPart]:
-    for request in requests:
-        yield UploadPart(target=_target(request.target) if request.HasField("target") else None,
-                         path=request.path,
-                         entry=message_to_json(request.entry) if request.HasField("entry") else None,
-                         data=bytes(request.data))
+def _parts(requests: Iterator[pb.UploadRequest], context: grpc.ServicerContext) -> Iterator[UploadPart]:
+    """The upload's messages; its end only when the client ended it. A stream cut off (the
+    client gone, the idle watchdog) raises: an upload cut short must never land."""
+    try:
+        for request in requests:
+            yield UploadPart(target=_target(request.target) if request.HasField("target") else None,
+                             path=request.path,
+                             entry=message_to_json(request.entry) if request.HasField("entry") else None,
+                             data=bytes(request.data))
+    except grpc.RpcError:
+        raise Aborted("the client's stream broke off before the upload ended: nothing of it landed") from None
+    if not context.is_active():
+        raise Aborted("the upload was cut off before it ended (the client went quiet): nothing of it landed")
 
 
 def _entry(entry: dict[str, Any]) -> pb.TransferEntry:
@@ -47,7 +55,7 @@ class FileServicer(pb_grpc.FileServiceServicer):
 
     def Upload(self, request_iterator: Iterator[pb.UploadRequest], context: grpc.ServicerContext) -> pb.TransferResult:
         caller = self._authenticate(context)
-        return _result(self._transfers.upload(_parts(request_iterator), caller))
+        return _result(self._transfers.upload(_parts(request_iterator, context), caller))
 
     def Download(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[pb.DownloadChunk]:
         caller = self._authenticate(context)

@@ -6,7 +6,9 @@ file capabilities (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER, CAP_CHOWN,
 when its fsuid leaves 0. What it creates is the sandbox user's.
 
 setfsuid, setfsgid and the raw setgroups system call act on the calling thread only
-(glibc's setgroups() would change every thread of the daemon: it is not used)."""
+(glibc's setgroups() would change every thread of the daemon: it is not used). For the
+same reason, a glibc set*id/setgroups call elsewhere in the daemon would reset this
+thread too: the daemon makes none after start (children change theirs after fork)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from sandboxd.policy.preflight import Bind, Mask
 
 MAX_NAME_BYTES = 255
 MAX_PATH_BYTES = 4096
+PROC_ROOT_PREFIX = "/proc/"
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class Where:
     gid: int
     workspace: str
     lease_id: str = ""
+    # A leased sandbox's init (host pid): its tempDir is reached through /proc/<pid>/root.
+    temp_pid: int = 0
 
     def mask_inodes(self) -> frozenset[tuple[int, int]]:
         return frozenset((m.dev, m.ino) for m in self.masks if m.ino)
@@ -81,6 +84,11 @@ def blocked_by(where: Where, path: str) -> str | None:
     return None
 
 
+def temp_bind(where: Where) -> Bind:
+    """A leased sandbox's tempDir as a root: its tmpfs, seen through its init's root."""
+    return Bind(where.temp_dir, f"{PROC_ROOT_PREFIX}{where.temp_pid}/root", read_only=False)
+
+
 def place(where: Where, path: str, *, write: bool, field: str) -> Placed:
     """`path` in the deepest root that shows it; PERMISSION_DENIED naming the path and
     the rule when no root lets the transfer do what it asks."""
@@ -90,9 +98,12 @@ def place(where: Where, path: str, *, write: bool, field: str) -> Placed:
     holders = [b for b in where.binds if is_within(path, b.sandbox_path)]
     if not holders:
         if is_within(path, where.temp_dir):
+            if where.temp_pid:
+                rel = posixpath.relpath(path, where.temp_dir)
+                return Placed(path, temp_bind(where), () if rel == "." else tuple(rel.split("/")))
             if where.lease_id:
-                raise FailedPrecondition(f"{path} is in the sandbox's tempDir ({where.temp_dir}), which file transfer "
-                                         "does not reach: use a write root of the workspace", field=field)
+                raise FailedPrecondition(f"{path} is in the sandbox's tempDir ({where.temp_dir}), which cannot be "
+                                         "reached: the sandbox's init is gone", field=field)
             raise PermissionDenied(f"{path} is in tempDir ({where.temp_dir}), which exists only inside a sandbox",
                                    field=field)
         rule = "any write root" if write else "any read or write root"

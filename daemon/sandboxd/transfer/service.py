@@ -87,7 +87,7 @@ class FileTransfers:
             try:
                 built = ws.prepared
                 rec.workspace = built.plan.workspace
-                yield _where_of(built.plan, built.policy, lease_id)
+                yield replace(_where_of(built.plan, built.policy, lease_id), temp_pid=ws.init_pid())
             finally:
                 pools.command_done(ws, True)
             return

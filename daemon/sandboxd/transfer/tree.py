@@ -16,7 +16,7 @@ from sandboxd.core.as_user import AsUser
 from sandboxd.core.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
 from sandboxd.core.safe_open import AT_FDCWD, RESOLVE_NO_SYMLINKS, openat2
 from sandboxd.policy.preflight import Bind
-from sandboxd.transfer.rules import Placed, Where, blocked_by, join
+from sandboxd.transfer.rules import PROC_ROOT_PREFIX, Placed, Where, blocked_by, join
 
 _DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _LIST = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -35,6 +35,8 @@ def denied(path: str, exc: OSError, field: str) -> PermissionDenied | FailedPrec
 def open_root(bind: Bind, field: str) -> int:
     """The root's descriptor (O_PATH), opened as the daemon (the host's directories above
     it may be closed to the sandbox's user) and only if it is the inode preflight found."""
+    if bind.host_path.startswith(PROC_ROOT_PREFIX):
+        return _open_temp_dir(bind, field)
     try:
         fd = openat2(AT_FDCWD, bind.host_path, RESOLVE_NO_SYMLINKS)
     except OSError:
@@ -45,6 +47,32 @@ def open_root(bind: Bind, field: str) -> int:
         os.close(fd)
         raise FailedPrecondition(f"{bind.sandbox_path} was replaced on the host since it was checked", field=field)
     return fd
+
+
+def _open_temp_dir(bind: Bind, field: str) -> int:
+    """A leased sandbox's tempDir: its init's root (the magic link followed once, as the
+    daemon), then tempDir's names without a link; it must be a mount of its own there
+    (the tmpfs, not the image's directory under it)."""
+    try:
+        root = os.open(bind.host_path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        raise FailedPrecondition("the leased sandbox is gone", field=field) from None
+    fd = root
+    try:
+        for name in [p for p in bind.sandbox_path.split("/") if p]:
+            fd = os.open(name, _DIR, dir_fd=root)
+            os.close(root)
+            root = fd
+        if os.fstat(fd).st_dev == os.stat(bind.host_path).st_dev:
+            raise FailedPrecondition(f"{bind.sandbox_path} is not the sandbox's tempDir mount", field=field)
+        return fd
+    except OSError as exc:
+        os.close(fd)
+        raise FailedPrecondition(f"the sandbox's tempDir {bind.sandbox_path} cannot be reached ({exc.strerror})",
+                                 field=field) from None
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class Roots:
