@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import pytest
 
 from sandboxd_client import SandboxdClient, errors
+from sandboxd_client.transfer import target
 
 from .conftest import call
 
@@ -115,3 +116,29 @@ def test_socket_owner_group_and_mode_come_from_the_config(spare_daemon):
                 s.close()
         finally:
             os.seteuid(0)
+
+
+def test_file_transfer_is_each_tenants_own(tenants, tmp_path):
+    """Another tenant's workspace, lease and transfer record read as absent (or refused,
+    for a workspace, as for a call); a tenant's upload lands as its own uid."""
+    d = tenants
+    alice_ws = d.new_workspace({"notes.txt": "alice's\n"}, uid=ALICE)
+    src = tmp_path / "up.txt"  # read by the test process (root again when it sends)
+    src.write_text("from a tenant\n")
+    with client_as(d, ALICE) as alice, client_as(d, BOB) as bob:
+        lease = alice.acquire_sandbox(str(alice_ws), {"filesystem": {"writeRoots": ["/workspace"]}})
+        mine = alice.upload(target(lease_id=lease.lease_id), "/workspace/a.txt", src)
+        assert os.stat(alice_ws / "a.txt").st_uid == ALICE
+        writable = {"filesystem": {"writeRoots": ["/workspace"]}}
+        with pytest.raises(errors.PermissionDenied, match="workspace"):
+            bob.upload(target(alice_ws, policy=writable), "/workspace/b.txt", src)
+        with pytest.raises(errors.PermissionDenied, match="workspace"):
+            bob.download(target(alice_ws), "/workspace/notes.txt", tmp_path / "stolen")
+        with pytest.raises(errors.NotFound):
+            bob.download(target(lease_id=lease.lease_id), "/workspace/notes.txt", tmp_path / "stolen")
+        with pytest.raises(errors.NotFound):
+            bob.get_trace(mine.transfer_id)
+        assert not (tmp_path / "stolen").exists() and not (alice_ws / "b.txt").exists()
+        assert alice.get_trace(mine.transfer_id)[0].type == "FilesTransferred"
+        alice.release_sandbox(lease.lease_id)
+
