@@ -3,7 +3,7 @@ artifacts, read traces, explain policies. Exit codes follow `docker run` and `ti
 the command's own code, 124 when the timeout killed it, 137 when it was killed for
 memory, 125 when sandboxd refused or failed before the command ran.
 
-The commands live by job: cli_exec.py (exec), cli_live.py (ps, logs, cancel, pool),
+The commands live by job: cli_exec.py (exec), cli_transfer.py (cp), cli_live.py (ps, logs, cancel, pool),
 cli_records.py (artifact, trace, audit, explain), cli_setup.py (context, completion);
 cli_parser.py has their arguments, contexts.py where to connect."""
 

@@ -10,6 +10,7 @@ from .cli_exec import cmd_exec
 from .cli_live import cmd_cancel, cmd_logs, cmd_pool, cmd_ps
 from .cli_records import cmd_artifact_get, cmd_artifact_ls, cmd_audit, cmd_diff, cmd_explain, cmd_trace
 from .cli_setup import CONTEXT_COMMANDS, cmd_completion, cmd_context
+from .cli_transfer import cmd_cp
 from .client import default_socket
 from .completion import SCRIPTS
 
@@ -55,6 +56,19 @@ def _exec(sub, conn) -> None:
     p.add_argument("--result-json", metavar="FILE", help="write the ToolResult as JSON to FILE (not to stdout)")
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_exec)
+
+
+def _cp(sub, conn) -> None:
+    p = sub.add_parser("cp", parents=[conn], help="copy files into or out of a workspace or a leased sandbox: "
+                       "`cp SRC LEASE_ID:/path`, `cp WORKSPACE_DIR:/path DST`")
+    p.add_argument("src", metavar="SRC", help="a local path, LEASE_ID:/path or WORKSPACE_DIR:/path")
+    p.add_argument("dst", metavar="DST", help="the same forms; exactly one side names a sandbox")
+    p.add_argument("--policy", help="a workspace's SandboxPolicy as JSON or YAML: the roots that apply (default for "
+                   "an upload: the deepest existing directory holding the destination writable)")
+    p.add_argument("-w", "--write", action="append", metavar="PATH", help="a write root for an upload to a "
+                   "workspace: relative to /workspace or absolute (policy.filesystem.writeRoots); repeatable")
+    p.add_argument("--json", action="store_true", help="print the TransferResult as JSON")
+    p.set_defaults(func=cmd_cp)
 
 
 def _live(sub, conn) -> None:
@@ -113,7 +127,7 @@ def _audit(sub, conn) -> None:
     p = sub.add_parser("audit", parents=[conn], help="forensic queries over recorded calls, newest first")
     p.add_argument("--command", help="substring of the command line")
     p.add_argument("--path", help="a sandbox path touched (relative: under /workspace), or anything below it")
-    p.add_argument("--op", help="with --path: read|write|create|delete|rename|chmod")
+    p.add_argument("--op", help="with --path: read|write|create|delete|rename|chmod|upload|download")
     p.add_argument("--domain", help="a host contacted: exact or *.suffix")
     p.add_argument("--principal")
     p.add_argument("--proposed-by", help="the agent or client that proposed the call (its proposedBy), exactly")
@@ -174,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sandboxctl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _exec(sub, conn)
+    _cp(sub, conn)
     _live(sub, conn)
     _records(sub, conn)
     _audit(sub, conn)

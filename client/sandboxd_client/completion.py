@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 # Values offered for an option or positional (the rest: files, or nothing).
 CHOICES = {"--network": ("none", "open"), "--adapter": ("docker", "nsjail"),
-           "--op": ("read", "write", "create", "delete", "rename", "chmod"),
+           "--op": ("read", "write", "create", "delete", "rename", "chmod", "upload", "download"),
            "--status": ("running", "success", "error", "partial", "cancelled", "rejected")}
 # Options whose value is a path on this machine.
 FILE_OPTIONS = frozenset({"--policy", "--workspace", "--socket", "--config", "--tls-ca", "--tls-cert", "--tls-key",

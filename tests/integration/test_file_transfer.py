@@ -66,7 +66,7 @@ def test_a_tree_goes_into_a_workspace_and_comes_back_recorded(daemon, tmp_path):
     assert {e["path"]: e.get("sha256") for e in rec["entries"] if e["kind"] == "file"}["/workspace/in/run.sh"] == \
         sha(b"#!/bin/sh\necho hi\n")
     # Found again by the forensic index, by path and operation.
-    found = c.query_calls(path="/workspace/in/pkg/mod.py", path_operation="upload").calls
+    found = c.query_calls(path="/workspace/in/pkg/mod.py", path_operation="upload", workspace=str(ws)).calls
     assert [f.tool_call_id for f in found] == [result.transfer_id]
 
     back = tmp_path / "back"

@@ -28,7 +28,7 @@ def leaf_commands() -> list[list[str]]:
     """Every runnable command's words, with what its positionals need."""
     needs = {"artifact get": ["a"], "artifact ls": ["c"], "trace": ["c"], "logs": ["c"], "diff": ["c"], "cancel": ["c"],
              "pool release": ["l"], "context use": ["n"], "context set": ["n"], "context rm": ["n"],
-             "completion": ["bash"], "exec": ["--", "true"]}
+             "completion": ["bash"], "exec": ["--", "true"], "cp": ["a", "b"]}
     return [c.path.split() + needs.get(c.path, []) for c in walk(build_parser()) if c.path and not c.subcommands]
 
 
