@@ -139,6 +139,8 @@ def test_a_bad_upload_is_refused_whole_and_leaves_nothing(daemon, spare_daemon, 
         "short": (pb.TransferEntry(path="new/b.txt", kind="file", size_bytes=10), b"b\n"),
         "dotdot": (pb.TransferEntry(path="../b.txt", kind="file", size_bytes=2), b"b\n"),
         "twice": (pb.TransferEntry(path="new/dir/a.txt", kind="file", size_bytes=2), b"a\n"),
+        # Below a file of the same upload: the file would land and this not.
+        "below a file": (pb.TransferEntry(path="new/dir/a.txt/c", kind="file", size_bytes=2), b"c\n"),
     }
     for why, entry in bad.items():
         with pytest.raises(errors.InvalidArgument) as refused:

@@ -22,7 +22,7 @@ from sandboxd.ledger.events import EventLog
 from sandboxd.ledger.store import Database
 from sandboxd.policy.preflight import Bind, Mask
 from sandboxd.transfer.rules import Where, entry_parts, place, temp_bind
-from sandboxd.transfer.tree import Roots
+from sandboxd.transfer.tree import Walker
 from sandboxd.transfer.upload import UploadStaging, entry_mode
 from sandboxd_contract.pb import sandboxd_pb2 as pb
 
@@ -145,11 +145,12 @@ def ws(tmp_path) -> Path:
     return root
 
 
-def staging_for(ws: Path, masks=()) -> tuple[AsUser, Roots, UploadStaging, Where]:
+def staging_for(ws: Path, masks=()) -> tuple[AsUser, Walker, UploadStaging, Where]:
     st = ws.stat()
     w = where([Bind("/workspace", str(ws), False, st.st_dev, st.st_ino)], masks=masks)
-    fs, roots = AsUser(UID, GID), Roots()
-    return fs, roots, UploadStaging(fs, w, roots, "xfer_t"), w
+    fs = AsUser(UID, GID)
+    walker = Walker(fs, w, write=True)
+    return fs, walker, UploadStaging(fs, w, walker, "xfer_t"), w
 
 
 def tree_of(ws: Path) -> dict[str, str]:

@@ -16,7 +16,7 @@ from sandboxd.core.as_user import AsUser
 from sandboxd.core.errors import Aborted, FailedPrecondition, PermissionDenied, ResourceExhausted
 from sandboxd.core.safe_open import AT_FDCWD, RESOLVE_NO_SYMLINKS, openat2
 from sandboxd.transfer.rules import Placed, Where, join
-from sandboxd.transfer.tree import Found, Listing, Roots, denied, list_tree, open_file, walk_dirs
+from sandboxd.transfer.tree import Found, Listing, Skips, Walker, denied, list_tree, open_file
 
 CHUNK_BYTES = 1024 * 1024
 # What a download yields: ("entry", {path, kind, mode, sizeBytes}) then, for a file, its
@@ -25,13 +25,13 @@ Part = tuple[str, Any]
 
 
 class Download:
-    def __init__(self, fs: AsUser, where: Where, roots: Roots, placed: Placed, max_bytes: int, max_entries: int):
-        self._fs, self._where, self._roots, self._placed = fs, where, roots, placed
+    def __init__(self, fs: AsUser, where: Where, walker: Walker, placed: Placed, max_bytes: int, max_entries: int):
+        self._fs, self._where, self._walker, self._placed = fs, where, walker, placed
         self._masks = where.mask_inodes()
         self._max_bytes, self._max_entries = max_bytes, max_entries
         self.records: list[dict[str, Any]] = []
         self.total = 0
-        self.skipped: list[str] = []
+        self.skipped = Skips(max_entries, "path")
 
     def plan(self) -> list[Found]:
         """What will be sent (checked against the caps): the path's file, or its tree."""
@@ -39,35 +39,28 @@ class Download:
         if placed.bind.ino and not placed.parts and not _is_dir_root(placed):
             st = os.stat(placed.bind.host_path, follow_symlinks=False)
             found = [Found((), "file", st.st_size, stat.S_IMODE(st.st_mode))]
-            return self._capped(Listing(found, [], st.st_size))
-        root = self._roots.fd(placed.bind, field)
+            return self._capped(Listing(found, self.skipped, st.st_size))
         if not placed.parts:
-            return self._tree(walk_dirs(self._fs, root, placed, (), self._masks, field))
-        parent = walk_dirs(self._fs, root, placed, placed.parts[:-1], self._masks, field)
+            return self._tree(self._walker.dir(placed, (), field))
+        parent = self._walker.dir(placed, placed.parts[:-1], field)
         try:
-            try:
-                st = self._fs.run(os.stat, placed.parts[-1], dir_fd=parent, follow_symlinks=False)
-            except OSError as exc:
-                raise denied(placed.path, exc, field) from None
-            if (st.st_dev, st.st_ino) in self._masks:
-                raise denied(placed.path, PermissionError(13, "a blocked path of the policy"), field)
-            if stat.S_ISLNK(st.st_mode):
-                raise FailedPrecondition(f"{placed.path} is a symlink, which a transfer never follows: name its "
-                                         "target", field=field)
-            if stat.S_ISREG(st.st_mode):
-                return self._capped(Listing([Found((), "file", st.st_size, stat.S_IMODE(st.st_mode))], [],
-                                            st.st_size))
-            if not stat.S_ISDIR(st.st_mode):
-                raise FailedPrecondition(f"{placed.path} is neither a regular file nor a directory", field=field)
-        finally:
-            os.close(parent)
-        return self._tree(walk_dirs(self._fs, root, placed, placed.parts, self._masks, field))
+            st = self._fs.run(os.stat, placed.parts[-1], dir_fd=parent, follow_symlinks=False)
+        except OSError as exc:
+            raise denied(placed.path, exc, field) from None
+        if (st.st_dev, st.st_ino) in self._masks:
+            raise denied(placed.path, PermissionError(13, "a blocked path of the policy"), field)
+        if stat.S_ISLNK(st.st_mode):
+            raise FailedPrecondition(f"{placed.path} is a symlink, which a transfer never follows: name its "
+                                     "target", field=field)
+        if stat.S_ISREG(st.st_mode):
+            return self._capped(Listing([Found((), "file", st.st_size, stat.S_IMODE(st.st_mode))], self.skipped,
+                                        st.st_size))
+        if not stat.S_ISDIR(st.st_mode):
+            raise FailedPrecondition(f"{placed.path} is neither a regular file nor a directory", field=field)
+        return self._tree(self._walker.dir(placed, placed.parts, field))
 
     def _tree(self, dir_fd: int) -> list[Found]:
-        try:
-            listing = list_tree(self._fs, dir_fd, self._placed, self._where, self._max_entries, "path")
-        finally:
-            os.close(dir_fd)
+        listing = list_tree(self._fs, dir_fd, self._placed, self._where, self._max_entries, "path")
         self.skipped = listing.skipped
         return self._capped(listing)
 
@@ -92,9 +85,12 @@ class Download:
                 if not entry.parts:
                     raise
                 # In a tree: left out and said, as the listing does for what it may not list.
-                self.skipped.append(f"{join(self._placed.path, entry.parts)}: {exc.reason.split(': ', 1)[-1]}")
+                self.skipped.add(f"{join(self._placed.path, entry.parts)}: {exc.reason.split(': ', 1)[-1]}")
                 continue
             try:
+                if st.st_size != entry.size:  # what was held against the cap is what is sent
+                    raise Aborted(f"{join(self._placed.path, entry.parts)} changed since it was listed ({entry.size} "
+                                  f"bytes, now {st.st_size}): retry when nothing writes it", field="path")
                 yield "entry", {**shown, "sizeBytes": st.st_size, "mode": stat.S_IMODE(st.st_mode)}
                 digest = hashlib.sha256()
                 yield from self._stream(fd, st, digest, join(self._placed.path, entry.parts))
@@ -111,15 +107,14 @@ class Download:
         path = join(placed.path, entry.parts)
         if not placed.parts and not entry.parts and not _is_dir_root(placed):  # a bound file
             parent = openat2(AT_FDCWD, os.path.dirname(placed.bind.host_path), RESOLVE_NO_SYMLINKS)
-            name = os.path.basename(placed.bind.host_path)
-        else:
-            names = placed.parts + entry.parts
-            parent = walk_dirs(self._fs, self._roots.fd(placed.bind, "path"), placed, names[:-1], self._masks, "path")
-            name = names[-1]
-        try:
-            return open_file(self._fs, parent, name, path, self._masks, "path")
-        finally:
-            os.close(parent)
+            try:
+                return open_file(self._fs, self._walker, parent, os.path.basename(placed.bind.host_path), path,
+                                 "path")
+            finally:
+                os.close(parent)
+        names = placed.parts + entry.parts
+        parent = self._walker.dir(placed, names[:-1], "path")  # the walker's: held for the next file
+        return open_file(self._fs, self._walker, parent, names[-1], path, "path")
 
     def _stream(self, fd: int, before: os.stat_result, digest: Any, path: str) -> Iterator[Part]:
         left = before.st_size

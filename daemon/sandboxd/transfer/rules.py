@@ -37,6 +37,11 @@ class Where:
     def mask_inodes(self) -> frozenset[tuple[int, int]]:
         return frozenset((m.dev, m.ino) for m in self.masks if m.ino)
 
+    def read_only_inodes(self) -> frozenset[tuple[int, int]]:
+        """The read roots' own directories (or files): an upload never lands in one,
+        wherever the sandbox has moved it."""
+        return frozenset((b.dev, b.ino) for b in self.binds if b.read_only and b.ino)
+
 
 @dataclass(frozen=True)
 class Placed:

@@ -6,6 +6,7 @@ or done, under the transfer's own id."""
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
@@ -20,7 +21,7 @@ from sandboxd.ledger.event_types import FilesTransferred, draft
 from sandboxd.policy.principal import Principal
 from sandboxd.transfer.download import Download, Part
 from sandboxd.transfer.rules import Where, entry_parts, join, place, sandbox_path
-from sandboxd.transfer.tree import Roots, too_many
+from sandboxd.transfer.tree import Walker, too_many
 from sandboxd.transfer.upload import UploadStaging
 
 # What the record keeps of a refusal's strings.
@@ -125,38 +126,39 @@ class FileTransfers:
         max_bytes = caps.max_upload_mb * 2**20
         with ExitStack() as stack:
             fs = stack.enter_context(AsUser(where.uid, where.gid))
-            roots = Roots()
-            stack.callback(roots.close)
-            staging = UploadStaging(fs, where, roots, transfer_id)
+            walker = Walker(fs, where, write=True)
+            stack.callback(walker.close)
+            staging = UploadStaging(fs, where, walker, transfer_id)
             stack.callback(staging.rollback)  # a no-op once committed
-            seen: set[str] = set()
+            names = _Names()
             declared = 0
             message: UploadPart | None = first
             while message is not None:
                 if message.entry is not None:
                     staging.end_file()
-                    declared = self._begin(staging, where, rec.path, message.entry, seen, declared, max_bytes)
+                    declared = self._begin(staging, where, rec.path, message.entry, names, declared, max_bytes)
                 if message.data:
                     staging.write(message.data)
                 message = next(parts, None)
             staging.end_file()
-            landed = staging.commit()
-            rec.total = sum(e.get("sizeBytes", 0) for e in landed)
-            return landed
+            try:
+                staging.commit()
+            finally:  # stopped halfway, the record says what landed
+                rec.entries = staging.landed
+                rec.total = sum(e.get("sizeBytes", 0) for e in staging.landed)
+            return staging.landed
 
-    def _begin(self, staging: UploadStaging, where: Where, base: str, entry: Mapping[str, Any], seen: set[str],
+    def _begin(self, staging: UploadStaging, where: Where, base: str, entry: Mapping[str, Any], names: _Names,
                declared: int, max_bytes: int) -> int:
         """Starts an entry; the bytes declared so far. Refused past a cap before any of
         its bytes is written."""
-        field = f"entries[{len(seen)}]"
-        names = entry_parts(str(entry.get("path", "")), f"{field}.path")
-        path = join(base, names)
-        if path in seen:
-            raise InvalidArgument(f"{path} is named twice", field=f"{field}.path")
-        seen.add(path)
-        if len(seen) > self._settings.max_entries:
-            raise too_many(self._settings.max_entries, field)
+        field = f"entries[{len(names.seen)}]"
+        parts = entry_parts(str(entry.get("path", "")), f"{field}.path")
+        path = join(base, parts)
         kind = entry.get("kind") or "file"
+        names.add(path, kind, f"{field}.path")
+        if len(names.seen) > self._settings.max_entries:
+            raise too_many(self._settings.max_entries, field)
         mode = int(entry.get("mode", 0))
         placed = place(where, path, write=True, field=f"{field}.path")
         if kind == "dir":
@@ -182,22 +184,50 @@ class FileTransfers:
                 where = stack.enter_context(self._where(target, caller, transfer_id, rec, write=False))
                 placed = place(where, rec.path, write=False, field="path")
                 fs = stack.enter_context(AsUser(where.uid, where.gid))
-                roots = Roots()
-                stack.callback(roots.close)
+                walker = Walker(fs, where, write=False)
+                stack.callback(walker.close)
                 caps = self._settings
-                download = Download(fs, where, roots, placed, caps.max_download_mb * 2**20, caps.max_entries)
+                download = Download(fs, where, walker, placed, caps.max_download_mb * 2**20, caps.max_entries)
                 found = download.plan()
                 try:
                     yield from download.send(found)
                 finally:
                     rec.entries, rec.total = download.records, download.total
-                skipped = download.skipped
+                skipped = download.skipped.lines()
         except BaseException as exc:
             self._record(transfer_id, rec, exc)
             raise
         self._record(transfer_id, rec, None)
         yield "result", {"transferId": transfer_id, "entries": rec.entries, "totalBytes": rec.total,
                          "skipped": skipped}
+
+
+class _Names:
+    """An upload's entry paths so far: none named twice, and none below a file entry
+    (nor a file above one): both would land only in part."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self._files: set[str] = set()
+        self._above: set[str] = set()  # every directory some entry is below
+
+    def add(self, path: str, kind: str, field: str) -> None:
+        if path in self.seen:
+            raise InvalidArgument(f"{path} is named twice", field=field)
+        # Up to the first directory already known: those above it are known too, and
+        # none of them is a file (each add refuses that), so the work is once per name.
+        ancestors = [posixpath.dirname(path)]
+        while ancestors[-1] not in self._above and ancestors[-1] != "/":
+            ancestors.append(posixpath.dirname(ancestors[-1]))
+        clash = next((a for a in ancestors if a in self._files), None)
+        if clash is not None:
+            raise InvalidArgument(f"{path} is below {clash}, a file of this upload", field=field)
+        if kind == "file" and path in self._above:
+            raise InvalidArgument(f"{path} is a file of this upload, and other entries are below it", field=field)
+        self.seen.add(path)
+        self._above.update(ancestors)
+        if kind == "file":
+            self._files.add(path)
 
 
 def _where_of(plan: Any, policy: Any, lease_id: str) -> Where:

@@ -7,21 +7,25 @@ cannot either."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 from sandboxd.core.as_user import AsUser
-from sandboxd.core.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
+from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, PermissionDenied, ResourceExhausted
 from sandboxd.core.safe_open import AT_FDCWD, RESOLVE_NO_SYMLINKS, openat2
 from sandboxd.policy.preflight import Bind
-from sandboxd.transfer.rules import PROC_ROOT_PREFIX, Placed, Where, blocked_by, join
+from sandboxd.transfer.rules import MAX_PATH_BYTES, PROC_ROOT_PREFIX, Placed, Where, blocked_by, join
 
 _DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _LIST = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO put in a file's place is opened, found no regular file, and closed.
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# What a download's result says of what it left out, one line each; the rest counted.
+SKIPS_SHOWN = 100
 
 
 def denied(path: str, exc: OSError, field: str) -> PermissionDenied | FailedPrecondition:
@@ -75,54 +79,78 @@ def _open_temp_dir(bind: Bind, field: str) -> int:
         raise
 
 
-class Roots:
-    """The roots' descriptors, opened once each; closed together."""
+class Walker:
+    """A transfer's directories, opened one name at a time from each root's descriptor
+    and held along the path last asked for: a tree's entries come depth first, so each
+    directory is opened once, from its parent, not walked to from the root again. Each
+    one is held against the masks and, for an upload, against the read roots' own
+    inodes (a read root the sandbox moved under a write root stays read-only)."""
 
-    def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
+    def __init__(self, fs: AsUser, where: Where, *, write: bool):
+        self._fs = fs
+        self.masks = where.mask_inodes()
+        self.read_only = where.read_only_inodes() if write else frozenset()
+        self._roots: dict[str, int] = {}
+        self._held: dict[str, list[tuple[str, int]]] = {}  # per root: (name, fd) of the path below it
 
-    def fd(self, bind: Bind, field: str) -> int:
-        if bind.host_path not in self._fds:
-            self._fds[bind.host_path] = open_root(bind, field)
-        return self._fds[bind.host_path]
+    def root(self, bind: Bind, field: str) -> int:
+        if bind.host_path not in self._roots:
+            fd = open_root(bind, field)
+            try:
+                self.check(fd, bind.sandbox_path, field)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._roots[bind.host_path] = fd
+        return self._roots[bind.host_path]
 
-    def close(self) -> None:
-        for fd in self._fds.values():
+    def check(self, fd: int, path: str, field: str) -> os.stat_result:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in self.masks:
+            raise PermissionDenied(f"{path} is a blocked path of the policy (moved there): never transferred",
+                                   field=field)
+        if (st.st_dev, st.st_ino) in self.read_only:
+            raise PermissionDenied(f"{path} is a read root of the policy (moved there): an upload does not land "
+                                   "in it", field=field)
+        return st
+
+    def dir(self, placed: Placed, names: tuple[str, ...], field: str, create_mode: int | None = None,
+            created: list[Placed] | None = None) -> int:
+        """The directory `names` below the root (O_PATH; the walker's, not to be closed,
+        valid until the next call). With `create_mode`, a missing directory is made (as
+        the sandbox's user) and its path added to `created`."""
+        root = self.root(placed.bind, field)
+        held = self._held.setdefault(placed.bind.host_path, [])
+        keep = 0
+        while keep < min(len(held), len(names)) and held[keep][0] == names[keep]:
+            keep += 1
+        for _, fd in held[keep:]:
             os.close(fd)
-        self._fds.clear()
-
-
-def _check_mask(fd: int, path: str, masks: frozenset[tuple[int, int]], field: str) -> os.stat_result:
-    st = os.fstat(fd)
-    if (st.st_dev, st.st_ino) in masks:
-        raise PermissionDenied(f"{path} is a blocked path of the policy (moved there): never transferred",
-                               field=field)
-    return st
-
-
-def walk_dirs(fs: AsUser, root_fd: int, placed: Placed, names: tuple[str, ...], masks: frozenset[tuple[int, int]],
-              field: str, create_mode: int | None = None, created: list[Placed] | None = None) -> int:
-    """The directory `names` below the root (O_PATH), each name opened without following
-    a link and checked against the masks. With `create_mode`, a missing directory is made
-    (as the sandbox's user) and its path added to `created`."""
-    fd = os.dup(root_fd)
-    try:
-        _check_mask(fd, placed.bind.sandbox_path, masks, field)
-        for i, name in enumerate(names):
+        del held[keep:]
+        for i in range(keep, len(names)):
             here = join(placed.bind.sandbox_path, names[:i + 1])
             try:
-                nxt = fs.run(_open_dir, fd, name, create_mode)
+                fd, made = self._fs.run(_open_dir, held[-1][1] if held else root, names[i], create_mode)
             except OSError as exc:
                 raise denied(here, exc, field) from None
-            fd, old = nxt[0], fd
-            os.close(old)
-            if nxt[1] and created is not None:
+            if made and created is not None:
                 created.append(Placed(here, placed.bind, names[:i + 1]))
-            _check_mask(fd, here, masks, field)
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
+            try:
+                self.check(fd, here, field)
+            except BaseException:
+                os.close(fd)
+                raise
+            held.append((names[i], fd))
+        return held[-1][1] if held else root
+
+    def close(self) -> None:
+        for held in self._held.values():
+            for _, fd in held:
+                os.close(fd)
+        self._held.clear()
+        for fd in self._roots.values():
+            os.close(fd)
+        self._roots.clear()
 
 
 def _open_dir(parent: int, name: str, create_mode: int | None) -> tuple[int, bool]:
@@ -150,52 +178,135 @@ class Found:
     mode: int
 
 
+class Skips:
+    """What a download leaves out, and why: the first SKIPS_SHOWN said, the rest counted;
+    more than `limit` refuses the download (a tree of nothing but links is no tree to
+    send, and its result would not fit a message)."""
+
+    def __init__(self, limit: int, field: str):
+        self._limit, self._field = limit, field
+        self.shown: list[str] = []
+        self.count = 0
+
+    def add(self, reason: str) -> None:
+        self.count += 1
+        if self.count > self._limit:
+            raise ResourceExhausted(f"more than {self._limit} entries left out (links, special files, blocked or "
+                                    "unreadable paths; transfers.max_entries): name a path below them",
+                                    field=self._field)
+        if len(self.shown) < SKIPS_SHOWN:
+            self.shown.append(reason)
+
+    def lines(self) -> list[str]:
+        more = self.count - len(self.shown)
+        return self.shown + ([f"... and {more} more left out"] if more else [])
+
+
 @dataclass
 class Listing:
     entries: list[Found]
-    skipped: list[str]
+    skipped: Skips
     total: int = 0
+
+
+@dataclass
+class _Frame:
+    """A directory being listed: its descriptor, held while what is below it is listed
+    (so the descriptors held are the depth, at most MAX_PATH_BYTES / 2), and its
+    subdirectories still to list, last first."""
+
+    parts: tuple[str, ...]
+    fd: int
+    dirs: list[Found] = dataclass_field(default_factory=list)
 
 
 def list_tree(fs: AsUser, dir_fd: int, placed: Placed, where: Where, max_entries: int, field: str) -> Listing:
     """Every file and directory below `dir_fd` (the transfer's path), depth first. A
-    symlink, a special file, a blocked path and a directory the sandbox's user cannot
-    list are skipped, and said; more than `max_entries` is refused."""
+    symlink, a special file, a blocked path, a path longer than the kernel's and a
+    directory the sandbox's user cannot list are left out, and said; more than
+    `max_entries` is refused."""
     masks = where.mask_inodes()
-    listing = Listing([], [])
-    pending: list[tuple[tuple[str, ...], int]] = [((), os.dup(dir_fd))]
+    listing = Listing([], Skips(max_entries, field))
+    frames = [_Frame((), os.dup(dir_fd))]
     try:
-        while pending:
-            parts, fd = pending.pop()
-            try:
-                children = fs.run(_children, fd)
-            except OSError as exc:
-                listing.skipped.append(f"{join(placed.path, parts)}: not listed ({exc.strerror})")
+        frames[0].dirs = _list_dir(fs, frames[0], placed, where, masks, listing, max_entries, field)
+        while frames:
+            top = frames[-1]
+            if not top.dirs:
+                os.close(frames.pop().fd)
                 continue
-            finally:
+            found = top.dirs.pop()
+            path = join(placed.path, found.parts)
+            try:
+                fd = fs.run(os.open, found.parts[-1], _DIR, dir_fd=top.fd)
+            except OSError as exc:
+                _fail_if_out_of_descriptors(exc)
+                listing.skipped.add(f"{path}: not listed ({exc.strerror})")
+                continue
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) in masks:  # swapped in since it was listed
                 os.close(fd)
-            for name, st in sorted(children):
-                sub = parts + (name,)
-                path = join(placed.path, sub)
-                why = _skip_reason(where, path, st, masks)
-                if why:
-                    listing.skipped.append(f"{path}: {why}")
-                    continue
-                if len(listing.entries) >= max_entries:
-                    raise too_many(max_entries, field)
-                kind = "dir" if stat.S_ISDIR(st.st_mode) else "file"
-                listing.entries.append(Found(sub, kind, 0 if kind == "dir" else st.st_size, stat.S_IMODE(st.st_mode)))
-                listing.total += 0 if kind == "dir" else st.st_size
-                if kind == "dir":
-                    try:
-                        pending.append((sub, _reopen(fs, dir_fd, sub, masks)))
-                    except OSError as exc:
-                        listing.entries.pop()
-                        listing.skipped.append(f"{path}: not opened ({exc.strerror})")
+                listing.entries.remove(found)
+                listing.skipped.add(f"{path}: a blocked path")
+                continue
+            frames.append(_Frame(found.parts, fd))
+            frames[-1].dirs = _list_dir(fs, frames[-1], placed, where, masks, listing, max_entries, field)
     finally:
-        for _, fd in pending:
-            os.close(fd)
+        for frame in frames:
+            os.close(frame.fd)
     return listing
+
+
+def _list_dir(fs: AsUser, frame: _Frame, placed: Placed, where: Where, masks: frozenset[tuple[int, int]],
+              listing: Listing, max_entries: int, field: str) -> list[Found]:
+    """`frame`'s entries added to the listing (read as they come, each held against the
+    caps at once); its subdirectories, last first."""
+    kept: list[Found] = []
+
+    def visit(name: str, st: os.stat_result) -> None:
+        sub = frame.parts + (name,)
+        path = join(placed.path, sub)
+        why = _skip_reason(where, path, st, masks)
+        if why:
+            listing.skipped.add(f"{path}: {why}")
+            return
+        if len(listing.entries) + len(kept) >= max_entries:
+            raise too_many(max_entries, field)
+        kind = "dir" if stat.S_ISDIR(st.st_mode) else "file"
+        kept.append(Found(sub, kind, 0 if kind == "dir" else st.st_size, stat.S_IMODE(st.st_mode)))
+
+    try:
+        fs.run(_scan, frame.fd, visit)
+    except OSError as exc:
+        _fail_if_out_of_descriptors(exc)
+        listing.skipped.add(f"{join(placed.path, frame.parts)}: not listed ({exc.strerror})")
+    kept.sort(key=lambda found: found.parts[-1])
+    listing.entries.extend(kept)
+    listing.total += sum(found.size for found in kept)
+    return [found for found in reversed(kept) if found.kind == "dir"]
+
+
+def _scan(fd: int, visit: Callable[[str, os.stat_result], None]) -> None:
+    """Each entry of the directory, as it is read (a directory of a million names is
+    never held whole)."""
+    listed = os.open(".", _LIST, dir_fd=fd)
+    try:
+        with os.scandir(listed) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # removed since it was read
+                    continue
+                visit(entry.name, st)
+    finally:
+        os.close(listed)
+
+
+def _fail_if_out_of_descriptors(exc: OSError) -> None:
+    """The daemon's own shortage is no reason to leave a file out: it fails the transfer."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+        raise BackendUnavailable(f"the daemon is out of descriptors or memory ({exc.strerror}): retry",
+                                 field="path") from None
 
 
 def too_many(max_entries: int, field: str) -> ResourceExhausted:
@@ -210,37 +321,12 @@ def _skip_reason(where: Where, path: str, st: os.stat_result, masks: frozenset[t
         return "a symlink (not followed)"
     if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
         return "not a regular file or a directory"
+    if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
+        return f"a path longer than {MAX_PATH_BYTES} bytes"
     return ""
 
 
-def _children(fd: int) -> list[tuple[str, os.stat_result]]:
-    listed = os.open(".", _LIST, dir_fd=fd)
-    try:
-        with os.scandir(listed) as it:
-            return [(e.name, e.stat(follow_symlinks=False)) for e in it]
-    finally:
-        os.close(listed)
-
-
-def _reopen(fs: AsUser, dir_fd: int, parts: tuple[str, ...], masks: frozenset[tuple[int, int]]) -> int:
-    """The directory `parts` below `dir_fd`, opened again name by name (it is listed
-    later, and may have been swapped meanwhile: its inode is checked again)."""
-    fd = os.dup(dir_fd)
-    try:
-        for name in parts:
-            nxt = fs.run(os.open, name, _DIR, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) in masks:
-            raise PermissionError(13, "a blocked path of the policy")
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def open_file(fs: AsUser, parent_fd: int, name: str, path: str, masks: frozenset[tuple[int, int]],
+def open_file(fs: AsUser, walker: Walker, parent_fd: int, name: str, path: str,
               field: str) -> tuple[int, os.stat_result]:
     """A regular file below `parent_fd`, opened to read as the sandbox's user."""
     try:
@@ -248,7 +334,7 @@ def open_file(fs: AsUser, parent_fd: int, name: str, path: str, masks: frozenset
     except OSError as exc:
         raise denied(path, exc, field) from None
     try:
-        st = _check_mask(fd, path, masks, field)
+        st = walker.check(fd, path, field)
         if not stat.S_ISREG(st.st_mode):
             raise FailedPrecondition(f"{path} is no longer a regular file", field=field)
         os.set_blocking(fd, True)

@@ -15,7 +15,7 @@ from typing import Any
 from sandboxd.core.as_user import AsUser
 from sandboxd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from sandboxd.transfer.rules import Placed, Where
-from sandboxd.transfer.tree import Roots, denied, walk_dirs
+from sandboxd.transfer.tree import Walker, denied
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 DEFAULT_FILE_MODE = 0o644
@@ -52,25 +52,23 @@ class UploadStaging:
     """The files and directories of one upload, staged under temporary names until
     `commit`; `rollback` takes everything back (call it unless commit returned)."""
 
-    def __init__(self, fs: AsUser, where: Where, roots: Roots, transfer_id: str):
-        self._fs, self._where, self._roots = fs, where, roots
-        self._masks = where.mask_inodes()
+    def __init__(self, fs: AsUser, where: Where, walker: Walker, transfer_id: str):
+        self._fs, self._where, self._walker = fs, where, walker
         self._tmp_prefix = f".sandboxd-upload-{transfer_id}-"
         self._created: list[Placed] = []
         self._staged: list[_Staged] = []
         self._dirs: list[dict[str, Any]] = []
         self._open: _Open | None = None
+        # What commit has renamed into place so far: what landed, should it stop halfway.
+        self.landed: list[dict[str, Any]] = []
 
     def _parent(self, placed: Placed, field: str, create: bool) -> int:
-        root = self._roots.fd(placed.bind, field)
-        return walk_dirs(self._fs, root, placed, placed.parts[:-1], self._masks, field,
-                         DEFAULT_DIR_MODE if create else None, self._created if create else None)
+        """The entry's directory (the walker's descriptor: not closed here)."""
+        return self._walker.dir(placed, placed.parts[:-1], field, DEFAULT_DIR_MODE if create else None,
+                                self._created if create else None)
 
     def add_dir(self, placed: Placed, mode: int, field: str) -> None:
-        root = self._roots.fd(placed.bind, field)
-        fd = walk_dirs(self._fs, root, placed, placed.parts, self._masks, field, entry_mode(mode, "dir"),
-                       self._created)
-        os.close(fd)
+        self._walker.dir(placed, placed.parts, field, entry_mode(mode, "dir"), self._created)
         self._dirs.append({"path": placed.path, "kind": "dir", "mode": entry_mode(mode, "dir")})
 
     def begin_file(self, placed: Placed, size: int, sha256: str, mode: int, field: str) -> None:
@@ -78,15 +76,12 @@ class UploadStaging:
             raise FailedPrecondition(f"{placed.path} is a write root that is one file: an upload does not replace it",
                                      field=field)
         parent = self._parent(placed, field, create=True)
+        self._refuse_existing(parent, placed, field)
+        tmp = f"{self._tmp_prefix}{len(self._staged)}"
         try:
-            self._refuse_existing(parent, placed, field)
-            tmp = f"{self._tmp_prefix}{len(self._staged)}"
-            try:
-                fd = self._fs.run(os.open, tmp, _CREATE, 0o600, dir_fd=parent)
-            except OSError as exc:
-                raise denied(placed.path, exc, field) from None
-        finally:
-            os.close(parent)
+            fd = self._fs.run(os.open, tmp, _CREATE, 0o600, dir_fd=parent)
+        except OSError as exc:
+            raise denied(placed.path, exc, field) from None
         self._open = _Open(placed, tmp, fd, size, sha256, entry_mode(mode, "file"), field, digest=hashlib.sha256())
 
     def _refuse_existing(self, parent: int, placed: Placed, field: str) -> None:
@@ -100,8 +95,11 @@ class UploadStaging:
             raise denied(placed.path, exc, field) from None
         if stat.S_ISDIR(st.st_mode):
             raise FailedPrecondition(f"{placed.path} is a directory: a file does not replace it", field=field)
-        if (st.st_dev, st.st_ino) in self._masks:
+        if (st.st_dev, st.st_ino) in self._walker.masks:
             raise PermissionDenied(f"{placed.path} is a blocked path of the policy: never transferred", field=field)
+        if (st.st_dev, st.st_ino) in self._walker.read_only:
+            raise PermissionDenied(f"{placed.path} is a read root of the policy: an upload does not replace it",
+                                   field=field)
 
     def write(self, data: bytes) -> None:
         current = self._open
@@ -136,22 +134,25 @@ class UploadStaging:
                 "sha256": "sha256:" + current.digest.hexdigest()}))
 
     def commit(self) -> list[dict[str, Any]]:
-        """Every staged file renamed into place; the entries that landed."""
+        """Every staged file renamed into place; the entries that landed. Each name is
+        checked again first, all of them before the first rename, so that what the
+        sandbox changed meanwhile refuses the upload whole; only a change made during
+        the renames themselves stops one halfway, and `landed` then says how far."""
         for staged in self._staged:
-            parent = self._parent(staged.placed, staged.record["path"], create=False)
+            self._refuse_existing(self._parent(staged.placed, "path", create=False), staged.placed, "path")
+        self.landed = list(self._dirs)
+        for staged in self._staged:
+            parent = self._parent(staged.placed, "path", create=False)
+            self._refuse_existing(parent, staged.placed, "path")
             try:
-                self._refuse_existing(parent, staged.placed, "path")
-                try:
-                    self._fs.run(os.rename, staged.tmp_name, staged.placed.parts[-1], src_dir_fd=parent,
-                                 dst_dir_fd=parent)
-                except OSError as exc:
-                    raise denied(staged.placed.path, exc, "path") from None
-            finally:
-                os.close(parent)
-        landed = self._dirs + [s.record for s in self._staged]
+                self._fs.run(os.rename, staged.tmp_name, staged.placed.parts[-1], src_dir_fd=parent,
+                             dst_dir_fd=parent)
+            except OSError as exc:
+                raise denied(staged.placed.path, exc, "path") from None
+            self.landed.append(staged.record)
         self._staged.clear()
         self._created.clear()
-        return landed
+        return self.landed
 
     def rollback(self) -> None:
         """The temporary files removed, then the directories this upload made (emptiest
@@ -176,8 +177,6 @@ class UploadStaging:
             self._fs.run(os.rmdir if rmdir else os.unlink, name, dir_fd=parent)
         except OSError:
             pass
-        finally:
-            os.close(parent)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -1,0 +1,243 @@
+"""A transfer's walks on a real directory, without a daemon: a download's listing and
+what it leaves out (bounded), its caps held to what is sent, deep trees walked once, an
+upload's names that would land only in part, and read roots the sandbox moved. Runs as
+root, as the daemon does."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from sandboxd.core.as_user import AsUser
+from sandboxd.core.errors import Aborted, BackendUnavailable, InvalidArgument, PermissionDenied, ResourceExhausted
+from sandboxd.policy.preflight import Bind
+from sandboxd.transfer.download import Download
+from sandboxd.transfer.rules import MAX_PATH_BYTES, Where, place
+from sandboxd.transfer.service import _Names
+from sandboxd.transfer.tree import SKIPS_SHOWN, Walker
+from sandboxd.transfer.upload import UploadStaging
+
+UID = GID = 4321
+
+
+class CountingUser(AsUser):
+    """The sandbox's user, counting what it is asked to do (and failing os.open with
+    `fail_open` when set)."""
+
+    def __init__(self, uid: int, gid: int):
+        super().__init__(uid, gid)
+        self.calls = 0
+        self.fail_open: int | None = None
+
+    def run(self, fn, *args, **kwargs):
+        self.calls += 1
+        if self.fail_open is not None and fn is os.open:
+            raise OSError(self.fail_open, os.strerror(self.fail_open))
+        return super().run(fn, *args, **kwargs)
+
+
+def owned(root: Path) -> None:
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+            os.chown(name, UID, GID, follow_symlinks=False)
+
+
+def where_of(ws: Path, *extra: Bind) -> Where:
+    st = ws.stat()
+    binds = (Bind("/workspace", str(ws), False, st.st_dev, st.st_ino), *extra)
+    return Where(binds, (), (), "/tmp", UID, GID, str(ws))
+
+
+def download(ws: Path, path: str, *, max_bytes: int = 1 << 30, max_entries: int = 10000,
+             fs: AsUser | None = None) -> tuple[Download, AsUser, Walker]:
+    w = where_of(ws)
+    fs = fs or AsUser(UID, GID)
+    walker = Walker(fs, w, write=False)
+    return Download(fs, w, walker, place(w, path, write=False, field="path"), max_bytes, max_entries), fs, walker
+
+
+def sent(dl: Download) -> list[tuple[str, object]]:
+    return [(kind, value) for kind, value in dl.send(dl.plan()) if kind != "data"]
+
+
+@pytest.fixture
+def ws(tmp_path) -> Path:
+    root = tmp_path / "ws"
+    root.mkdir()
+    return root
+
+
+def test_what_a_download_leaves_out_is_said_up_to_a_bound_and_counted_past_it(ws):
+    (ws / "links").mkdir()
+    for i in range(SKIPS_SHOWN + 5):
+        (ws / "links" / f"l{i:03}").symlink_to("/etc/passwd")
+    (ws / "links" / "real.txt").write_text("x")
+    owned(ws)
+    dl, fs, walker = download(ws, "/workspace/links")
+    try:
+        names = [value["path"] for kind, value in sent(dl) if kind == "entry"]
+    finally:
+        walker.close()
+        fs.close()
+    assert names == ["real.txt"]
+    lines = dl.skipped.lines()
+    assert len(lines) == SKIPS_SHOWN + 1  # in the directory's order, as read
+    assert all(line.startswith("/workspace/links/l") and line.endswith(": a symlink (not followed)")
+               for line in lines[:-1])
+    assert lines[-1] == "... and 5 more left out"
+
+
+def test_a_tree_of_more_left_out_than_the_cap_is_refused(ws):
+    for i in range(12):
+        (ws / f"l{i}").symlink_to("/etc/passwd")
+    owned(ws)
+    dl, fs, walker = download(ws, "/workspace", max_entries=10)
+    try:
+        with pytest.raises(ResourceExhausted, match="more than 10 entries left out"):
+            dl.plan()
+    finally:
+        walker.close()
+        fs.close()
+
+
+def test_a_file_grown_since_it_was_listed_is_not_sent_past_the_cap(ws):
+    (ws / "d").mkdir()
+    (ws / "d" / "f.bin").write_bytes(b"x" * 100)
+    owned(ws)
+    dl, fs, walker = download(ws, "/workspace/d", max_bytes=150)
+    try:
+        found = dl.plan()
+        with open(ws / "d" / "f.bin", "ab") as grow:
+            grow.write(b"y" * 1000)
+        with pytest.raises(Aborted, match="changed since it was listed .100 bytes, now 1100"):
+            list(dl.send(found))
+    finally:
+        walker.close()
+        fs.close()
+    assert dl.total == 0
+
+
+def test_a_deep_tree_is_walked_once_not_from_the_root_for_each_directory(ws):
+    depth = 300
+    deep = ws.joinpath(*["d"] * depth)
+    deep.mkdir(parents=True)
+    (deep / "leaf.txt").write_text("leaf")
+    for parent in [deep, *deep.parents][:depth]:
+        (parent / "f.txt").write_text("f")
+    owned(ws)
+    fs = CountingUser(UID, GID)
+    dl, fs, walker = download(ws, "/workspace", fs=fs)
+    try:
+        entries = [value for kind, value in sent(dl) if kind == "entry"]
+    finally:
+        walker.close()
+        fs.close()
+    assert len(entries) == 2 * depth + 1
+    # Each directory opened and listed once, each file opened once (a walk from the
+    # root for each would be depth**2 / 2 = 45000).
+    assert fs.calls <= 5 * depth
+
+
+def test_a_path_longer_than_the_kernels_is_left_out_and_said(ws):
+    name = "n" * 250
+    parts = [name] * (MAX_PATH_BYTES // 251 + 1)
+    longest = ws.joinpath(*parts[:-1])
+    os.makedirs(longest)
+    fd = os.open(longest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.close(os.open(name, os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+    dl, fs, walker = download(ws, "/workspace")  # root's, and readable to all
+    try:
+        entries = [value["path"] for kind, value in sent(dl) if kind == "entry"]
+    finally:
+        walker.close()
+        fs.close()
+    assert len(entries) == len(parts) - 1  # the directories; the file's path is too long
+    assert dl.skipped.lines()[0].endswith(f"a path longer than {MAX_PATH_BYTES} bytes")
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE])
+def test_the_daemon_out_of_descriptors_fails_a_download_never_leaves_files_out(ws, code):
+    (ws / "d").mkdir()
+    (ws / "d" / "f").write_text("x")
+    owned(ws)
+    fs = CountingUser(UID, GID)
+    dl, fs, walker = download(ws, "/workspace", fs=fs)
+    try:
+        walker.root(where_of(ws).binds[0], "path")
+        fs.fail_open = code
+        with pytest.raises(BackendUnavailable, match="out of descriptors"):
+            dl.plan()
+    finally:
+        walker.close()
+        fs.close()
+
+
+# ------------------------------------------------------------------ uploads
+
+
+@pytest.mark.parametrize("entries, refused", [
+    ([("a", "file"), ("b", "file"), ("b/c", "file")], "/w/b/c is below /w/b, a file"),
+    ([("x/y/z", "file"), ("x/y", "file")], "/w/x/y is a file of this upload, and other entries are below it"),
+    ([("x/y", "dir"), ("x", "file")], "/w/x is a file of this upload"),
+    ([("a", "file"), ("a", "dir")], "/w/a is named twice"),
+    ([("", "file"), ("k", "file")], "/w/k is below /w, a file"),
+])
+def test_an_upload_whose_entries_would_land_only_in_part_is_refused_before_staging(entries, refused):
+    names = _Names()
+    with pytest.raises(InvalidArgument, match=refused):
+        for path, kind in entries:
+            names.add(f"/w/{path}" if path else "/w", kind, "entries[0].path")
+
+
+def test_names_beside_each_other_and_dirs_above_files_pass():
+    names = _Names()
+    for path, kind in [("/w/a", "dir"), ("/w/a/b", "file"), ("/w/a/c/d", "file"), ("/w/a/c", "dir"), ("/w/e", "file")]:
+        names.add(path, kind, "f")
+    assert len(names.seen) == 5
+
+
+def test_a_name_taken_by_the_sandbox_before_commit_refuses_the_upload_whole(ws):
+    owned(ws)
+    w = where_of(ws)
+    fs = AsUser(UID, GID)
+    walker = Walker(fs, w, write=True)
+    staging = UploadStaging(fs, w, walker, "xfer_t")
+    try:
+        for name in ("a", "b"):
+            staging.begin_file(place(w, f"/workspace/{name}", write=True, field="f"), 1, "", 0, "f")
+            staging.write(b"x")
+            staging.end_file()
+        (ws / "b").mkdir()  # the sandbox, meanwhile
+        with pytest.raises(Exception, match="/workspace/b is a directory"):
+            staging.commit()
+        assert staging.landed == []
+        staging.rollback()
+    finally:
+        walker.close()
+        fs.close()
+    assert sorted(p.name for p in ws.iterdir()) == ["b"]
+
+
+def test_an_upload_never_lands_in_a_read_root_the_sandbox_moved_under_a_write_root(ws):
+    (ws / "a" / "ro").mkdir(parents=True)
+    owned(ws)
+    st = (ws / "a" / "ro").stat()
+    w = where_of(ws, Bind("/workspace/a/ro", str(ws / "a" / "ro"), True, st.st_dev, st.st_ino))
+    (ws / "a").rename(ws / "moved")  # what the sandbox can do: rename the read root's parent
+    fs = AsUser(UID, GID)
+    walker = Walker(fs, w, write=True)
+    staging = UploadStaging(fs, w, walker, "xfer_t")
+    try:
+        with pytest.raises(PermissionDenied, match="/workspace/moved/ro is a read root of the policy"):
+            staging.begin_file(place(w, "/workspace/moved/ro/x", write=True, field="f"), 1, "", 0, "f")
+        staging.rollback()
+    finally:
+        walker.close()
+        fs.close()
+    assert list((ws / "moved" / "ro").iterdir()) == []
