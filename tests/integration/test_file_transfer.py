@@ -194,6 +194,13 @@ def test_a_file_that_changes_while_it_is_sent_ends_the_download(daemon, tmp_path
         for _ in stream:
             pass
     assert "changed while it was sent" in str(ended.value)
+    # On the record: the file, partial, with what left of it.
+    [found] = c.query_calls(path="/workspace/big.bin", path_operation="download", workspace=str(ws)).calls
+    rec = record(c, found.tool_call_id)
+    [entry] = rec["entries"]
+    assert (rec["status"], rec["code"], entry["partial"], entry["sizeBytes"]) == ("failed", "ABORTED", True,
+                                                                                    64 * 2**20)
+    assert 0 < entry["sentBytes"] <= 64 * 2**20 and entry["sentSha256"].startswith("sha256:")
 
 
 @pytest.mark.parametrize("adapter", ["docker", "nsjail"])

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from sandboxd.core.as_user import AsUser
-from sandboxd.core.errors import Aborted, BackendUnavailable, InvalidArgument, PermissionDenied, ResourceExhausted
+from sandboxd.core.errors import (Aborted, BackendUnavailable, FailedPrecondition, InvalidArgument, PermissionDenied,
+                                  ResourceExhausted)
 from sandboxd.policy.preflight import Bind
 from sandboxd.transfer.download import Download
 from sandboxd.transfer.rules import MAX_PATH_BYTES, Where, place
@@ -241,3 +242,29 @@ def test_an_upload_never_lands_in_a_read_root_the_sandbox_moved_under_a_write_ro
         walker.close()
         fs.close()
     assert list((ws / "moved" / "ro").iterdir()) == []
+
+
+# ------------------------------------------------------------------ a lease's tempDir
+
+
+@pytest.mark.parametrize("init_now, opened", [(lambda pid: pid, True), (lambda pid: 0, False),
+                                              (lambda pid: pid + 1, False), (None, False)])
+def test_a_leased_sandboxs_root_is_taken_only_if_its_init_still_lives_after_the_open(init_now, opened):
+    """/proc/<pid>/root of a pid that another process took meanwhile would be that
+    process's root: the init is asked again after the open (here: this process, and
+    /dev/shm a mount of its own as a sandbox's tempDir is)."""
+    pid = os.getpid()
+    w = Where((), (), (), "/dev/shm", UID, GID, "/ws", "lease_1", pid,
+              None if init_now is None else (lambda: init_now(pid)))
+    fs = AsUser(UID, GID)
+    walker = Walker(fs, w, write=False)
+    bind = place(w, "/dev/shm", write=False, field="path").bind
+    try:
+        if opened:
+            assert walker.root(bind, "path") >= 0
+        else:
+            with pytest.raises(FailedPrecondition, match="the leased sandbox is gone"):
+                walker.root(bind, "path")
+    finally:
+        walker.close()
+        fs.close()

@@ -231,7 +231,8 @@ class FilesTransferred:
     """A FileService transfer, its whole record (under the transfer's id): who, which way,
     where (the workspace, the lease), the path as the sandbox sees it, how it ended
     ("ok" | "refused" | "failed": then the error's code, field and reason), and each
-    entry moved ({path, kind, mode, sizeBytes, sha256}; an upload's only if it landed)."""
+    entry moved ({path, kind, mode, sizeBytes, sha256}; an upload's only if it landed; a
+    download's file cut off or changed on the way: partial, with sentBytes and sentSha256)."""
 
     TYPE: ClassVar[str] = ev.FILES_TRANSFERRED
     principal: str

@@ -92,8 +92,17 @@ class Download:
                     raise Aborted(f"{join(self._placed.path, entry.parts)} changed since it was listed ({entry.size} "
                                   f"bytes, now {st.st_size}): retry when nothing writes it", field="path")
                 yield "entry", {**shown, "sizeBytes": st.st_size, "mode": stat.S_IMODE(st.st_mode)}
-                digest = hashlib.sha256()
-                yield from self._stream(fd, st, digest, join(self._placed.path, entry.parts))
+                digest, sent = hashlib.sha256(), 0
+                try:
+                    for part in self._stream(fd, st, digest, join(self._placed.path, entry.parts)):
+                        sent += len(part[1])
+                        yield part
+                except BaseException:  # cut off or changed: the record still says what left, and how much
+                    self.records.append({"path": join(self._placed.path, entry.parts), "kind": "file",
+                                         "mode": stat.S_IMODE(st.st_mode), "sizeBytes": st.st_size, "partial": True,
+                                         "sentBytes": sent, "sentSha256": "sha256:" + digest.hexdigest()})
+                    self.total += sent
+                    raise
             finally:
                 os.close(fd)
             sha = "sha256:" + digest.hexdigest()

@@ -7,6 +7,7 @@ on the way) the walk in tree.py checks on the inodes themselves."""
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sandboxd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
@@ -31,8 +32,11 @@ class Where:
     gid: int
     workspace: str
     lease_id: str = ""
-    # A leased sandbox's init (host pid): its tempDir is reached through /proc/<pid>/root.
+    # A leased sandbox's init (host pid): its tempDir is reached through /proc/<pid>/root;
+    # and its pid now (0 once gone), asked again after that open, so that a pid reused
+    # meanwhile by another process is never taken for the sandbox.
     temp_pid: int = 0
+    init_pid_now: Callable[[], int] | None = None
 
     def mask_inodes(self) -> frozenset[tuple[int, int]]:
         return frozenset((m.dev, m.ino) for m in self.masks if m.ino)

@@ -88,7 +88,8 @@ class FileTransfers:
             try:
                 built = ws.prepared
                 rec.workspace = built.plan.workspace
-                yield replace(_where_of(built.plan, built.policy, lease_id), temp_pid=ws.init_pid())
+                yield replace(_where_of(built.plan, built.policy, lease_id), temp_pid=ws.init_pid(),
+                              init_pid_now=ws.init_pid)
             finally:
                 pools.command_done(ws, True)
             return

@@ -88,6 +88,7 @@ class Walker:
 
     def __init__(self, fs: AsUser, where: Where, *, write: bool):
         self._fs = fs
+        self._init_pid_now = where.init_pid_now
         self.masks = where.mask_inodes()
         self.read_only = where.read_only_inodes() if write else frozenset()
         self._roots: dict[str, int] = {}
@@ -97,12 +98,20 @@ class Walker:
         if bind.host_path not in self._roots:
             fd = open_root(bind, field)
             try:
+                if bind.host_path.startswith(PROC_ROOT_PREFIX) and not self._same_init(bind):
+                    raise FailedPrecondition("the leased sandbox is gone", field=field)
                 self.check(fd, bind.sandbox_path, field)
             except BaseException:
                 os.close(fd)
                 raise
             self._roots[bind.host_path] = fd
         return self._roots[bind.host_path]
+
+    def _same_init(self, bind: Bind) -> bool:
+        """Whether the init whose root was opened lives still: then its pid was not
+        another process's when it was opened."""
+        pid = bind.host_path[len(PROC_ROOT_PREFIX):].split("/", 1)[0]
+        return self._init_pid_now is not None and str(self._init_pid_now()) == pid
 
     def check(self, fd: int, path: str, field: str) -> os.stat_result:
         st = os.fstat(fd)
