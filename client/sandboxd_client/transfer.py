@@ -83,6 +83,7 @@ def upload_requests(to: pb.TransferTarget, path: str, entries: Iterable[LocalEnt
                     raise TransferError(f"{entry.local} shrank while it was sent")
                 left -= len(chunk)
                 yield pb.UploadRequest(data=chunk)
+    yield pb.UploadRequest(commit=True)
 
 
 def _inside(dest: Path, relative: str) -> Path:

@@ -120,12 +120,14 @@ def test_an_upload_never_goes_through_a_symlink(daemon, tmp_path):
     assert list(outside.iterdir()) == []
 
 
-def entry_requests(to, path: str, entries: list[tuple[pb.TransferEntry, bytes]]):
+def entry_requests(to, path: str, entries: list[tuple[pb.TransferEntry, bytes]], commit: bool = True):
     yield pb.UploadRequest(target=to, path=path)
     for entry, data in entries:
         yield pb.UploadRequest(entry=entry)
         if data:
             yield pb.UploadRequest(data=data)
+    if commit:
+        yield pb.UploadRequest(commit=True)
 
 
 def test_a_bad_upload_is_refused_whole_and_leaves_nothing(daemon, spare_daemon, tmp_path):
@@ -262,7 +264,7 @@ def test_an_upload_cut_off_before_its_end_lands_nothing(daemon, spare_daemon):
                (pb.TransferEntry(path="d/b.txt", kind="file", size_bytes=2), b"b\n")]
 
     def broken(to):
-        yield from entry_requests(to, "/workspace", entries)
+        yield from entry_requests(to, "/workspace", entries, commit=False)
         raise RuntimeError("the client crashed")
 
     ws = daemon.new_workspace({})
@@ -272,11 +274,16 @@ def test_an_upload_cut_off_before_its_end_lands_nothing(daemon, spare_daemon):
     ws2 = quiet.new_workspace({})
 
     def stalled(to):
-        yield from entry_requests(to, "/workspace", entries)
+        yield from entry_requests(to, "/workspace", entries, commit=False)
         threading.Event().wait(3)  # past the idle timeout, the stream still open
 
     with pytest.raises(errors.SandboxdClientError):
         quiet.client().upload_requests(stalled(target(ws2, policy=WRITE_ALL)))
+    # A stream the client ended without the commit message: nothing lands either.
+    ws3 = daemon.new_workspace({})
+    with pytest.raises(errors.Aborted, match="without its commit message"):
+        daemon.client().upload_requests(entry_requests(target(ws3, policy=WRITE_ALL), "/workspace", entries,
+                                                       commit=False))
     # (The client's error comes as the daemon notices; its rollback follows at once.)
-    for w in (ws, ws2):
+    for w in (ws, ws2, ws3):
         assert wait_for(lambda: leftovers(w) == [], timeout_s=5), leftovers(w)

@@ -748,16 +748,18 @@ class TransferEntry(_message.Message):
     def __init__(self, path: _Optional[str] = ..., kind: _Optional[str] = ..., mode: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class UploadRequest(_message.Message):
-    __slots__ = ("target", "path", "entry", "data")
+    __slots__ = ("target", "path", "entry", "data", "commit")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     target: TransferTarget
     path: str
     entry: TransferEntry
     data: bytes
-    def __init__(self, target: _Optional[_Union[TransferTarget, _Mapping]] = ..., path: _Optional[str] = ..., entry: _Optional[_Union[TransferEntry, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    commit: bool
+    def __init__(self, target: _Optional[_Union[TransferTarget, _Mapping]] = ..., path: _Optional[str] = ..., entry: _Optional[_Union[TransferEntry, _Mapping]] = ..., data: _Optional[bytes] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("transfer_id", "entries", "total_bytes", "skipped")

@@ -32,7 +32,7 @@ def _parts(requests: Iterator[pb.UploadRequest], context: grpc.ServicerContext) 
             yield UploadPart(target=_target(request.target) if request.HasField("target") else None,
                              path=request.path,
                              entry=message_to_json(request.entry) if request.HasField("entry") else None,
-                             data=bytes(request.data))
+                             data=bytes(request.data), commit=request.commit)
     except grpc.RpcError:
         raise Aborted("the client's stream broke off before the upload ended: nothing of it landed") from None
     if not context.is_active():

@@ -14,7 +14,7 @@ from typing import Any
 
 from sandboxd.calls.executor import CallExecutor
 from sandboxd.core.as_user import AsUser
-from sandboxd.core.errors import InvalidArgument, NotFound, ResourceExhausted, SandboxdError
+from sandboxd.core.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted, SandboxdError
 from sandboxd.ledger import call_rows
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.event_types import FilesTransferred, draft
@@ -37,6 +37,7 @@ class UploadPart:
     path: str = ""
     entry: Mapping[str, Any] | None = None
     data: bytes = b""
+    commit: bool = False
 
 
 @dataclass
@@ -134,13 +135,20 @@ class FileTransfers:
             names = _Names()
             declared = 0
             message: UploadPart | None = first
+            committed = False
             while message is not None:
+                if committed:
+                    raise InvalidArgument("a message after the commit message: commit comes last", field="commit")
                 if message.entry is not None:
                     staging.end_file()
                     declared = self._begin(staging, where, rec.path, message.entry, names, declared, max_bytes)
                 if message.data:
                     staging.write(message.data)
+                committed = message.commit
                 message = next(parts, None)
+            if not committed:  # a stream cut off ends as one the client ended can: only this tells them apart
+                raise Aborted("the stream ended without its commit message (the client gone, or the stream cut "
+                              "off): nothing of it landed", field="commit")
             staging.end_file()
             try:
                 staging.commit()
