@@ -33,7 +33,7 @@ from sandboxd.check import dir_findings, load_config, render_errors, run_check
 from sandboxd.calls.janitor import Janitor
 from sandboxd.calls.prepare import STAGING_SUBDIR, resolve_allowed_image, staging_dir
 from sandboxd.calls.reservations import WorkspaceReservations
-from sandboxd.calls.recovery import clean_spool
+from sandboxd.calls.recovery import clean_incoming, clean_spool
 from sandboxd.core import hostdirs, hostfacts
 from sandboxd.core.errors import BackendUnavailable, SandboxdError
 from sandboxd.core.hostfacts import HostFacts
@@ -247,6 +247,9 @@ def _build_executor(settings: DaemonSettings, sandboxing: _Sandboxing, ledger: _
     if interrupted:
         log.warning("recorded %d calls that an earlier run of this daemon never finished", interrupted)
     clean_spool(settings)
+    half_written = clean_incoming(executor.artifacts)
+    if half_written:
+        log.warning("removed %d artifact blobs an earlier run left half-written", half_written)
     return executor, proxy
 
 

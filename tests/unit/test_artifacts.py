@@ -123,3 +123,13 @@ def test_open_reads_the_blob(tmp_path, store):
     store.put_blob(src, h)
     with store.open(record("art-1", content_hash=h)) as f:
         assert f.read() == b"payload"
+
+
+def test_blobs_half_written_when_the_daemon_died_are_removed_at_its_start(tmp_path, store):
+    from sandboxd.calls.recovery import clean_incoming
+
+    kept = store.put_blob(*spooled(tmp_path, "kept", b"kept"))
+    (store.incoming_dir() / "tc-1.0badc0de").write_bytes(b"half a fi")
+    (store.incoming_dir() / "tc-1.0badc0de.diff").write_bytes(b"--- a")
+    assert clean_incoming(store) == 2
+    assert list(store.incoming_dir().iterdir()) == [] and kept.read_bytes() == b"kept"

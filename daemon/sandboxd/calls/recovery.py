@@ -1,7 +1,7 @@
 """At the daemon's start: what an earlier run left. Calls it accepted but never finished
 get a recorded end (with what they printed before the crash), so that the log answers for
 them and their idempotency keys never run them again; leases it held end on the record;
-staged workspace mounts and spool files are removed."""
+staged workspace mounts, spool files and half-written blobs are removed."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def clean_spool(settings: DaemonSettings) -> None:
     """Spool files of calls that a crashed daemon never finished."""
     shutil.rmtree(settings.spool_dir, ignore_errors=True)
     settings.spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+def clean_incoming(artifacts: FileArtifactStore) -> int:
+    """Blobs a crashed daemon was still writing (a collected file, a diff, never put):
+    removed. Returns how many."""
+    removed = 0
+    for entry in artifacts.incoming_dir().iterdir():
+        if entry.is_file() and not entry.is_symlink():
+            entry.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def recover_interrupted(settings: DaemonSettings, db: Database, events: EventLog,
