@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import stat
 from pathlib import Path
 
@@ -310,15 +311,31 @@ def test_a_file_the_sandboxs_user_could_not_read_is_not_kept(tmp_path, store):
     (ws.dir / "closed").mkdir(mode=0o700)
     (ws.dir / "closed" / "open.txt").write_bytes(b"behind a closed directory\n")
     os.chmod(ws.dir / "closed" / "open.txt", 0o644)
+    # Its mode bits let anyone read it; an ACL entry shuts the sandbox's user out.
+    (ws.dir / "acl.txt").write_bytes(b"ACLDENIED\n")
+    os.chmod(ws.dir / "acl.txt", 0o644)
+    deny_user_by_acl(ws.dir / "acl.txt", 1000)
     (ws.dir / "mine.txt").write_bytes(b"y\n")
     os.chown(ws.dir / "mine.txt", 1000, 1000)
     got = collect_as(ws, store, (1000, 1000))
     assert [r.path for r in got.records if r.kind == "file"] == ["/workspace/mine.txt"]
-    assert sorted(got.omitted) == ["/workspace/closed/open.txt: the sandbox's user cannot read it: not kept",
+    assert sorted(got.omitted) == ["/workspace/acl.txt: the sandbox's user cannot read it: not kept",
+                                   "/workspace/closed/open.txt: the sandbox's user cannot reach it: not kept",
                                    "/workspace/root.key: the sandbox's user cannot read it: not kept"]
     [diff] = [r for r in got.records if r.kind == "diff"]
     text = read_blob(store, diff.content_hash)
-    assert b"ROOTONLY" not in text and b"behind a closed" not in text and b"-x\n+y\n" in text
+    assert b"ROOTONLY" not in text and b"behind a closed" not in text and b"ACLDENIED" not in text
+    assert b"-x\n+y\n" in text
+
+
+def deny_user_by_acl(path, uid: int) -> None:
+    """A POSIX access ACL (the kernel's xattr form, as setfacl writes it): the owner rw,
+    `uid` nothing, the group and others r."""
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, 6, undefined), (0x02, 0, uid), (0x04, 4, undefined), (0x10, 4, undefined),
+               (0x20, 4, undefined)]  # user_obj, user, group_obj, mask, other
+    os.setxattr(path, "system.posix_acl_access",
+                struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries))
 
 
 def test_the_content_before_is_shown_only_for_a_file_changed_in_place(tmp_path, store):

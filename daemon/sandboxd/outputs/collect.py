@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandboxd.core.artifact_settings import ArtifactSettings
+from sandboxd.core.as_user import AsUser, IdentityError
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import ArtifactRecord, FileArtifactStore
 from sandboxd.outputs.diff import FileVersions, unified_diff
@@ -71,10 +72,30 @@ class OutputCollector:
         self._redact_text = text_redactor.redact_text if text_redactor is not None and text_redactor.active \
             else (lambda text: text)
         self._incoming = store.incoming_dir()
+        self._user: AsUser | None = None
+
+    def _as_user(self) -> AsUser | None:
+        """The thread that reads as the sandbox's user (made at the first file read)."""
+        if self._reader is None:
+            return None
+        if self._user is None:
+            try:
+                self._user = AsUser(*self._reader)
+            except IdentityError as exc:  # never read as root instead
+                raise NotReadable(f"cannot be read as the sandbox's user ({exc})") from None
+        return self._user
 
     def collect(self, changed: list[ChangedFile], kept: list[ChangedFile] | None = None) -> Collected:
         """`changed`: the write roots' changed files (artifacts, and the diff); `kept`:
         persistOutputs' files of the tempDir (artifacts even with collect_files off)."""
+        try:
+            return self._collect(changed, kept)
+        finally:
+            if self._user is not None:
+                self._user.close()
+                self._user = None
+
+    def _collect(self, changed: list[ChangedFile], kept: list[ChangedFile] | None) -> Collected:
         records: list[ArtifactRecord] = []
         if self._blocked and changed:
             self._omitted.append(f"{len(changed)} changed files: none is kept or diffed when the policy blocks paths")
@@ -147,7 +168,7 @@ class OutputCollector:
                         kept.append(data)
                     out.write(redactor.feed(_FILE_STREAM, data) if redacting and redactor else data)
 
-                raw_hash = copy_verified(read_chunks(locate(f.path, self._roots), f.size, self._reader),
+                raw_hash = copy_verified(read_chunks(locate(f.path, self._roots), f.size, self._as_user()),
                                          f.sha256_after, sink)
                 if redacting and redactor:
                     out.write(redactor.flush(_FILE_STREAM))
@@ -214,7 +235,7 @@ class OutputCollector:
             return self._afters[f.path], ""
         try:  # not kept as an artifact (a cap, or collection off): read for the diff alone
             kept: list[bytes] = []
-            copy_verified(read_chunks(locate(f.path, self._roots), f.size, self._reader), f.sha256_after,
+            copy_verified(read_chunks(locate(f.path, self._roots), f.size, self._as_user()), f.sha256_after,
                           kept.append)
             return b"".join(kept), ""
         except NotReadable as exc:

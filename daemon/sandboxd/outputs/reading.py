@@ -11,6 +11,7 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from sandboxd.core.as_user import AsUser
 from sandboxd.core.safe_open import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
 from sandboxd.recording.snapshot import _open_beneath_root
 
@@ -44,56 +45,34 @@ def locate(path: str, write_roots: list[tuple[str, str]]) -> Located:
     return Located(host_root, path[len(root) + 1:])
 
 
-def _allows(st: os.stat_result, reader: tuple[int, int], bit: int) -> bool:
-    """Whether the sandbox's user (uid, gid) has `bit` (4 read, 1 search) by the mode
-    bits (its supplementary groups are not counted: what is unsure is not read)."""
-    uid, gid = reader
-    if st.st_uid == uid:
-        return bool(st.st_mode & (bit << 6))
-    if st.st_gid == gid:
-        return bool(st.st_mode & (bit << 3))
-    return bool(st.st_mode & bit)
-
-
-def _reachable(root_fd: int, relative: str, reader: tuple[int, int]) -> bool:
-    """Whether the sandbox's user could search every directory from the write root down
-    to `relative` (the daemon reads as root: what the sandbox could not reach, a file it
-    moved out of a directory closed to it, must not come out through its artifacts)."""
-    fd = os.dup(root_fd)
-    try:
-        for part in relative.split("/")[:-1]:
-            if not _allows(os.fstat(fd), reader, 1):
-                return False
-            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        return _allows(os.fstat(fd), reader, 1)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def read_chunks(where: Located, size: int, reader: tuple[int, int] | None = None) -> Iterator[bytes]:
+def read_chunks(where: Located, size: int, as_user: AsUser | None = None) -> Iterator[bytes]:
     """The file's bytes, in chunks; NotReadable when it is not a regular file there now,
-    holds more than `size` bytes, or (with `reader`, the sandbox's uid and gid) is one
-    the sandbox's user could not have read."""
+    holds more than `size` bytes, or (with `as_user`, the sandbox's user) is one the
+    sandbox's user could not have read: opened as that user, from the write root down,
+    so the kernel decides (directories it cannot search, mode bits, ACLs): the daemon
+    reads as root, and what the sandbox could not read, a file it moved out of a
+    directory closed to it, must not come out through its artifacts."""
+    def run(fn: Callable[..., int], *args: object) -> int:
+        return as_user.run(fn, *args) if as_user is not None else fn(*args)
+
     try:
         root_fd = _open_beneath_root(where.host_root)
     except OSError as exc:
         raise NotReadable(f"its write root cannot be opened ({exc.strerror})") from None
     try:
         try:
-            path_fd = openat2(root_fd, where.relative, _BENEATH)
+            path_fd = run(openat2, root_fd, where.relative, _BENEATH)
+        except PermissionError:
+            raise NotReadable("the sandbox's user cannot reach it: not kept") from None
         except OSError as exc:
             raise NotReadable(f"not readable ({exc.strerror})") from None
         try:
-            st = os.fstat(path_fd)
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(os.fstat(path_fd).st_mode):
                 raise NotReadable("no longer a regular file")
-            if reader is not None and not (_allows(st, reader, 4) and _reachable(root_fd, where.relative, reader)):
-                raise NotReadable("the sandbox's user cannot read it: not kept")
-            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                fd = run(os.open, f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except PermissionError:
+                raise NotReadable("the sandbox's user cannot read it: not kept") from None
         finally:
             os.close(path_fd)
     finally:
