@@ -378,3 +378,31 @@ def test_only_content_the_diff_shows_is_held_in_memory(tmp_path, store):
     assert {r.path for r in got.records if r.kind == "file"} == {"/workspace/new.txt", "/workspace/sed.txt",
                                                                 "/tmp/kept.bin"}
     assert set(collector._afters) == {"/workspace/new.txt"}
+
+
+# ------------------------------------------------------------------ persistOutputs' tmpfs
+
+MS_SHARED = 1 << 20
+
+def test_the_outputs_tmpfs_is_a_private_mount_even_under_a_shared_one(tmp_path):
+    from sandboxd.core.mounts import MS_BIND, mount, unmount
+    from sandboxd.outputs import tempdir
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    mount(str(runtime), str(runtime), None, MS_BIND)  # as systemd leaves /: shared
+    try:
+        mount(None, str(runtime), None, MS_SHARED)  # (MS_SHARED: not one the daemon uses)
+        path = tempdir.outputs_dir(runtime, "sb_1")
+        tempdir.make(path, 1 << 20, 1000, 1000)
+        try:
+            [line] = [ln for ln in open("/proc/self/mountinfo") if ln.split()[4] == path]
+            optional = line.split(" - ")[0].split()[6:]
+            assert not [tag for tag in optional if tag.startswith(("shared:", "master:"))], line
+            st = os.stat(path)
+            assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1000, 1000, 0o700)
+        finally:
+            tempdir.release(path)
+        assert not os.path.exists(path)
+    finally:
+        unmount(str(runtime))

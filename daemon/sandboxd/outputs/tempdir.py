@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 
 from sandboxd.core.errors import FailedPrecondition
-from sandboxd.core.mounts import MS_NODEV, MS_NOEXEC, MS_NOSUID, mount, unmount
+from sandboxd.core.mounts import MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, mount, unmount
 from sandboxd.recording import snapshot
 from sandboxd.recording.changes import ChangedFile
 
@@ -38,6 +38,13 @@ def make(path: str, size_bytes: int, uid: int, gid: int) -> None:
               f"size={size_bytes},mode=0700,uid={uid},gid={gid}")
     except BaseException:
         os.rmdir(path)
+        raise
+    try:
+        # Private: under a shared mount (systemd makes / shared) it would be a peer group
+        # of its own, and a mount made on it (the engine's bind) could show elsewhere.
+        mount(None, path, None, MS_PRIVATE)
+    except BaseException:
+        release(path)
         raise
 
 
