@@ -18,7 +18,7 @@ from sandboxd.core.artifact_settings import ArtifactSettings
 from sandboxd.ledger.artifacts import FileArtifactStore
 from sandboxd.ledger.store import Database
 from sandboxd.outputs.collect import MAX_OMISSIONS_LISTED, OutputCollector
-from sandboxd.outputs.diff import MAX_DIFF_LINES, FileVersions, file_diff, unified_diff
+from sandboxd.outputs.diff import MAX_DIFF_LINES, FileVersions, Pending, file_diff, unified_diff
 from sandboxd.outputs.reading import NotReadable, locate, read_chunks
 from sandboxd.recording import snapshot
 from sandboxd.recording.baseline import Baseline
@@ -158,6 +158,21 @@ def test_the_diff_stops_at_its_cap_and_names_the_rest():
                            + str(len(whole) // 2).encode() + b" bytes or 10 s): /w/4\n")
     _, out_of_time = unified_diff(files, 10**6, budget_s=-1)
     assert out_of_time == [f.path for f in files]
+
+
+def test_a_file_the_diff_only_names_is_never_read():
+    read: list[str] = []
+
+    def pending(n: int) -> Pending:
+        def load() -> FileVersions:
+            read.append(f"/w/{n}")
+            return FileVersions(f"/w/{n}", "created", 0o100644, b"", b"line\n" * 20)
+        return Pending(f"/w/{n}", load)
+
+    whole, _ = unified_diff([pending(n) for n in range(5)], 10**6)
+    read.clear()
+    _, left_out = unified_diff([pending(n) for n in range(5)], len(whole) // 2)
+    assert left_out == ["/w/2", "/w/3", "/w/4"] and read == ["/w/0", "/w/1", "/w/2"]
 
 
 def test_a_file_of_too_many_lines_is_named_not_diffed():

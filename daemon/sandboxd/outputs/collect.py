@@ -12,6 +12,7 @@ import os
 import stat
 import uuid
 from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from sandboxd.core.artifact_settings import ArtifactSettings
 from sandboxd.core.as_user import AsUser, IdentityError
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import ArtifactRecord, FileArtifactStore
-from sandboxd.outputs.diff import FileVersions, unified_diff
+from sandboxd.outputs.diff import FileVersions, Pending, unified_diff
 from sandboxd.outputs.reading import NotReadable, copy_verified, locate, read_chunks
 from sandboxd.recording.baseline import Baseline
 from sandboxd.recording.changes import ChangedFile
@@ -185,7 +186,8 @@ class OutputCollector:
 
     # -- the diff ------------------------------------------------------------------
     def _diff_artifact(self, changed: list[ChangedFile]) -> ArtifactRecord:
-        text, left_out = unified_diff((self._versions(f) for f in changed), self._settings.diff_max_mb * 2**20)
+        text, left_out = unified_diff([Pending(printable(f.path), partial(self._versions, f)) for f in changed],
+                                       self._settings.diff_max_mb * 2**20)
         redactor = self._redactor() if self._redactor is not None else None
         if redactor is not None and redactor.active:
             text = redactor.feed(_FILE_STREAM, text) + redactor.flush(_FILE_STREAM)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sandboxd.recording.baseline import looks_binary
@@ -73,7 +73,16 @@ def file_diff(f: FileVersions) -> str:
     return "".join(head + hunks)
 
 
-def unified_diff(files: Iterable[FileVersions], max_bytes: int,
+@dataclass(frozen=True)
+class Pending:
+    """A changed file whose versions are read only if the diff gets to it: one only
+    named (past the cap or the time budget) is never read."""
+
+    path: str
+    load: Callable[[], FileVersions]
+
+
+def unified_diff(files: Iterable[FileVersions | Pending], max_bytes: int,
                  budget_s: float = DIFF_TIME_BUDGET_S) -> tuple[bytes, list[str]]:
     """The whole diff (bytes as the files held them) and the paths only named because
     the diff reached `max_bytes` or its time budget first."""
@@ -85,7 +94,7 @@ def unified_diff(files: Iterable[FileVersions], max_bytes: int,
         if left_out or time.monotonic() > deadline:
             left_out.append(f.path)
             continue
-        part = file_diff(f).encode("utf-8", "surrogateescape")
+        part = file_diff(f.load() if isinstance(f, Pending) else f).encode("utf-8", "surrogateescape")
         if size + len(part) > max_bytes:
             left_out.append(f.path)
             continue
