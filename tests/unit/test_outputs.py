@@ -276,10 +276,23 @@ def test_a_file_changed_after_the_record_or_swapped_for_a_link_is_not_kept(tmp_p
     os.symlink(tmp_path / "outside", ws.dir / "b")
     got = OutputCollector(ArtifactSettings(), store, ws.baseline, "call_1", ws.roots).collect(changed)
     assert [r.kind for r in got.records] == ["diff"]
-    assert got.omitted == ["/workspace/a: changed after the call ended (its content no longer has the recorded hash)",
+    assert got.omitted == ["/workspace/a: changed after the call ended (not the file the record found there)",
                            "/workspace/b: no longer a regular file"]
     with store.open_blob(got.records[0].content_hash) as f:
         assert b"host secret" not in f.read()
+
+
+def test_a_file_too_large_to_hash_changed_after_the_record_is_not_kept(tmp_path, store):
+    """No hash to check it by: its inode and ctime, as the record found them, are."""
+    ws = Workspace(tmp_path, {})
+    (ws.dir / "big").write_bytes(b"recorded")
+    (ws.dir / "same").write_bytes(b"recorded")
+    changed = [c._replace(sha256_after="") for c in ws.changed()]
+    assert all(c.found_as for c in changed)
+    (ws.dir / "big").write_bytes(b"RECORDED")  # in place, the same size
+    got = OutputCollector(ArtifactSettings(diff=False), store, ws.baseline, "call_1", ws.roots).collect(changed)
+    assert [r.path for r in got.records] == ["/workspace/same"]
+    assert got.omitted == ["/workspace/big: changed after the call ended (not the file the record found there)"]
 
 
 def test_secrets_are_redacted_from_kept_files_and_the_diff(tmp_path, store):

@@ -45,7 +45,8 @@ def locate(path: str, write_roots: list[tuple[str, str]]) -> Located:
     return Located(host_root, path[len(root) + 1:])
 
 
-def read_chunks(where: Located, size: int, as_user: AsUser | None = None) -> Iterator[bytes]:
+def read_chunks(where: Located, size: int, as_user: AsUser | None = None,
+                found_as: tuple[int, ...] = ()) -> Iterator[bytes]:
     """The file's bytes, in chunks; NotReadable when it is not a regular file there now,
     holds more than `size` bytes, or (with `as_user`, the sandbox's user) is one the
     sandbox's user could not have read: opened as that user, from the write root down,
@@ -67,8 +68,11 @@ def read_chunks(where: Located, size: int, as_user: AsUser | None = None) -> Ite
         except OSError as exc:
             raise NotReadable(f"not readable ({exc.strerror})") from None
         try:
-            if not stat.S_ISREG(os.fstat(path_fd).st_mode):
+            st = os.fstat(path_fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise NotReadable("no longer a regular file")
+            if found_as and (st.st_dev, st.st_ino, st.st_ctime_ns) != found_as:
+                raise NotReadable("changed after the call ended (not the file the record found there)")
             try:
                 fd = run(os.open, f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except PermissionError:
@@ -82,11 +86,13 @@ def read_chunks(where: Located, size: int, as_user: AsUser | None = None) -> Ite
         while left > 0:
             data = os.read(fd, min(CHUNK_BYTES, left))
             if not data:
-                return
+                break
             left -= len(data)
             if left <= 0:
                 raise NotReadable("changed after the call ended (it is larger than the record says)")
             yield data
+        if found_as and os.fstat(fd).st_ctime_ns != found_as[2]:
+            raise NotReadable("changed while it was read, after the call ended")
     finally:
         os.close(fd)
 

@@ -75,6 +75,7 @@ def kept_files(temp_dir: str, path: str) -> tuple[list[ChangedFile], list[str]]:
     """Every regular file the call left in its tempDir, as created files (sandbox paths),
     and why the list may not be whole."""
     walked = snapshot.take([(temp_dir, path)], snapshot.HashCache())
-    files = [ChangedFile(p, "created", e.mode, e.size, "", e.sha256)
+    files = [ChangedFile(p, "created", e.mode, e.size, "", e.sha256,
+                         found_as=(e.dev, e.inode, e.ctime_ns) if e.dev and e.inode and e.ctime_ns else ())
              for p, e in sorted(walked.entries.items()) if e.regular]
     return files, [f"persistOutputs: {gap}" for gap in walked.gaps]

@@ -19,6 +19,9 @@ class ChangedFile(NamedTuple):
     sha256_after: str = ""
     previous_path: str = ""  # renamed: where it was
     replaced: bool = False  # modified by a new inode taking the path (a rename over it, sed -i)
+    # (st_dev, st_ino, st_ctime_ns) of the file after the call, as the record found it:
+    # what collection reads must still be it (a file too large to hash has no other check).
+    found_as: tuple[int, ...] = ()
 
 
 def changed_files(changes: list[dict[str, Any]], before: dict[str, Entry], after: dict[str, Entry]) -> list[ChangedFile]:
@@ -32,7 +35,8 @@ def changed_files(changes: list[dict[str, Any]], before: dict[str, Entry], after
             if now is not None and stat.S_ISREG(now.mode):
                 was = before.get(path)
                 out[c["renamedTo"]] = ChangedFile(c["renamedTo"], "renamed", now.mode, now.size,
-                                                  was.sha256 if was else "", now.sha256, path)
+                                                  was.sha256 if was else "", now.sha256, path,
+                                                  found_as=_found_as(now))
         elif op in ("create", "write"):
             now, was = after.get(path), before.get(path)
             if now is None or not stat.S_ISREG(now.mode):
@@ -42,9 +46,14 @@ def changed_files(changes: list[dict[str, Any]], before: dict[str, Entry], after
                 continue  # renamed over: the rename says where its content came from
             out[path] = ChangedFile(path, "modified" if existed else "created", now.mode, now.size,
                                     was.sha256 if existed and was else "", now.sha256,
-                                    replaced=existed and was is not None and was.inode != now.inode)
+                                    replaced=existed and was is not None and was.inode != now.inode,
+                                    found_as=_found_as(now))
         elif op == "delete":
             was = before.get(path)
             if was is not None and stat.S_ISREG(was.mode) and path not in after:
                 out[path] = ChangedFile(path, "deleted", was.mode, 0, was.sha256)
     return [out[p] for p in sorted(out)]
+
+
+def _found_as(entry: Entry) -> tuple[int, ...]:
+    return (entry.dev, entry.inode, entry.ctime_ns) if entry.dev and entry.inode and entry.ctime_ns else ()
