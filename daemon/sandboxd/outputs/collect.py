@@ -11,7 +11,7 @@ import hashlib
 import os
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +85,9 @@ class OutputCollector:
             except IdentityError as exc:  # never read as root instead
                 raise NotReadable(f"cannot be read as the sandbox's user ({exc})") from None
         return self._user
+
+    def _read(self, f: ChangedFile) -> Iterator[bytes]:
+        return read_chunks(locate(f.path, self._roots), f.size, self._as_user(), f.found_as)
 
     def collect(self, changed: list[ChangedFile], kept: list[ChangedFile] | None = None) -> Collected:
         """`changed`: the write roots' changed files (artifacts, and the diff); `kept`:
@@ -169,8 +172,7 @@ class OutputCollector:
                         kept.append(data)
                     out.write(redactor.feed(_FILE_STREAM, data) if redacting and redactor else data)
 
-                raw_hash = copy_verified(read_chunks(locate(f.path, self._roots), f.size, self._as_user()),
-                                         f.sha256_after, sink)
+                raw_hash = copy_verified(self._read(f), f.sha256_after, sink)
                 if redacting and redactor:
                     out.write(redactor.flush(_FILE_STREAM))
             size = tmp.stat().st_size
@@ -237,8 +239,7 @@ class OutputCollector:
             return self._afters[f.path], ""
         try:  # not kept as an artifact (a cap, or collection off): read for the diff alone
             kept: list[bytes] = []
-            copy_verified(read_chunks(locate(f.path, self._roots), f.size, self._as_user()), f.sha256_after,
-                          kept.append)
+            copy_verified(self._read(f), f.sha256_after, kept.append)
             return b"".join(kept), ""
         except NotReadable as exc:
             return None, str(exc)
