@@ -18,6 +18,7 @@ from sandboxd.calls.executor import CallExecutor
 from sandboxd.core.errors import (AlreadyExists, BackendUnavailable, InvalidArgument, PermissionDenied,
                                   ResourceExhausted, SandboxdError)
 from sandboxd.core.settings import DaemonSettings, QuotaSettings
+from sandboxd.ledger import artifact_usage
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import FileArtifactStore
 from sandboxd.ledger.events import EventLog
@@ -297,3 +298,20 @@ def test_a_cleanup_step_that_fails_still_ends_the_call_on_the_record(daemon, mon
     leaves_nothing(daemon)
     monkeypatch.undo()
     assert daemon.run(["echo", "after"])["status"] == "success"  # alice's one slot was given back
+
+
+def test_a_principal_whose_artifacts_fill_its_quota_is_refused_and_others_are_not(daemon):
+    first = daemon.run(["echo", "counted"])
+    assert artifact_usage.stored_bytes(daemon.db, "alice") == len("counted\n")
+    with daemon.db.transaction() as conn:  # as if alice's calls had kept 10 GiB
+        conn.execute("UPDATE artifact_usage SET bytes = ? WHERE principal = 'alice'", (10240 * 2**20,))
+    exc = refused(ResourceExhausted, daemon.executor.submit, daemon.call(["echo", "more"]), ALICE)
+    assert "quotas.artifact_mb" in exc.reason and exc.tool_call_id != first["toolCallId"]
+    assert daemon.payload(exc.tool_call_id, ev.REJECTED)["code"] == "RESOURCE_EXHAUSTED"
+    bobs = daemon.workspace.parent / "bob"
+    bobs.mkdir()
+    os.chown(bobs, BOB.uid, WORKSPACE_GID)
+    run = daemon.executor.submit(prepared_call(bobs, ["echo", "mine"]), BOB)
+    answer = run.finished()
+    assert answer is not None and answer[0]["status"] == "success"
+    leaves_nothing(daemon)

@@ -314,3 +314,30 @@ def test_the_sweeper_thread_sweeps_at_start_and_stops(db, log, store, clock, ind
 def test_bad_retention_settings_are_refused(bad):
     with pytest.raises(ValidationError):
         DaemonSettings.model_validate({"retention": bad})
+
+
+def test_what_a_principals_artifacts_hold_is_counted_as_they_are_stored_and_expired(db, log, store, clock, tmp_path,
+                                                                                   index):
+    from sandboxd.ledger import artifact_usage, call_rows
+
+    with db.transaction() as conn:
+        for tcid, principal in (("tc_a1", "alice"), ("tc_a2", "alice"), ("tc_b", "bob")):
+            call_rows.insert_owner(conn, tcid, principal)
+    run_call(log, "tc_a1")
+    clock.set(T0 + 10 * DAY)
+    run_call(log, "tc_a2")
+    run_call(log, "tc_b")
+    put_artifact(store, db, tmp_path, "tc_a1", b"x" * 100)
+    put_artifact(store, db, tmp_path, "tc_a1", b"y" * 20, kind="stderr")
+    put_artifact(store, db, tmp_path, "tc_a2", b"z" * 7)
+    put_artifact(store, db, tmp_path, "tc_b", b"b" * 5)
+    assert [artifact_usage.stored_bytes(db, p) for p in ("alice", "bob", "carol")] == [127, 5, 0]
+    # Retention takes tc_a1 (older than 30 days by then): its bytes no longer count.
+    clock.set(T0 + 31 * DAY)
+    assert [c.tool_call_id for c in expire_calls(db, log, index, cutoff(clock.t, 30), 30, 10)] == ["tc_a1"]
+    assert [artifact_usage.stored_bytes(db, p) for p in ("alice", "bob")] == [7, 5]
+    # A store an older daemon wrote (no counts yet) is counted once at start.
+    with db.transaction() as conn:
+        conn.execute("DELETE FROM artifact_usage")
+    artifact_usage.count_existing(db)
+    assert [artifact_usage.stored_bytes(db, p) for p in ("alice", "bob")] == [7, 5]

@@ -21,7 +21,7 @@ from sandboxd.calls.run import CallRun
 from sandboxd.core.errors import (AlreadyExists, FailedPrecondition, InternalError, PermissionDenied,
                                   ResourceExhausted, SandboxdError)
 from sandboxd.core.settings import DaemonSettings
-from sandboxd.ledger import call_rows
+from sandboxd.ledger import artifact_usage, call_rows
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.store import Database
 from sandboxd.policy.approvals import verify_authorization
@@ -181,6 +181,11 @@ class Admission:
             return ResourceExhausted(f"{principal} has {mine} calls running, its quota")
         if len(table.runs) >= self._settings.max_concurrent_calls:
             return ResourceExhausted(f"{len(table.runs)} calls are running, the daemon's maximum")
+        quota_mb = self._settings.quotas.artifact_mb_for(principal)
+        stored = artifact_usage.stored_bytes(self._db, principal) if quota_mb else 0
+        if quota_mb and stored >= quota_mb * 2**20:
+            return ResourceExhausted(f"{principal}'s artifacts hold {stored} bytes, its quota of {quota_mb} MB "
+                                     "(quotas.artifact_mb): retention must remove older calls first")
         return None
 
     def _accept(self, undo: ExitStack, raw: Mapping[str, Any], call: PreparedToolCall, tool_call_id: str,

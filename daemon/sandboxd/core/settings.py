@@ -277,9 +277,18 @@ class QuotaSettings(BaseModel):
     leases: int = Field(default=8, ge=0)
     # Pools one principal may have made (each keeps min_idle sandboxes warm).
     pools: int = Field(default=32, ge=0)
+    # What one principal's artifacts (output, kept files, diffs) may hold in the store, in
+    # MB: past it its calls are refused at admission until retention removes old ones
+    # (a call may pass it by up to its own caps). 0: no limit.
+    artifact_mb: int = Field(default=10240, ge=0)
+    # principal -> its own artifact_mb.
+    artifact_mb_per_principal: dict[str, int] = Field(default_factory=dict)
 
     def concurrent_calls_for(self, principal: str) -> int:
         return self.per_principal.get(principal, self.concurrent_calls)
+
+    def artifact_mb_for(self, principal: str) -> int:
+        return self.artifact_mb_per_principal.get(principal, self.artifact_mb)
 
 
 class RpcLimitSettings(BaseModel):

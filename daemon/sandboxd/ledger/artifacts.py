@@ -14,6 +14,7 @@ from typing import BinaryIO
 
 from sandboxd.core.errors import NotFound
 from sandboxd.core.settings import ArtifactSettings
+from sandboxd.ledger import artifact_usage
 from sandboxd.ledger.blobs import BlobStore, BlobStoreUnavailable, LocalBlobStore
 from sandboxd.ledger.store import Database
 
@@ -125,6 +126,7 @@ class FileArtifactStore:
             (record.artifact_id, record.tool_call_id, record.event_id, record.kind, record.content_hash,
              record.size_bytes, record.summary, record.created_at),
         )
+        artifact_usage.add(conn, record.tool_call_id, record.size_bytes)
         if record.path:
             conn.execute("INSERT INTO file_artifacts (artifact_id, path, change, previous_path, file_mode)"
                          " VALUES (?,?,?,?,?)",

@@ -63,6 +63,11 @@ CREATE TABLE IF NOT EXISTS call_owners (
     tool_call_id TEXT PRIMARY KEY,
     principal TEXT NOT NULL
 );
+-- What each principal's artifacts hold (artifact_usage.py), for quotas.artifact_mb.
+CREATE TABLE IF NOT EXISTS artifact_usage (
+    principal TEXT PRIMARY KEY,
+    bytes INTEGER NOT NULL
+);
 -- Each approval grant runs one call.
 CREATE TABLE IF NOT EXISTS used_grants (
     grant_id TEXT PRIMARY KEY,
