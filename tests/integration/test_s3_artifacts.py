@@ -204,3 +204,32 @@ def test_a_blob_past_the_multipart_threshold_goes_up_in_parts(s3_server, s3_daem
         assert head["ETag"].strip('"').endswith("-3")  # three parts of 5 MiB at most
         assert wait_for(lambda: not local_blobs(d), 10)
         assert hashlib.sha256(download(c, art.artifact_id)).hexdigest() == art.content_hash.removeprefix("sha256:")
+
+
+def test_a_retry_while_s3_is_down_is_unavailable_and_answered_once_it_is_back(s3_server, s3_daemon):
+    """An idempotent retry is answered from the record and the store, never run again:
+    with the output only in S3 and S3 down, it is refused as UNAVAILABLE (retry later),
+    not run a second time nor answered without its output."""
+    d = s3_daemon()
+    ws = d.new_workspace({"out/.keep": ""})
+
+    def keyed(tool_call_id: str) -> dict:
+        c = call(ws, sh("echo ran >> /workspace/out/runs; echo the first answer"),
+                 {"filesystem": {"writeRoots": ["/workspace/out"]}}, toolCallId=tool_call_id)
+        c["runtime"]["idempotencyKey"] = "s3-down-key"
+        return c
+
+    with d.client() as c:
+        first = c.run(keyed("tc-s3-first"))
+        art = stdout_artifact(first)
+        assert wait_for(lambda: in_s3(s3_server, art.content_hash), 20)
+        assert wait_for(lambda: not local_blobs(d), 10)  # the output is in S3 only
+        s3_server.stop()
+        try:
+            with pytest.raises(errors.Unavailable):
+                c.run(keyed("tc-s3-retry-1"))
+        finally:
+            s3_server.start()
+        again = c.run(keyed("tc-s3-retry-2"))
+    assert again.tool_call_id == "tc-s3-first" and again.stdout == first.stdout == b"the first answer\n"
+    assert (ws / "out" / "runs").read_text() == "ran\n"
