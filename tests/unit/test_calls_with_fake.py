@@ -80,7 +80,7 @@ def daemon(tmp_path: Path) -> Iterator[Daemonless]:
     settings = DaemonSettings(
         workspace_roots=(roots,), state_dir=tmp_path / "state", socket_path=tmp_path / "run" / "sandboxd.sock",
         runtime_dir=tmp_path / "runtime", secrets_dir=tmp_path / "secrets", default_backend="fake",
-        limits=LIMITS, file_watch=False, quotas=QuotaSettings(per_principal={"alice": 1}),
+        limits=LIMITS, file_watch=False, quotas=QuotaSettings(per_principal={"alice": 1}, artifact_mb=10240),
         daemon_id=DAEMON_ID)
     db = Database(settings.db_path)
     events = EventLog(db)

@@ -16,7 +16,7 @@ from sandboxd.core.errors import (Aborted, BackendUnavailable, FailedPreconditio
                                   ResourceExhausted)
 from sandboxd.policy.preflight import Bind
 from sandboxd.transfer.download import Download
-from sandboxd.transfer.rules import MAX_PATH_BYTES, Where, place
+from sandboxd.transfer.rules import MAX_PATH_BYTES, MAX_TRANSFER_PATH_BYTES, Where, place
 from sandboxd.transfer.service import _Names
 from sandboxd.transfer.tree import SKIPS_SHOWN, Walker
 from sandboxd.transfer.upload import UploadStaging
@@ -268,3 +268,71 @@ def test_a_leased_sandboxs_root_is_taken_only_if_its_init_still_lives_after_the_
     finally:
         walker.close()
         fs.close()
+
+
+# ------------------------------------------------------------------ the review's second look
+
+
+def test_the_paths_one_transfer_names_are_bounded_in_all(ws):
+    """A tree of few entries whose paths are each 4 KB would make a record of hundreds of
+    MB: past MAX_TRANSFER_PATH_BYTES the transfer is refused, an upload and a download."""
+    deep = ws.joinpath(*["n" * 250] * 15)
+    os.makedirs(deep)
+    fd = os.open(deep, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(MAX_TRANSFER_PATH_BYTES // 3800 + 10):
+            os.close(os.open(f"{i:05}" + "f" * 60, os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+    dl, fs, walker = download(ws, "/workspace")  # root's, and readable to all
+    try:
+        with pytest.raises(ResourceExhausted, match="the most one transfer's record names"):
+            dl.plan()
+    finally:
+        walker.close()
+        fs.close()
+    names = _Names()
+    with pytest.raises(ResourceExhausted, match="the most one transfer's record names"):
+        for i in range(MAX_TRANSFER_PATH_BYTES // 3700 + 10):
+            names.add("/w/" + "/".join(["n" * 250] * 15) + f"/{i:05}", "file", "entries[0].path")
+
+
+def test_a_directory_moved_between_staging_and_commit_refuses_the_upload_whole(ws):
+    """The record names where each file landed: a directory the sandbox moved meanwhile
+    would put it elsewhere. The staged file goes with the rollback all the same."""
+    (ws / "d").mkdir()
+    owned(ws)
+    w = where_of(ws)
+    fs = AsUser(UID, GID)
+    walker = Walker(fs, w, write=True)
+    staging = UploadStaging(fs, w, walker, "xfer_t")
+    try:
+        staging.begin_file(place(w, "/workspace/d/a", write=True, field="f"), 1, "", 0, "f")
+        staging.write(b"x")
+        staging.end_file()
+        (ws / "d").rename(ws / "e")  # the sandbox, meanwhile
+        with pytest.raises(FailedPrecondition, match="/workspace/d was moved since the upload began"):
+            staging.commit()
+        staging.rollback()
+    finally:
+        walker.close()
+        fs.close()
+    assert [p.name for p in ws.rglob("*")] == ["e"]
+
+
+def test_no_thread_acts_as_root_for_a_sandbox():
+    from sandboxd.core.as_user import IdentityError
+
+    for uid, gid in ((0, 4321), (4321, 0)):
+        with pytest.raises(IdentityError):
+            AsUser(uid, gid)
+
+
+def test_root_is_never_the_uid_a_root_owned_workspace_runs_as():
+    from pydantic import ValidationError
+
+    from sandboxd.core.settings import DaemonSettings
+
+    for field in ("root_workspace_uid", "root_workspace_gid"):
+        with pytest.raises(ValidationError, match=field):
+            DaemonSettings(**{field: 0})

@@ -32,6 +32,8 @@ class IdentityError(OSError):
 
 
 def _take_identity(uid: int, gid: int) -> None:
+    if uid == 0 or gid == 0:  # fsuid 0 keeps every file capability: no sandbox's user is that
+        raise IdentityError(f"uid {uid}, gid {gid}: a sandbox's user is never root")
     lib = libc()
     number = _SYS_SETGROUPS.get(platform.machine())
     if number is None:

@@ -279,8 +279,10 @@ class QuotaSettings(BaseModel):
     pools: int = Field(default=32, ge=0)
     # What one principal's artifacts (output, kept files, diffs) may hold in the store, in
     # MB: past it its calls are refused at admission until retention removes old ones
-    # (a call may pass it by up to its own caps). 0: no limit.
-    artifact_mb: int = Field(default=10240, ge=0)
+    # (a call may pass it by up to its own caps). 0: no limit, the default: with no
+    # retention period nothing ever frees room, and a principal at its quota would be
+    # refused for good. Set it with retention.period_days.
+    artifact_mb: int = Field(default=0, ge=0)
     # principal -> its own artifact_mb.
     artifact_mb_per_principal: dict[str, int] = Field(default_factory=dict)
 
@@ -361,9 +363,10 @@ class DaemonSettings(BaseModel):
     state_dir: Path = Path("/var/lib/sandboxd")
     # A call's workspace must be a directory strictly below one of these.
     workspace_roots: tuple[Path, ...] = (Path("/home"), Path("/srv/sandboxd/workspaces"))
-    # uid:gid the sandbox runs as when the workspace is owned by root; None refuses.
-    root_workspace_uid: int | None = None
-    root_workspace_gid: int | None = None
+    # uid:gid the sandbox runs as when the workspace is owned by root; None refuses (never
+    # 0: the sandbox, and what the daemon does as its user, would be root).
+    root_workspace_uid: int | None = Field(default=None, ge=1)
+    root_workspace_gid: int | None = Field(default=None, ge=1)
     default_backend: str = "docker"
     default_image: str = "sandboxd/default:latest"
     # fnmatch patterns of images a call may name.

@@ -16,6 +16,9 @@ from sandboxd.policy.preflight import Bind, Mask
 
 MAX_NAME_BYTES = 255
 MAX_PATH_BYTES = 4096
+# The names one transfer may carry, all its entries' paths together: its record (one
+# event of the log) and its result stay this side of a few MB however deep the tree.
+MAX_TRANSFER_PATH_BYTES = 4 * 2**20
 PROC_ROOT_PREFIX = "/proc/"
 
 

@@ -20,8 +20,8 @@ from sandboxd.ledger import events as ev
 from sandboxd.ledger.event_types import FilesTransferred, draft
 from sandboxd.policy.principal import Principal
 from sandboxd.transfer.download import Download, Part
-from sandboxd.transfer.rules import Where, entry_parts, join, place, sandbox_path
-from sandboxd.transfer.tree import Walker, too_many
+from sandboxd.transfer.rules import MAX_TRANSFER_PATH_BYTES, Where, entry_parts, join, place, sandbox_path
+from sandboxd.transfer.tree import Walker, too_long, too_many
 from sandboxd.transfer.upload import UploadStaging
 
 # What the record keeps of a refusal's strings.
@@ -217,12 +217,16 @@ class _Names:
 
     def __init__(self) -> None:
         self.seen: set[str] = set()
+        self._path_bytes = 0
         self._files: set[str] = set()
         self._above: set[str] = set()  # every directory some entry is below
 
     def add(self, path: str, kind: str, field: str) -> None:
         if path in self.seen:
             raise InvalidArgument(f"{path} is named twice", field=field)
+        self._path_bytes += len(path.encode("utf-8", "surrogateescape"))
+        if self._path_bytes > MAX_TRANSFER_PATH_BYTES:
+            raise too_long(field)
         # Up to the first directory already known: those above it are known too, and
         # none of them is a file (each add refuses that), so the work is once per name.
         ancestors = [posixpath.dirname(path)]

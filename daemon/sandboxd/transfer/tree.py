@@ -18,7 +18,8 @@ from sandboxd.core.as_user import AsUser
 from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, PermissionDenied, ResourceExhausted
 from sandboxd.core.safe_open import AT_FDCWD, RESOLVE_NO_SYMLINKS, openat2
 from sandboxd.policy.preflight import Bind
-from sandboxd.transfer.rules import MAX_PATH_BYTES, PROC_ROOT_PREFIX, Placed, Where, blocked_by, join
+from sandboxd.transfer.rules import (MAX_PATH_BYTES, MAX_TRANSFER_PATH_BYTES, PROC_ROOT_PREFIX, Placed, Where,
+                                     blocked_by, join)
 
 _DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _LIST = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -141,6 +142,8 @@ class Walker:
             try:
                 fd, made = self._fs.run(_open_dir, held[-1][1] if held else root, names[i], create_mode)
             except OSError as exc:
+                if getattr(exc, "made", False) and created is not None:
+                    created.append(Placed(here, placed.bind, names[:i + 1]))
                 raise denied(here, exc, field) from None
             if made and created is not None:
                 created.append(Placed(here, placed.bind, names[:i + 1]))
@@ -151,6 +154,26 @@ class Walker:
                 raise
             held.append((names[i], fd))
         return held[-1][1] if held else root
+
+    def still_there(self, placed: Placed, names: tuple[str, ...], field: str) -> None:
+        """FAILED_PRECONDITION unless the directory `names` held now is the one a walk
+        from the root finds at its path today (the sandbox may have moved it since)."""
+        held = self.dir(placed, names, field)
+        fresh = os.dup(self.root(placed.bind, field))
+        try:
+            for name in names:
+                nxt = self._fs.run(os.open, name, _DIR, dir_fd=fresh)
+                os.close(fresh)
+                fresh = nxt
+            moved = (os.fstat(fresh).st_dev, os.fstat(fresh).st_ino) != (os.fstat(held).st_dev,
+                                                                          os.fstat(held).st_ino)
+        except OSError:
+            moved = True
+        finally:
+            os.close(fresh)
+        if moved:
+            raise FailedPrecondition(f"{join(placed.bind.sandbox_path, names)} was moved since the upload began: "
+                                     "nothing of it landed", field=field)
 
     def close(self) -> None:
         for held in self._held.values():
@@ -170,9 +193,18 @@ def _open_dir(parent: int, name: str, create_mode: int | None) -> tuple[int, boo
             made = True
         except FileExistsError:
             pass
-    fd = os.open(name, _DIR, dir_fd=parent)
+    try:
+        fd = os.open(name, _DIR, dir_fd=parent)
+    except OSError as exc:
+        exc.made = made  # type: ignore[attr-defined]  # the caller still undoes the mkdir
+        raise
     if made:
-        os.chmod(f"/proc/self/fd/{fd}", create_mode or 0o755)  # past the daemon's umask
+        try:
+            os.chmod(f"/proc/self/fd/{fd}", create_mode or 0o755)  # past the daemon's umask
+        except BaseException as exc:
+            os.close(fd)
+            exc.made = made  # type: ignore[attr-defined]
+            raise
     return fd, made
 
 
@@ -216,6 +248,7 @@ class Listing:
     entries: list[Found]
     skipped: Skips
     total: int = 0
+    path_bytes: int = 0
 
 
 @dataclass
@@ -281,6 +314,9 @@ def _list_dir(fs: AsUser, frame: _Frame, placed: Placed, where: Where, masks: fr
             return
         if len(listing.entries) + len(kept) >= max_entries:
             raise too_many(max_entries, field)
+        listing.path_bytes += len(path.encode("utf-8", "surrogateescape"))
+        if listing.path_bytes > MAX_TRANSFER_PATH_BYTES:
+            raise too_long(field)
         kind = "dir" if stat.S_ISDIR(st.st_mode) else "file"
         kept.append(Found(sub, kind, 0 if kind == "dir" else st.st_size, stat.S_IMODE(st.st_mode)))
 
@@ -321,6 +357,11 @@ def _fail_if_out_of_descriptors(exc: OSError) -> None:
 def too_many(max_entries: int, field: str) -> ResourceExhausted:
     return ResourceExhausted(f"more than {max_entries} files and directories, the most one transfer moves "
                              "(transfers.max_entries)", field=field)
+
+
+def too_long(field: str) -> ResourceExhausted:
+    return ResourceExhausted(f"the entries' paths come to more than {MAX_TRANSFER_PATH_BYTES} bytes, the most one "
+                             "transfer's record names: transfer the tree in parts", field=field)
 
 
 def _skip_reason(where: Where, path: str, st: os.stat_result, masks: frozenset[tuple[int, int]]) -> str:

@@ -138,6 +138,10 @@ class UploadStaging:
         checked again first, all of them before the first rename, so that what the
         sandbox changed meanwhile refuses the upload whole; only a change made during
         the renames themselves stops one halfway, and `landed` then says how far."""
+        for placed in _deepest_dirs([s.placed for s in self._staged]):
+            # Each directory still where the record will say its files landed (a walk
+            # from the root to the deepest ones passes every other).
+            self._walker.still_there(placed, placed.parts[:-1], "path")
         for staged in self._staged:
             self._refuse_existing(self._parent(staged.placed, "path", create=False), staged.placed, "path")
         self.landed = list(self._dirs)
@@ -177,6 +181,13 @@ class UploadStaging:
             self._fs.run(os.rmdir if rmdir else os.unlink, name, dir_fd=parent)
         except OSError:
             pass
+
+
+def _deepest_dirs(files: list[Placed]) -> list[Placed]:
+    """One file of each directory that holds files and no directory that does."""
+    by_dir = {(p.bind.host_path, p.parts[:-1]): p for p in files}
+    above = {(root, parts[:i]) for root, parts in by_dir for i in range(len(parts))}
+    return [p for key, p in by_dir.items() if key not in above]
 
 
 def _write_all(fd: int, data: bytes) -> None:
