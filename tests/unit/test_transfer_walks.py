@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,12 +54,17 @@ def where_of(ws: Path, *extra: Bind) -> Where:
     return Where(binds, (), (), "/tmp", UID, GID, str(ws))
 
 
+@contextmanager
 def download(ws: Path, path: str, *, max_bytes: int = 1 << 30, max_entries: int = 10000,
-             fs: AsUser | None = None) -> tuple[Download, AsUser, Walker]:
+             fs: AsUser | None = None) -> Iterator[tuple[Download, AsUser, Walker]]:
     w = where_of(ws)
     fs = fs or AsUser(UID, GID)
     walker = Walker(fs, w, write=False)
-    return Download(fs, w, walker, place(w, path, write=False, field="path"), max_bytes, max_entries), fs, walker
+    try:
+        yield Download(fs, w, walker, place(w, path, write=False, field="path"), max_bytes, max_entries), fs, walker
+    finally:
+        walker.close()
+        fs.close()
 
 
 def sent(dl: Download) -> list[tuple[str, object]]:
@@ -77,12 +84,8 @@ def test_what_a_download_leaves_out_is_said_up_to_a_bound_and_counted_past_it(ws
         (ws / "links" / f"l{i:03}").symlink_to("/etc/passwd")
     (ws / "links" / "real.txt").write_text("x")
     owned(ws)
-    dl, fs, walker = download(ws, "/workspace/links")
-    try:
+    with download(ws, "/workspace/links") as (dl, fs, walker):
         names = [value["path"] for kind, value in sent(dl) if kind == "entry"]
-    finally:
-        walker.close()
-        fs.close()
     assert names == ["real.txt"]
     lines = dl.skipped.lines()
     assert len(lines) == SKIPS_SHOWN + 1  # in the directory's order, as read
@@ -95,29 +98,21 @@ def test_a_tree_of_more_left_out_than_the_cap_is_refused(ws):
     for i in range(12):
         (ws / f"l{i}").symlink_to("/etc/passwd")
     owned(ws)
-    dl, fs, walker = download(ws, "/workspace", max_entries=10)
-    try:
+    with download(ws, "/workspace", max_entries=10) as (dl, fs, walker):
         with pytest.raises(ResourceExhausted, match="more than 10 entries left out"):
             dl.plan()
-    finally:
-        walker.close()
-        fs.close()
 
 
 def test_a_file_grown_since_it_was_listed_is_not_sent_past_the_cap(ws):
     (ws / "d").mkdir()
     (ws / "d" / "f.bin").write_bytes(b"x" * 100)
     owned(ws)
-    dl, fs, walker = download(ws, "/workspace/d", max_bytes=150)
-    try:
+    with download(ws, "/workspace/d", max_bytes=150) as (dl, fs, walker):
         found = dl.plan()
         with open(ws / "d" / "f.bin", "ab") as grow:
             grow.write(b"y" * 1000)
         with pytest.raises(Aborted, match="changed since it was listed .100 bytes, now 1100"):
             list(dl.send(found))
-    finally:
-        walker.close()
-        fs.close()
     assert dl.total == 0
 
 
@@ -130,12 +125,8 @@ def test_a_deep_tree_is_walked_once_not_from_the_root_for_each_directory(ws):
         (parent / "f.txt").write_text("f")
     owned(ws)
     fs = CountingUser(UID, GID)
-    dl, fs, walker = download(ws, "/workspace", fs=fs)
-    try:
+    with download(ws, "/workspace", fs=fs) as (dl, fs, walker):
         entries = [value for kind, value in sent(dl) if kind == "entry"]
-    finally:
-        walker.close()
-        fs.close()
     assert len(entries) == 2 * depth + 1
     # Each directory opened and listed once, each file opened once (a walk from the
     # root for each would be depth**2 / 2 = 45000).
@@ -152,12 +143,8 @@ def test_a_path_longer_than_the_kernels_is_left_out_and_said(ws):
         os.close(os.open(name, os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
     finally:
         os.close(fd)
-    dl, fs, walker = download(ws, "/workspace")  # root's, and readable to all
-    try:
+    with download(ws, "/workspace") as (dl, fs, walker):  # root's, and readable to all
         entries = [value["path"] for kind, value in sent(dl) if kind == "entry"]
-    finally:
-        walker.close()
-        fs.close()
     assert len(entries) == len(parts) - 1  # the directories; the file's path is too long
     assert dl.skipped.lines()[0].endswith(f"a path longer than {MAX_PATH_BYTES} bytes")
 
@@ -168,15 +155,11 @@ def test_the_daemon_out_of_descriptors_fails_a_download_never_leaves_files_out(w
     (ws / "d" / "f").write_text("x")
     owned(ws)
     fs = CountingUser(UID, GID)
-    dl, fs, walker = download(ws, "/workspace", fs=fs)
-    try:
+    with download(ws, "/workspace", fs=fs) as (dl, fs, walker):
         walker.root(where_of(ws).binds[0], "path")
         fs.fail_open = code
         with pytest.raises(BackendUnavailable, match="out of descriptors"):
             dl.plan()
-    finally:
-        walker.close()
-        fs.close()
 
 
 # ------------------------------------------------------------------ uploads
@@ -284,13 +267,9 @@ def test_the_paths_one_transfer_names_are_bounded_in_all(ws):
             os.close(os.open(f"{i:05}" + "f" * 60, os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
     finally:
         os.close(fd)
-    dl, fs, walker = download(ws, "/workspace")  # root's, and readable to all
-    try:
+    with download(ws, "/workspace") as (dl, fs, walker):  # root's, and readable to all
         with pytest.raises(ResourceExhausted, match="the most one transfer's record names"):
             dl.plan()
-    finally:
-        walker.close()
-        fs.close()
     names = _Names()
     with pytest.raises(ResourceExhausted, match="the most one transfer's record names"):
         for i in range(MAX_TRANSFER_PATH_BYTES // 3700 + 10):
