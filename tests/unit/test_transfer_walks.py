@@ -315,3 +315,29 @@ def test_root_is_never_the_uid_a_root_owned_workspace_runs_as():
     for field in ("root_workspace_uid", "root_workspace_gid"):
         with pytest.raises(ValidationError, match=field):
             DaemonSettings(**{field: 0})
+
+
+def test_a_parent_moved_while_its_child_directory_was_put_back_is_found_too(ws):
+    """Only the deepest directories are walked again at commit: each level on the way
+    is compared, so a moved parent shows even when the sandbox put the child back."""
+    (ws / "a" / "b").mkdir(parents=True)
+    owned(ws)
+    w = where_of(ws)
+    fs = AsUser(UID, GID)
+    walker = Walker(fs, w, write=True)
+    staging = UploadStaging(fs, w, walker, "xfer_t")
+    try:
+        for path in ("/workspace/a/x", "/workspace/a/b/y"):
+            staging.begin_file(place(w, path, write=True, field="f"), 1, "", 0, "f")
+            staging.write(b"x")
+            staging.end_file()
+        (ws / "a").rename(ws / "c")  # the sandbox: a moved away, a new a, the old b put back in it
+        (ws / "a").mkdir()
+        (ws / "c" / "b").rename(ws / "a" / "b")
+        with pytest.raises(FailedPrecondition, match="/workspace/a/b was moved since the upload began"):
+            staging.commit()
+        staging.rollback()
+    finally:
+        walker.close()
+        fs.close()
+    assert not [p for p in ws.rglob("*") if p.is_file()]

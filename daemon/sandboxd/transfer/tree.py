@@ -156,17 +156,21 @@ class Walker:
         return held[-1][1] if held else root
 
     def still_there(self, placed: Placed, names: tuple[str, ...], field: str) -> None:
-        """FAILED_PRECONDITION unless the directory `names` held now is the one a walk
-        from the root finds at its path today (the sandbox may have moved it since)."""
-        held = self.dir(placed, names, field)
+        """FAILED_PRECONDITION unless each directory on the path `names` that the walker
+        holds is the one a walk from the root finds there today (the sandbox may have
+        moved one since)."""
+        self.dir(placed, names, field)
+        held = [fd for _, fd in self._held[placed.bind.host_path]]
         fresh = os.dup(self.root(placed.bind, field))
+        moved = False
         try:
-            for name in names:
+            for name, kept in zip(names, held):
                 nxt = self._fs.run(os.open, name, _DIR, dir_fd=fresh)
                 os.close(fresh)
                 fresh = nxt
-            moved = (os.fstat(fresh).st_dev, os.fstat(fresh).st_ino) != (os.fstat(held).st_dev,
-                                                                          os.fstat(held).st_ino)
+                if _inode(fresh) != _inode(kept):
+                    moved = True
+                    break
         except OSError:
             moved = True
         finally:
@@ -183,6 +187,11 @@ class Walker:
         for fd in self._roots.values():
             os.close(fd)
         self._roots.clear()
+
+
+def _inode(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _open_dir(parent: int, name: str, create_mode: int | None) -> tuple[int, bool]:

@@ -139,8 +139,8 @@ class UploadStaging:
         sandbox changed meanwhile refuses the upload whole; only a change made during
         the renames themselves stops one halfway, and `landed` then says how far."""
         for placed in _deepest_dirs([s.placed for s in self._staged]):
-            # Each directory still where the record will say its files landed (a walk
-            # from the root to the deepest ones passes every other).
+            # Each directory still where the record will say its files landed: checked
+            # level by level on the way to the deepest ones, it passes every other.
             self._walker.still_there(placed, placed.parts[:-1], "path")
         for staged in self._staged:
             self._refuse_existing(self._parent(staged.placed, "path", create=False), staged.placed, "path")
@@ -165,7 +165,9 @@ class UploadStaging:
             os.close(self._open.fd)
             self._staged.append(_Staged(self._open.placed, self._open.tmp_name, {}))
             self._open = None
-        for staged in self._staged:
+        # Last first: the walker still holds the last directories it reached (at commit,
+        # the deepest), so a file whose directory the sandbox moved is still found.
+        for staged in reversed(self._staged):
             self._remove(staged.placed, staged.tmp_name, rmdir=False)
         for placed in reversed(self._created):
             self._remove(placed, placed.parts[-1], rmdir=True)
