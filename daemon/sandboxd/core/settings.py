@@ -157,6 +157,9 @@ class EgressSettings(BaseModel):
     system_dns: bool = True
     # Networks reachable even with denyPrivateNetworks (an internal package mirror).
     exempt_networks: tuple[str, ...] = ()
+    # Principals whose calls may set denyPrivateNetworks to false (reach private and
+    # link-local addresses through the proxy). Nobody's, unless listed: "*" is everyone.
+    private_networks_principals: tuple[str, ...] = ()
     connect_timeout_s: float = 10.0
     max_connections_per_sandbox: int = 256
     # NetworkAccessObserved events kept per call; past it they are counted, not kept.
@@ -285,6 +288,10 @@ class QuotaSettings(BaseModel):
     artifact_mb: int = Field(default=0, ge=0)
     # principal -> its own artifact_mb.
     artifact_mb_per_principal: dict[str, int] = Field(default_factory=dict)
+    # Files and directories one principal's transfer records may name in all (an upload of
+    # many empty files costs the ledger ~2 KB each); past it its transfers are refused until
+    # retention removes old records. 0: no limit.
+    transfer_entries: int = Field(default=1_000_000, ge=0)
 
     def concurrent_calls_for(self, principal: str) -> int:
         return self.per_principal.get(principal, self.concurrent_calls)
