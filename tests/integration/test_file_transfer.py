@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -287,3 +288,46 @@ def test_an_upload_cut_off_before_its_end_lands_nothing(daemon, spare_daemon):
     # (The client's error comes as the daemon notices; its rollback follows at once.)
     for w in (ws, ws2, ws3):
         assert wait_for(lambda: leftovers(w) == [], timeout_s=5), leftovers(w)
+
+
+def _fill_as(uid: int, directory: Path) -> None:
+    """Writes as `uid` (a child of its own) until the filesystem refuses it more room."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            with open(directory / "filler", "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                        os.fsync(f.fileno())
+                except OSError:
+                    pass
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_an_upload_takes_only_the_room_the_sandbox_user_has(daemon, tmp_path):
+    """ext4 keeps blocks for root (uid and group 0, CAP_SYS_RESOURCE): a sandbox's write
+    gets ENOSPC once only they are left, and so must an upload's bytes."""
+    image = tmp_path / "small.ext4"
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "50", str(image), "16M"], check=True)
+    ws = daemon.new_workspace()
+    subprocess.run(["mount", "-o", "loop", str(image), str(ws)], check=True)
+    try:
+        os.chown(ws, 1000, 1000)
+        os.chmod(ws, 0o750)
+        _fill_as(1000, ws)
+        src = tmp_path / "two-mib"
+        src.write_bytes(os.urandom(2 * 2**20))  # 50% reserved: far more than 2 MiB of root's room is left
+        with pytest.raises(errors.ResourceExhausted, match="no room left") as refused:
+            daemon.client().upload(target(ws, policy=WRITE_ALL), "/workspace/two-mib", src)
+        assert record(daemon.client(), refused.value.tool_call_id)["status"] == "refused"
+        assert sorted(os.listdir(ws)) == ["filler", "lost+found"]  # nothing half-written left
+    finally:
+        subprocess.run(["umount", "-l", str(ws)], check=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sandboxd.api.transfer import _parts
-from sandboxd.core.as_user import AsUser
+from sandboxd.core.as_user import AsUser, thread_capabilities
 from sandboxd.core.errors import Aborted, FailedPrecondition, InvalidArgument, PermissionDenied
 from sandboxd.ledger import audit
 from sandboxd.ledger import events as ev
@@ -25,6 +25,7 @@ from sandboxd.transfer.rules import Where, entry_parts, place, temp_bind
 from sandboxd.transfer.tree import Walker
 from sandboxd.transfer.upload import UploadStaging, entry_mode
 from sandboxd_contract.pb import sandboxd_pb2 as pb
+from sandboxd_testing.harness import wait_for
 
 UID = GID = 4321
 
@@ -108,6 +109,7 @@ def test_the_thread_acts_as_the_sandbox_user_and_no_other_thread_does(public_dir
     group_readable.chmod(0o640)  # root's group: the thread has no supplementary group
     groups = os.getgroups()
     os.setgroups([0])  # the daemon in root's group: the thread must drop it
+    tasks = set(os.listdir("/proc/self/task"))
     try:
         with AsUser(UID, GID) as fs:
             assert fs.run(os.getgroups) == [] and os.getgroups() == [0]
@@ -117,6 +119,9 @@ def test_the_thread_acts_as_the_sandbox_user_and_no_other_thread_does(public_dir
     else:
         raise AssertionError("read a file of root's group")
     finally:
+        # glibc's setgroups acts on every thread and aborts the process if one of them,
+        # holding no capability, refuses: wait until the joined thread has left the kernel.
+        wait_for(lambda: set(os.listdir("/proc/self/task")) <= tasks)
         os.setgroups(groups)
     with AsUser(UID, GID) as fs:
         assert fs.run((tmp_path / "open").read_text) == "anyone\n"
@@ -130,6 +135,16 @@ def test_the_thread_acts_as_the_sandbox_user_and_no_other_thread_does(public_dir
         fs.run((tmp_path / "mine").write_text, "x")
     st = (tmp_path / "mine").stat()
     assert (st.st_uid, st.st_gid) == (UID, GID)
+
+
+def test_the_thread_holds_no_capability_and_no_other_thread_loses_one():
+    held = thread_capabilities()
+    assert held[0]  # the test runs as root
+    with AsUser(UID, GID) as fs:
+        # CAP_SYS_RESOURCE above all: with it the thread's writes pass quotas and fill
+        # the blocks ext4 reserves for root.
+        assert fs.run(thread_capabilities) == (0, 0)
+    assert thread_capabilities() == held
 
 
 # ------------------------------------------------------------------ staging

@@ -1,11 +1,13 @@
-"""An upload lands whole or not at all: each file is written, as the sandbox's user, to
-a temporary name in its directory, its size and sha256 checked and synced; only when
-every entry arrived complete are they renamed into place. Anything short (a cap, a
+"""An upload lands whole or not at all: each file is written, as the sandbox's user (its
+bytes too, on a thread with no capability), to a temporary name in its directory, its
+size and sha256 checked and synced; only when every entry arrived complete are they
+renamed into place. Anything short (a cap, a
 size or hash that does not match, the client gone) removes the temporary files and the
 directories the upload made."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -13,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandboxd.core.as_user import AsUser
-from sandboxd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from sandboxd.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    SandboxdError,
+)
 from sandboxd.transfer.rules import Placed, Where
 from sandboxd.transfer.tree import Walker, denied
 
@@ -108,7 +116,12 @@ class UploadStaging:
         if current.written + len(data) > current.size:
             raise InvalidArgument(f"{current.placed.path}: more bytes than its declared {current.size}",
                                   field=current.field)
-        _write_all(current.fd, data)
+        # On the sandbox user's thread, which holds no capability: the bytes take only the
+        # room that user could (its quota, never the blocks reserved for root).
+        try:
+            self._fs.run(_write_all, current.fd, data)
+        except OSError as exc:
+            raise _write_failed(current.placed.path, exc, current.field) from None
         current.digest.update(data)
         current.written += len(data)
 
@@ -125,8 +138,10 @@ class UploadStaging:
             if current.sha256 and current.sha256 != got:
                 raise InvalidArgument(f"{current.placed.path}: its bytes hash to {got}, not the declared "
                                       f"{current.sha256}", field=current.field)
-            os.fchmod(current.fd, current.mode)
-            os.fsync(current.fd)
+            try:
+                self._fs.run(_settle, current.fd, current.mode)
+            except OSError as exc:
+                raise _write_failed(current.placed.path, exc, current.field) from None
         finally:
             os.close(current.fd)
             self._staged.append(_Staged(current.placed, current.tmp_name, {
@@ -190,6 +205,18 @@ def _deepest_dirs(files: list[Placed]) -> list[Placed]:
     by_dir = {(p.bind.host_path, p.parts[:-1]): p for p in files}
     above = {(root, parts[:i]) for root, parts in by_dir for i in range(len(parts))}
     return [p for key, p in by_dir.items() if key not in above]
+
+
+def _write_failed(path: str, exc: OSError, field: str) -> SandboxdError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(f"{path}: no room left that the sandbox's user may fill ({exc.strerror})",
+                                 field=field)
+    return denied(path, exc, field)
+
+
+def _settle(fd: int, mode: int) -> None:
+    os.fchmod(fd, mode)
+    os.fsync(fd)  # delayed allocation takes its blocks here: as the user too
 
 
 def _write_all(fd: int, data: bytes) -> None:
