@@ -18,7 +18,8 @@ _LABEL_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 # What the Public Suffix List (publicsuffixlist, loaded lazily by _public_suffixes) does
 # not name. Kept under its old name: suffixes under which anyone gets a name one label
 # down, refused like a public suffix (as a wildcard and as an exact name).
-SHARED_SUFFIXES = frozenset({"glitch.me"})
+# firebaseio.com: each Realtime Database is <name>.firebaseio.com.
+SHARED_SUFFIXES = frozenset({"glitch.me", "firebaseio.com"})
 # Link-local metadata endpoints and the prefixes that embed or tunnel to IPv4 addresses
 # (refused whole: a translator or relay picks the real destination).
 _ALWAYS_FORBIDDEN: tuple[tuple[IPNetwork, str], ...] = (
@@ -52,19 +53,102 @@ SHARED_PARENTS = frozenset({
 })
 
 
+@dataclass(frozen=True)
+class PublicSuffix:
+    """A public suffix and where it is listed: "ICANN" or "private" (the two sections of
+    the Public Suffix List), "sandboxd" (SHARED_SUFFIXES), "" if the list does not say."""
+
+    name: str
+    section: str
+
+    def listed(self) -> str:
+        """Where it is listed, as a reason says it."""
+        return {"sandboxd": "sandboxd's own list of shared suffixes", "": "Public Suffix List"}.get(
+            self.section, f"Public Suffix List, {self.section} section")
+
+    def describe(self) -> str:
+        return f"'{self.name}' is a public suffix ({self.listed()})"
+
+
+@dataclass(frozen=True)
+class _SuffixList:
+    matcher: Any  # publicsuffixlist.PublicSuffixList over the same text
+    exact: dict[str, str]  # a rule's name -> its section
+    wildcard: dict[str, str]  # the base of each `*.base` rule -> its section
+    # Each name a public suffix lies strictly below -> the first such suffix (the list's order).
+    below: dict[str, PublicSuffix]
+
+
+def _ascii(rule: str) -> str:
+    return rule if rule.isascii() else ".".join(label.encode("idna").decode("ascii") for label in rule.split("."))
+
+
 @functools.lru_cache(maxsize=1)
-def _public_suffixes() -> Any:
-    """The bundled Public Suffix List, parsed once on first use (~30 ms), never at
-    import. Only names the list itself holds are public (accept_unknown=False): a
-    single-label host of the operator's table is not one."""
-    from publicsuffixlist import PublicSuffixList
-    return PublicSuffixList(accept_unknown=False)
+def _public_suffixes() -> _SuffixList:
+    """The Public Suffix List bundled with publicsuffixlist (a pinned copy: nothing is
+    fetched), parsed once on first use (~50 ms), never at import. Both sections count:
+    the private one is where platforms list the names their customers get. Only names
+    the list holds are public (accept_unknown=False): a single-label host of the
+    operator's table is not one. A list without both sections is refused outright, never
+    read as one with fewer suffixes."""
+    from publicsuffixlist import PSLFILE, PublicSuffixList
+    with open(PSLFILE, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    exact: dict[str, str] = {}
+    wildcard: dict[str, str] = {}
+    below: dict[str, PublicSuffix] = {}
+    section = ""
+    for line in lines:
+        line = line.strip()
+        if line in ("// ===BEGIN ICANN DOMAINS===", "// ===BEGIN PRIVATE DOMAINS==="):
+            section = "ICANN" if "ICANN" in line else "private"
+            continue
+        if line.startswith("// ===END "):
+            section = ""
+            continue
+        if not line or line.startswith("//") or line.startswith("!"):
+            continue  # an exception rule (!www.ck) makes a name not public
+        if not section:
+            raise RuntimeError(f"the bundled Public Suffix List has a rule outside its sections: {line[:80]!r}")
+        rule = _ascii(line.split()[0].lower())
+        base = rule[2:] if rule.startswith("*.") else rule
+        (wildcard if rule.startswith("*.") else exact).setdefault(base, section)
+        # `*.base` makes base public too (the list's linter requires it), so base is the
+        # shallowest public name of either kind of rule.
+        labels = base.split(".")
+        for i in range(1, len(labels) - 1):
+            below.setdefault(".".join(labels[i:]), PublicSuffix(base, section))
+    sections = set(exact.values()) | set(wildcard.values())
+    if sections != {"ICANN", "private"}:
+        raise RuntimeError(f"the bundled Public Suffix List lacks a section (found: {sorted(sections)})")
+    return _SuffixList(PublicSuffixList(lines, accept_unknown=False), exact, wildcard, below)
+
+
+def public_suffix(name: str) -> PublicSuffix | None:
+    """`name` (normalized) as a public suffix, if anyone can register names directly
+    under it: a suffix of the Public Suffix List (ICANN or private section) or of
+    SHARED_SUFFIXES; else None."""
+    if name in SHARED_SUFFIXES:
+        return PublicSuffix(name, "sandboxd")
+    psl = _public_suffixes()
+    if not psl.matcher.is_public(name):
+        return None
+    parent = name.partition(".")[2]
+    return PublicSuffix(name, psl.exact.get(name) or psl.wildcard.get(name) or psl.wildcard.get(parent) or "")
 
 
 def is_public_suffix(name: str) -> bool:
-    """Whether anyone can register names directly under `name` (normalized): a suffix of
-    the Public Suffix List (ICANN or private section) or of SHARED_SUFFIXES."""
-    return name in SHARED_SUFFIXES or bool(_public_suffixes().is_public(name))
+    return public_suffix(name) is not None
+
+
+def public_suffix_below(name: str) -> PublicSuffix | None:
+    """A public suffix lying strictly below `name` (normalized), if any: a wildcard on
+    `name` would admit names registered under it (`*.railway.app` admits anyone's
+    `x.up.railway.app`)."""
+    for shared in sorted(SHARED_SUFFIXES):
+        if shared.endswith("." + name):
+            return PublicSuffix(shared, "sandboxd")
+    return _public_suffixes().below.get(name)
 
 
 def parse_ip(host: str) -> IPAddress | None:
@@ -102,8 +186,9 @@ def is_hostname(name: str) -> bool:
 def normalize_pattern(pattern: str) -> str:
     """An allowDomains entry in its canonical form, or ValueError saying why not:
     an exact host name that is not a public suffix, `*.suffix` with a suffix of at
-    least two labels that is neither a public suffix nor on or below a SHARED_PARENT,
-    or an exact IP literal."""
+    least two labels that is not a public suffix, has none below it, and is not on or
+    below a SHARED_PARENT, or an exact IP literal. The reason names the suffix and the
+    list (and section) that holds it."""
     p = pattern.strip()
     if not p:
         raise ValueError("empty pattern")
@@ -125,19 +210,24 @@ def normalize_pattern(pattern: str) -> str:
             raise ValueError(f"{suffix!r} is not a valid host name")
         if "." not in suffix:
             raise ValueError(f"'*.{suffix}' would admit a whole top-level domain")
-        if is_public_suffix(suffix):
-            raise ValueError(f"'{suffix}' is a public suffix (Public Suffix List): '*.{suffix}' would admit "
-                             "anyone's names")
+        public = public_suffix(suffix)
+        if public is not None:
+            raise ValueError(f"{public.describe()}: '*.{suffix}' would admit anyone's names")
         for parent in SHARED_PARENTS:
             if suffix == parent or suffix.endswith("." + parent):
                 raise ValueError(f"names below '{parent}' belong to anyone: list exact names, not '*.{suffix}'")
+        public = public_suffix_below(suffix)
+        if public is not None:
+            raise ValueError(f"'*.{suffix}' would admit anyone's names under '{public.name}', a public suffix "
+                             f"({public.listed()}): list exact names, or a wildcard on one owner's name")
         return p
     if "*" in p:
         raise ValueError("a wildcard is only allowed as a leading '*.'")
     if not is_hostname(p):
         raise ValueError(f"{p!r} is not a valid host name")
-    if "." in p and is_public_suffix(p):
-        raise ValueError(f"'{p}' is a public suffix (Public Suffix List), not one owner's host: name a host below it")
+    public = public_suffix(p) if "." in p else None
+    if public is not None:
+        raise ValueError(f"{public.describe()}, not one owner's host: name a host below it")
     return p
 
 
