@@ -734,18 +734,20 @@ class TransferTarget(_message.Message):
     def __init__(self, workspace: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class TransferEntry(_message.Message):
-    __slots__ = ("path", "kind", "mode", "size_bytes", "sha256")
+    __slots__ = ("path", "kind", "mode", "size_bytes", "sha256", "redacted")
     PATH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    REDACTED_FIELD_NUMBER: _ClassVar[int]
     path: str
     kind: str
     mode: int
     size_bytes: int
     sha256: str
-    def __init__(self, path: _Optional[str] = ..., kind: _Optional[str] = ..., mode: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    redacted: bool
+    def __init__(self, path: _Optional[str] = ..., kind: _Optional[str] = ..., mode: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., redacted: _Optional[bool] = ...) -> None: ...
 
 class UploadRequest(_message.Message):
     __slots__ = ("target", "path", "entry", "data", "commit")

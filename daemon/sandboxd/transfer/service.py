@@ -19,6 +19,7 @@ from sandboxd.ledger import call_rows
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.event_types import FilesTransferred, draft
 from sandboxd.policy.principal import Principal
+from sandboxd.secrets.redact import Redactor
 from sandboxd.transfer.download import Download, Part
 from sandboxd.transfer.rules import MAX_TRANSFER_PATH_BYTES, Where, entry_parts, join, place, sandbox_path
 from sandboxd.transfer.tree import Walker, too_long, too_many
@@ -49,6 +50,8 @@ class _Record:
     lease_id: str = ""
     entries: list[dict[str, Any]] = field(default_factory=list)
     total: int = 0
+    # What a leased sandbox was ever given: a download from it is redacted of them.
+    secrets: dict[str, bytes] = field(default_factory=dict)
 
 
 class FileTransfers:
@@ -89,6 +92,7 @@ class FileTransfers:
             try:
                 built = ws.prepared
                 rec.workspace = built.plan.workspace
+                rec.secrets = dict(ws.secrets_seen)
                 yield replace(_where_of(built.plan, built.policy, lease_id), temp_pid=ws.init_pid(),
                               init_pid_now=ws.init_pid)
             finally:
@@ -196,14 +200,17 @@ class FileTransfers:
                 walker = Walker(fs, where, write=False)
                 stack.callback(walker.close)
                 caps = self._settings
-                download = Download(fs, where, walker, placed, caps.max_download_mb * 2**20, caps.max_entries)
+                download = Download(fs, where, walker, placed, caps.max_download_mb * 2**20, caps.max_entries,
+                                    rec.secrets, self._executor.settings.state_dir)
                 found = download.plan()
                 try:
                     yield from download.send(found)
                 finally:
                     rec.entries, rec.total = download.records, download.total
-                skipped = download.skipped.lines()
+                skipped = [download.redact_text(line) for line in download.skipped.lines()]
         except BaseException as exc:
+            if rec.secrets and isinstance(exc, SandboxdError):  # its reason may name what the sandbox made
+                _redact_reason(exc, rec.secrets)
             self._record(transfer_id, rec, exc)
             raise
         self._record(transfer_id, rec, None)
@@ -241,6 +248,11 @@ class _Names:
         self._above.update(ancestors)
         if kind == "file":
             self._files.add(path)
+
+
+def _redact_reason(exc: SandboxdError, secrets: dict[str, bytes]) -> None:
+    exc.reason = Redactor(secrets).redact_text(exc.reason)
+    exc.args = (exc.message,)
 
 
 def _where_of(plan: Any, policy: Any, lease_id: str) -> Where:
