@@ -7,9 +7,13 @@ import io
 import os
 from contextlib import contextmanager
 
+import grpc
 import pytest
 
 from sandboxd_client import SandboxdClient, errors
+from sandboxd_client.client import run_request
+from sandboxd_contract.pb import sandboxd_pb2 as pb
+from sandboxd_contract.pb import sandboxd_pb2_grpc as pb_grpc
 from sandboxd_client.transfer import target
 
 from .conftest import call
@@ -142,3 +146,76 @@ def test_file_transfer_is_each_tenants_own(tenants, tmp_path):
         assert alice.get_trace(mine.transfer_id)[0].type == "FilesTransferred"
         alice.release_sandbox(lease.lease_id)
 
+
+
+def _answer(attempt) -> tuple[str, str]:
+    """An RPC's refusal, as a caller sees it: its status and its text."""
+    try:
+        result = attempt()
+        if hasattr(result, "__next__"):
+            list(result)
+    except grpc.RpcError as err:
+        return err.code().name, err.details()
+    return "OK", ""
+
+
+def test_another_tenants_ids_are_answered_as_missing_ones_are(tenants, tmp_path):
+    """For every RPC that takes a call, transfer, artifact or lease id, Bob gets the same
+    status and text for one of Alice's as for an id that never existed (the id itself
+    aside): no answer tells him hers exist."""
+    d = tenants
+    alice_ws = d.new_workspace({"notes.txt": "alice's\n"}, uid=ALICE)
+    bob_ws = d.new_workspace(uid=BOB)
+    src = tmp_path / "up.txt"
+    src.write_text("x\n")
+    with client_as(d, ALICE) as alice, client_as(d, BOB) as bob:
+        mine = alice.run(call(alice_ws, ["cat", "/workspace/notes.txt"]))
+        lease = alice.acquire_sandbox(str(alice_ws), {"filesystem": {"writeRoots": ["/workspace"]}})
+        moved = alice.upload(target(lease_id=lease.lease_id), "/workspace/a.txt", src)
+        ids = {"call": mine.tool_call_id, "transfer": moved.transfer_id,
+               "artifact": mine.result.artifacts[0].artifact_id, "lease": lease.lease_id}
+        missing = {"call": "tc-" + "0" * 24, "transfer": "xfer-" + "0" * 24,
+                   "artifact": "art-" + "0" * 24, "lease": "lease-" + "0" * 24}
+        channel = grpc.insecure_channel(f"unix://{d.socket}")
+        exec_stub, trace_stub = pb_grpc.ExecutionServiceStub(channel), pb_grpc.TraceServiceStub(channel)
+        art_stub, pool_stub = pb_grpc.ArtifactServiceStub(channel), pb_grpc.PoolServiceStub(channel)
+        file_stub = pb_grpc.FileServiceStub(channel)
+
+        def probes(which: dict[str, str]) -> dict[str, tuple[str, str]]:
+            rpcs = {
+                "Cancel": lambda: exec_stub.Cancel(pb.CancelRequest(tool_call_id=which["call"])),
+                "StreamOutput": lambda: exec_stub.StreamOutput(pb.StreamOutputRequest(tool_call_id=which["call"])),
+                "GetTrace(call)": lambda: trace_stub.GetTrace(pb.GetTraceRequest(tool_call_id=which["call"])),
+                "GetTrace(transfer)": lambda: trace_stub.GetTrace(pb.GetTraceRequest(
+                    tool_call_id=which["transfer"])),
+                "ExportEvents": lambda: trace_stub.ExportEvents(pb.ExportEventsRequest(tool_call_id=which["call"])),
+                "ListArtifacts": lambda: art_stub.ListArtifacts(pb.ListArtifactsRequest(tool_call_id=which["call"])),
+                "DownloadArtifact": lambda: art_stub.DownloadArtifact(pb.DownloadArtifactRequest(
+                    artifact_id=which["artifact"])),
+                "ReleaseSandbox": lambda: pool_stub.ReleaseSandbox(pb.ReleaseSandboxRequest(
+                    lease_id=which["lease"])),
+                "Download(lease)": lambda: file_stub.Download(pb.DownloadRequest(
+                    target=pb.TransferTarget(lease_id=which["lease"]), path="/workspace/notes.txt")),
+                "Run(leased)": lambda: exec_stub.Run(run_request(call(
+                    bob_ws, ["true"], runtime={"leaseId": which["lease"]}))),
+            }
+            answers = {}
+            os.seteuid(BOB)  # the stub's connection is made as Bob on its first call
+            try:
+                for name, rpc in rpcs.items():
+                    code, text = _answer(rpc)
+                    for kind, value in which.items():
+                        text = text.replace(value, f"<{kind}>")
+                    answers[name] = (code, text)
+            finally:
+                os.seteuid(0)
+            return answers
+
+        try:
+            theirs, none = probes(ids), probes(missing)
+            for name in theirs:
+                assert theirs[name] == none[name], name
+                assert theirs[name][0] == "NOT_FOUND", (name, theirs[name])
+        finally:
+            channel.close()
+            alice.release_sandbox(lease.lease_id)
