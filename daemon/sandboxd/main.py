@@ -43,7 +43,7 @@ from sandboxd.outputs import tempdir
 from sandboxd.core.sdnotify import SystemdNotifier
 from sandboxd.core.settings import DaemonSettings
 from sandboxd.egress.proxy import EgressProxy
-from sandboxd.ledger import artifact_usage, audit
+from sandboxd.ledger import artifact_usage, audit, transfer_usage
 from sandboxd.ledger.artifacts import FileArtifactStore, open_blob_store
 from sandboxd.ledger.events import CheckpointFile, EventLog
 from sandboxd.ledger.retention import RetentionSweeper
@@ -196,6 +196,7 @@ def _open_ledger(settings: DaemonSettings, cleanup: ExitStack) -> _Ledger:
     audit_index.start()
     cleanup.callback(audit_index.stop)
     artifact_usage.count_existing(db)
+    transfer_usage.count_existing(db)
     blobs = open_blob_store(settings.artifacts, settings.blob_dir)  # S3: its uploader starts here
     cleanup.callback(blobs.close)
     return _Ledger(db, audit_index, events, checkpoints, FileArtifactStore(settings.blob_dir, db, blobs))

@@ -331,3 +331,25 @@ def test_an_upload_takes_only_the_room_the_sandbox_user_has(daemon, tmp_path):
         assert sorted(os.listdir(ws)) == ["filler", "lost+found"]  # nothing half-written left
     finally:
         subprocess.run(["umount", "-l", str(ws)], check=False)
+
+
+def test_transfer_records_are_bounded_per_principal_and_retention_frees_them(spare_daemon, tmp_path):
+    period_s = 2.0
+    d = spare_daemon(quotas={"transfer_entries": 3},
+                     retention={"period_days": period_s / 86400, "sweep_interval_s": 0.2}).start()
+    ws = d.new_workspace({"a.txt": "a\n"})
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("1", "2", "3"):
+        (src / name).write_text(name)
+    c = d.client()
+    first = c.upload(target(ws, policy=WRITE_ALL), "/workspace/in", src)  # its record names 3 entries
+    assert len(first.entries) == 3
+    with pytest.raises(errors.ResourceExhausted, match="quotas.transfer_entries") as refused:
+        c.download(target(ws), "/workspace/a.txt", tmp_path / "a")
+    assert record(c, refused.value.tool_call_id)["status"] == "refused"
+    assert not (tmp_path / "a").exists()
+    # Once retention has expired the first record, there is room again.
+    wait_for(lambda: any(e.type == "ToolCallExpired" for e in c.get_trace(first.transfer_id)), timeout_s=30)
+    c.download(target(ws), "/workspace/a.txt", tmp_path / "a")
+    assert (tmp_path / "a").read_text() == "a\n"

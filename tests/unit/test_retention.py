@@ -12,9 +12,10 @@ from datetime import timedelta
 import pytest
 from pydantic import ValidationError
 
-from sandboxd.ledger import audit
+from sandboxd.ledger import audit, call_rows, transfer_usage
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import ArtifactRecord, FileArtifactStore
+from sandboxd.ledger.event_types import FilesTransferred, draft
 from sandboxd.ledger.events import EventLog
 from sandboxd.ledger.retention import RetentionSweeper, cutoff, expire_calls
 from sandboxd.core.settings import DaemonSettings, RetentionSettings
@@ -341,3 +342,38 @@ def test_what_a_principals_artifacts_hold_is_counted_as_they_are_stored_and_expi
         conn.execute("DELETE FROM artifact_usage")
     artifact_usage.count_existing(db)
     assert [artifact_usage.stored_bytes(db, p) for p in ("alice", "bob")] == [7, 5]
+
+
+def record_transfer(db, log, principal: str, entries: int) -> str:
+    """A transfer's record as FileTransfers writes it: its owner, its event, its count."""
+    transfer_id = ev.new_id("xfer")
+    listed = [{"path": f"/workspace/f{i}", "kind": "file"} for i in range(entries)]
+    event = FilesTransferred(principal, "upload", "/ws", "", "/workspace", "ok", listed, 0, "", "", "")
+    with db.transaction() as conn:
+        call_rows.insert_owner(conn, transfer_id, principal)
+        log.append(conn, transfer_id, "", [draft(event)])
+        transfer_usage.add(conn, transfer_id, principal, entries)
+    return transfer_id
+
+
+def test_transfer_records_are_counted_per_principal_until_they_expire(db, log, store, clock, index):
+    record_transfer(db, log, "alice", 3)
+    clock.set(clock.t + DAY * 31)
+    record_transfer(db, log, "alice", 2)
+    record_transfer(db, log, "bob", 7)
+    assert (transfer_usage.recorded_entries(db, "alice"), transfer_usage.recorded_entries(db, "bob")) == (5, 7)
+    sweeper(db, log, store, clock, index).sweep()  # the first is past 30 days, the others are not
+    assert transfer_usage.recorded_entries(db, "alice") == 2
+
+
+def test_an_older_store_has_its_unexpired_transfer_records_counted_once(db, log, store, clock, index):
+    record_transfer(db, log, "alice", 3)
+    clock.set(clock.t + DAY * 31)
+    record_transfer(db, log, "alice", 4)
+    sweeper(db, log, store, clock, index).sweep()
+    with db.transaction() as conn:
+        conn.execute("DELETE FROM transfer_usage")  # as an older daemon left it: never counted
+    transfer_usage.count_existing(db)
+    assert transfer_usage.recorded_entries(db, "alice") == 4
+    transfer_usage.count_existing(db)  # not twice
+    assert transfer_usage.recorded_entries(db, "alice") == 4

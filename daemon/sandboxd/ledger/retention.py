@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from sandboxd.ledger import artifact_usage
+from sandboxd.ledger import artifact_usage, transfer_usage
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import FileArtifactStore
 from sandboxd.ledger.audit import AuditIndex
@@ -71,6 +71,7 @@ def expire_calls(db: Database, events: EventLog, index: AuditIndex, before: str,
             conn.execute("DELETE FROM file_artifacts WHERE artifact_id IN"
                          " (SELECT artifact_id FROM artifacts WHERE tool_call_id = ?)", (tool_call_id,))
             artifact_usage.remove_call(conn, tool_call_id)
+            transfer_usage.remove_call(conn, tool_call_id)
             conn.execute("DELETE FROM artifacts WHERE tool_call_id = ?", (tool_call_id,))
             # Each blob stays pending here until it is gone: a crash after this commit
             # leaves it to the next sweep, never on disk for good.

@@ -68,6 +68,14 @@ CREATE TABLE IF NOT EXISTS artifact_usage (
     principal TEXT PRIMARY KEY,
     bytes INTEGER NOT NULL
 );
+-- The entries each transfer record names, by its principal (transfer_usage.py), for
+-- quotas.transfer_entries; a row leaves when retention expires the transfer.
+CREATE TABLE IF NOT EXISTS transfer_usage (
+    tool_call_id TEXT PRIMARY KEY,
+    principal TEXT NOT NULL,
+    entries INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS transfer_usage_by_principal ON transfer_usage (principal);
 -- Each approval grant runs one call.
 CREATE TABLE IF NOT EXISTS used_grants (
     grant_id TEXT PRIMARY KEY,

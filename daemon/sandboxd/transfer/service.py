@@ -15,7 +15,7 @@ from typing import Any
 from sandboxd.calls.executor import CallExecutor
 from sandboxd.core.as_user import AsUser
 from sandboxd.core.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted, SandboxdError
-from sandboxd.ledger import call_rows
+from sandboxd.ledger import call_rows, transfer_usage
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.event_types import FilesTransferred, draft
 from sandboxd.policy.principal import Principal
@@ -73,8 +73,18 @@ class FileTransfers:
         with db.transaction() as conn:
             call_rows.insert_owner(conn, transfer_id, rec.principal)
             self._executor.events.append(conn, transfer_id, "", [draft(event)])
+            transfer_usage.add(conn, transfer_id, rec.principal, len(rec.entries))
         if isinstance(exc, SandboxdError):
             exc.tool_call_id = transfer_id
+
+    def _within_quota(self, principal: str) -> None:
+        """Refused before anything is looked at once the principal's records name their
+        quota's worth of entries (one transfer may pass it by its own max_entries)."""
+        quota = self._executor.settings.quotas.transfer_entries
+        if quota and transfer_usage.recorded_entries(self._executor.db, principal) >= quota:
+            raise ResourceExhausted(f"the transfer records of {principal} already name {quota} files and directories "
+                                    "(quotas.transfer_entries): retention (retention.period_days) frees room as it "
+                                    "removes old ones")
 
     # -- the target ----------------------------------------------------------------------
     @contextmanager
@@ -117,6 +127,7 @@ class FileTransfers:
             if first is None or first.target is None:
                 raise InvalidArgument("the first message names the target and the path", field="target")
             rec.path = sandbox_path(first.path, "path")
+            self._within_quota(caller.name)
             with self._where(first.target, caller, transfer_id, rec, write=True) as where:
                 place(where, rec.path, write=True, field="path")  # refused before anything is received
                 rec.entries = self._receive(first, parts, where, transfer_id, rec)
@@ -193,6 +204,7 @@ class FileTransfers:
         rec = _Record(caller.name, "download")
         try:
             rec.path = sandbox_path(path, "path")
+            self._within_quota(caller.name)
             with ExitStack() as stack:
                 where = stack.enter_context(self._where(target, caller, transfer_id, rec, write=False))
                 placed = place(where, rec.path, write=False, field="path")
