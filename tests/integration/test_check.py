@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,3 +122,59 @@ def test_the_start_with_a_bad_config_refuses_and_makes_nothing(base, settings, r
     assert said in got.stderr
     assert not made_by_the_daemon(d), got.stderr
     assert not (Path.cwd() / "relative").exists()
+
+
+def test_check_and_the_start_with_a_fifo_as_the_seccomp_profile_refuse_at_once(base):
+    """A FIFO where a file was named: opened as a file, it blocked check (and the daemon's
+    start) until someone wrote to it; now it is refused, the FIFO never opened blocking."""
+    fifo = base / "profile.json"
+    os.mkfifo(fifo, 0o644)
+    d = make_daemon(base, env=DAEMON_ENV, seccomp_profile=str(fifo))
+    got = sandboxd(d, "check", "--config", str(d.config))
+    assert got.returncode == 1, got.stdout + got.stderr
+    lines = got.stdout.splitlines()
+    for probe in ("seccomp-profile", "nsjail-seccomp"):
+        line = next(line for line in lines if line.split()[1] == probe)
+        assert line.startswith(("fail ", "warn ")) and f"{fifo} is a FIFO, not a regular file" in line, line
+    assert not made_by_the_daemon(d)
+    start = sandboxd(d, "--config", str(d.config))  # no backend without its profile: the start is refused
+    assert start.returncode == 1 and f"seccomp profile {fifo} is a FIFO" in start.stderr, start.stderr
+
+
+S3_SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYzSECRET"
+S3_PASSWORD = "hunter2-endpoint-pw"
+
+
+def test_check_tells_a_broken_s3_credentials_file_by_line_number_only(base):
+    creds = base / "s3-credentials"
+    creds.write_text(f"[default]\naws_access_key_id = AKIA\n{S3_SECRET}\n")  # a line that is no key = value
+    creds.chmod(0o600)
+    d = make_daemon(base, env=DAEMON_ENV, artifacts={"store": "s3", "endpoint_url": "http://127.0.0.1:9",
+                                                     "credentials_file": str(creds)})
+    for args in (("check",), ("check", "--json")):
+        got = sandboxd(d, *args, "--config", str(d.config))
+        assert got.returncode == 1 and "Traceback" not in got.stderr, got.stdout + got.stderr
+        assert f"{creds}: line 3 is not AWS credentials file syntax" in got.stdout
+        assert S3_SECRET not in got.stdout + got.stderr
+    start = sandboxd(d, "--config", str(d.config))  # the start refuses it, told the same way
+    assert start.returncode == 1 and "Traceback" not in start.stderr, start.stderr
+    assert f"{creds}: line 3 is not AWS credentials file syntax" in start.stderr
+    assert S3_SECRET not in start.stdout + start.stderr
+
+
+def test_check_masks_the_s3_endpoints_password(base):
+    """An endpoint that does not answer (a loopback port nobody listens on): check warns,
+    naming it with its user:password@ masked, in lines and in JSON alike."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = make_daemon(base, env=DAEMON_ENV, artifacts={"store": "s3", "bucket": "blobs",
+                                                     "endpoint_url": f"http://sandboxd:{S3_PASSWORD}@127.0.0.1:{port}"})
+    got = sandboxd(d, "check", "--config", str(d.config))
+    store = next(line for line in got.stdout.splitlines() if line.split()[1] == "artifact-store")
+    assert store.startswith("warn ") and f"S3 at http://***@127.0.0.1:{port}/blobs/ does not answer" in store, store
+    as_json = sandboxd(d, "check", "--json", "--config", str(d.config))
+    found = next(f for f in json.loads(as_json.stdout) if f["probe"] == "artifact-store")
+    assert f"http://***@127.0.0.1:{port}" in found["reason"]
+    for out in (got, as_json):
+        assert S3_PASSWORD not in out.stdout + out.stderr

@@ -233,3 +233,35 @@ def test_a_retry_while_s3_is_down_is_unavailable_and_answered_once_it_is_back(s3
         again = c.run(keyed("tc-s3-retry-2"))
     assert again.tool_call_id == "tc-s3-first" and again.stdout == first.stdout == b"the first answer\n"
     assert (ws / "out" / "runs").read_text() == "ran\n"
+
+
+ENDPOINT_PASSWORD = "hunter2-in-the-endpoint"
+
+
+def test_an_endpoints_password_is_never_printed_nor_logged(s3_server, spare_daemon, tmp_path):
+    """An endpoint_url with user:password@ (S3 signs its requests with the credentials:
+    the userinfo is no part of it, and boto3 never gets it): the store works, and its
+    check findings, its errors and the daemon's log, at DEBUG and while the store is
+    down, show the endpoint with the userinfo masked."""
+    settings = s3_server.artifact_settings(tmp_path / "s3-credentials", PREFIX)
+    endpoint = settings["endpoint_url"].replace("http://", f"http://sandboxd:{ENDPOINT_PASSWORD}@")
+    masked = settings["endpoint_url"].replace("http://", "http://***@")
+    settings = {**settings, "endpoint_url": endpoint}
+    missing = _store_finding(spare_daemon(artifacts={**settings, "bucket": "no-such-bucket"}))
+    assert missing["status"] == "fail" and f"no bucket no-such-bucket at {masked}" in missing["reason"], missing
+    d = spare_daemon(artifacts=settings, log_level="DEBUG").start()
+    assert _store_finding(d)["reason"].startswith(f"S3 at {masked}/{BUCKET}/{PREFIX}: the bucket answers")
+    ws = d.new_workspace()
+    with d.client() as c:
+        done = c.run(call(ws, ["echo", "stored with a masked endpoint"]))
+        art = stdout_artifact(done)
+        assert wait_for(lambda: in_s3(s3_server, art.content_hash), 20), d.log()
+        s3_server.stop()
+        try:
+            c.run(call(ws, ["echo", "while the store is down"]))
+            assert wait_for(lambda: "unreachable" in d.log_path.read_text(), 20), d.log()
+        finally:
+            s3_server.start()
+    assert d.stop() == 0
+    log = d.log_path.read_text()
+    assert masked in log and ENDPOINT_PASSWORD not in log

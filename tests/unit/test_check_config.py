@@ -13,6 +13,8 @@ from sandboxd import __version__
 from sandboxd.check.config import ConfigError, field_path, load_config, render_errors
 from sandboxd.main import main
 
+from .fifos import finishes, make_fifo
+
 
 def config_file(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "sandboxd.yaml"
@@ -77,6 +79,16 @@ class TestFieldPaths:
         got = errors_of(tmp_path, "socket_mode: 660\nbogus: 1\nlimits: {max_pids: x}\n")
         assert set(got) == {"socket_mode", "bogus", "limits.max_pids"}
 
+    def test_an_endpoints_password_is_never_echoed(self, tmp_path):
+        got = errors_of(tmp_path, "artifacts:\n  endpoint_url: s3://AKIA:hunter2-pw@minio:9000\n")
+        assert got == {"artifacts.endpoint_url": "String should match pattern '^https?://' (got 's3://***@minio:9000')"}
+
+    def test_a_credential_bindings_value_is_never_echoed(self, tmp_path):
+        got = errors_of(tmp_path, "credentials:\n  gh:\n    command: vault read -token=hunter2-tok\n"
+                                  "    principals: [alice]\n")
+        assert got == {"credentials.gh.command": "Input should be a valid tuple (got a value not shown: a "
+                                                 "credential's)"}
+
     def test_field_path_spelling(self):
         assert field_path(("limits", "max_pids")) == "limits.max_pids"
         assert field_path(("workspace_roots", 2)) == "workspace_roots[2]"
@@ -95,7 +107,19 @@ class TestTheFile:
     def test_a_missing_file(self, tmp_path):
         settings, errors = load_config(tmp_path / "absent.yaml")
         assert settings is None and errors == [ConfigError("", f"{tmp_path / 'absent.yaml'}: cannot be read: "
-                                                                "No such file or directory")]
+                                                                "does not exist")]
+
+    def test_a_fifo_named_as_the_config_is_refused_without_blocking(self, tmp_path):
+        fifo = make_fifo(tmp_path / "sandboxd.yaml", 0o644)
+        settings, errors = finishes(fifo, lambda: load_config(fifo))
+        assert settings is None and errors == [ConfigError("", f"{fifo}: cannot be read: is a FIFO, not a "
+                                                               "regular file")]
+
+    def test_the_config_may_be_a_symlink_to_a_file(self, tmp_path):
+        real = config_file(tmp_path, "log_level: debug\n")
+        (tmp_path / "link.yaml").symlink_to(real)
+        settings, errors = load_config(tmp_path / "link.yaml")
+        assert errors == [] and settings is not None and settings.log_level == "debug"
 
     def test_no_file_is_the_embedded_defaults(self):
         settings, errors = load_config(None)

@@ -24,6 +24,8 @@ from sandboxd.core.errors import FailedPrecondition
 from sandboxd.core.hostfacts import HostFacts
 from sandboxd.core.settings import DaemonSettings
 
+from .fifos import finishes, make_fifo
+
 BOB = 1001
 
 
@@ -254,6 +256,12 @@ class TestNsjail:
         assert got.status == "fail" and got.field == "seccomp_profile"
 
 
+    def test_a_fifo_as_the_seccomp_profile_fails_without_blocking(self, tmp_path):
+        fifo = make_fifo(tmp_path / "profile.json", 0o644)
+        got = finishes(fifo, lambda: nsjail_probes.seccomp_bpf_finding(settings_under(tmp_path, seccomp_profile=fifo)))
+        assert got.status == "fail" and got.field == "seccomp_profile" and "is a FIFO" in got.reason
+
+
 # -------------------------------------------------------------------- the host
 
 def facts(version, root: str = "/sys/fs/cgroup") -> HostFacts:
@@ -279,6 +287,12 @@ class TestHost:
         assert got["seccomp-profile"].status == "fail" and got["seccomp-profile"].needed_by == ("docker", "nsjail")
         assert got["relay-library"].status == "fail" and got["relay-library"].needed_by == (DAEMON,)
         assert got["sandbox-shim"].status == "fail"  # dynamic: not usable in any image
+
+    def test_a_fifo_as_the_seccomp_profile_fails_without_blocking(self, tmp_path):
+        fifo = make_fifo(tmp_path / "profile.json", 0o644)
+        got = finishes(fifo, lambda: {f.probe: f for f in probes.asset_findings(settings_under(
+            tmp_path, seccomp_profile=fifo))})
+        assert got["seccomp-profile"].status == "fail" and "is a FIFO" in got["seccomp-profile"].reason
 
     def test_file_recording_off_or_without_its_reader_warns(self, tmp_path):
         off = probes.fanotify_finding(settings_under(tmp_path, file_watch=False), facts("v1"))
@@ -329,3 +343,64 @@ class TestDockerd:
         got = dockerd_probes.docker_findings(s)
         assert [(f.probe, f.status) for f in got] == [("dockerd", "fail"), ("images", "fail")]
         assert f"{tmp_path}/absent.sock" in got[0].reason and got[0].field == "docker_host"
+
+
+# -------------------------------------------------------------------- files settings name
+
+class TestCredentialFiles:
+    SECRET = "ghp_never-printed-by-check"
+
+    def bindings(self, tmp_path: Path) -> dict:
+        src = tmp_path / "src"
+        src.mkdir(mode=0o700)
+        good = src / "good"
+        good.write_text(self.SECRET)
+        good.chmod(0o600)
+        loose = src / "loose"
+        loose.write_text(self.SECRET)
+        loose.chmod(0o640)
+        bobs = src / "bobs"
+        bobs.write_text(self.SECRET)
+        bobs.chmod(0o600)
+        os.chown(bobs, BOB, BOB)
+        (src / "link").symlink_to(good)
+        make_fifo(src / "fifo")
+        files = {"good": good, "loose": loose, "bobs": bobs, "link": src / "link", "fifo": src / "fifo",
+                 "missing": src / "missing"}
+        out: dict = {name: {"file": str(path), "principals": ["alice"]} for name, path in files.items()}
+        out["from-env"] = {"env": "SOME_VAR", "principals": ["alice"]}
+        return out
+
+    def test_each_file_binding_is_looked_at_as_the_broker_reads_it_and_nothing_of_it_is_told(self, tmp_path):
+        s = settings_under(tmp_path, credentials=self.bindings(tmp_path))
+        found = finishes(tmp_path / "src" / "fifo", lambda: probes.credential_file_findings(s))
+        got = {f.field: f for f in found}
+        assert set(got) == {f"credentials.{n}.file" for n in ("good", "loose", "bobs", "link", "fifo", "missing")}
+        assert got["credentials.good.file"].status == "ok" and "mode 0600" in got["credentials.good.file"].reason
+        for name, said in (("loose", "mode 0640"), ("bobs", f"uid {BOB}"), ("link", "symbolic link"),
+                           ("fifo", "is a FIFO"), ("missing", "does not exist")):
+            f = got[f"credentials.{name}.file"]
+            assert f.status == "warn" and said in f.reason and f"credential {name!r} are refused" in f.reason, f
+        assert all(self.SECRET not in f.reason for f in found)
+
+
+class TestTlsFiles:
+    def test_none_without_a_tcp_listener(self, tmp_path):
+        assert probes.tls_findings(settings_under(tmp_path)) == []
+
+    def test_the_key_must_be_private_and_no_file_a_symlink(self, tmp_path):
+        for name in ("cert.pem", "real-ca.pem"):
+            (tmp_path / name).write_text("PEM")
+        key = tmp_path / "key.pem"
+        key.write_text("PRIVATE KEY")
+        key.chmod(0o640)
+        (tmp_path / "ca.pem").symlink_to(tmp_path / "real-ca.pem")
+        s = settings_under(tmp_path, tcp={"address": "127.0.0.1:7443", "cert_file": str(tmp_path / "cert.pem"),
+                                          "key_file": str(key), "client_ca_file": str(tmp_path / "ca.pem")})
+        got = {f.field: f for f in probes.tls_findings(s)}
+        assert got["tcp.cert_file"].status == "ok"
+        assert got["tcp.key_file"].status == "fail" and "mode 0640" in got["tcp.key_file"].reason
+        assert got["tcp.client_ca_file"].status == "fail" and "symbolic link" in got["tcp.client_ca_file"].reason
+        assert all(f.needed_by == (DAEMON,) for f in got.values())
+        key.chmod(0o600)
+        assert {f.field: f.status for f in probes.tls_findings(s)}["tcp.key_file"] == "ok"

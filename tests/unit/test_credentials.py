@@ -23,6 +23,7 @@ from sandboxd.policy.models import parse_call, resolve_policy
 from sandboxd.core.settings import CredentialBinding, LimitSettings
 
 from .conftest import call_dict
+from .fifos import finishes, make_fifo
 
 PRINCIPAL = "alice"
 TOOL = "unit.tool"
@@ -173,7 +174,26 @@ class TestFileSource:
         b = broker(tmp_path, {"k": binding(file=tmp_path / "nope")})
         exc = refused(FailedPrecondition, resolve_one, b, {"bindingId": "k", "filePath": "/tmp/k"})
         assert exc.field == "credentialRefs[0].bindingId"
-        assert "missing" in exc.reason
+        assert "does not exist" in exc.reason
+
+    def test_a_symlink_is_not_followed_even_to_a_private_file(self, tmp_path):
+        # Checked by name then opened by name, a link let anyone who could place one in a
+        # directory on the way swap the file between the two; nothing is followed now.
+        real = secret_file(tmp_path, b"s3cret-behind-a-link", name="real")
+        link = tmp_path / "src" / "link"
+        link.symlink_to(real)
+        b = broker(tmp_path, {"k": binding(file=link)})
+        exc = refused(FailedPrecondition, resolve_one, b, {"bindingId": "k", "filePath": "/tmp/k"})
+        assert exc.field == "credentialRefs[0].bindingId" and "symbolic link" in exc.reason
+        assert str(link) not in shown(exc) and "s3cret-behind-a-link" not in shown(exc)
+
+    def test_a_fifo_is_refused_without_blocking(self, tmp_path):
+        (tmp_path / "src").mkdir()
+        fifo = make_fifo(tmp_path / "src" / "fifo")
+        b = broker(tmp_path, {"k": binding(file=fifo)})
+        exc = finishes(fifo, lambda: refused(FailedPrecondition, resolve_one, b, {"bindingId": "k",
+                                                                                 "filePath": "/tmp/k"}))
+        assert "FIFO" in exc.reason and str(fifo) not in shown(exc)
 
     @pytest.mark.parametrize("content,value", [
         (b"tok\n", b"tok"),

@@ -6,6 +6,7 @@ while a store that does not answer yet only delays uploads (blobs wait locally).
 from __future__ import annotations
 
 from sandboxd.check.report import DAEMON, Finding
+from sandboxd.core.artifact_settings import mask_userinfo
 from sandboxd.core.errors import SandboxdError
 from sandboxd.core.settings import DaemonSettings
 
@@ -19,14 +20,15 @@ def artifact_store_finding(settings: DaemonSettings) -> Finding:
     from sandboxd.ledger.blobs import BlobStoreUnavailable  # boto3 only when S3 is configured
     from sandboxd.ledger.s3_blobs import s3_store
 
-    where = f"{caps.endpoint_url or 'aws'}/{caps.bucket}/{caps.prefix}"
+    where = f"{caps.endpoint_shown}/{caps.bucket}/{caps.prefix}"  # never the endpoint's user:password@
     try:
         store = s3_store(caps)
     except SandboxdError as exc:
         return Finding(PROBE, "fail", f"S3 at {where}: {exc.reason}", needed_by=(DAEMON,),
                        field=exc.field or "artifacts")
-    except (OSError, ValueError) as exc:  # an unreadable or malformed credentials file
-        return Finding(PROBE, "fail", f"S3 at {where}: {exc}", needed_by=(DAEMON,), field="artifacts.credentials_file")
+    except (OSError, ValueError) as exc:  # boto3 refusing its arguments: its text may quote the endpoint
+        return Finding(PROBE, "fail", f"S3 at {where}: {mask_userinfo(str(exc))}", needed_by=(DAEMON,),
+                       field="artifacts")
     try:
         store.check_bucket()
     except BlobStoreUnavailable as exc:

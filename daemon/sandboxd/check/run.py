@@ -14,7 +14,8 @@ from sandboxd.check.config import load_config
 from sandboxd.check.dirs import dir_findings
 from sandboxd.check.dockerd_probes import docker_findings
 from sandboxd.check.nsjail_probes import nsjail_findings
-from sandboxd.check.probes import asset_findings, cgroup_finding, fanotify_finding, root_finding, workspace_findings
+from sandboxd.check.probes import (asset_findings, cgroup_finding, credential_file_findings, fanotify_finding,
+                                   root_finding, tls_findings, workspace_findings)
 from sandboxd.check.report import (CONFIG_PROBE, DAEMON, Finding, exit_status, render_json, render_text,
                                    settle)
 from sandboxd.core import hostfacts
@@ -49,6 +50,8 @@ def probe_host(settings: DaemonSettings, config_path: str | None) -> list[Findin
     findings = [Finding(CONFIG_PROBE, "ok", loaded, needed_by=(DAEMON,)), root_finding(), cgroup_finding(facts),
                 fanotify_finding(settings, facts)]
     findings += asset_findings(settings)
+    findings += tls_findings(settings)
+    findings += credential_file_findings(settings)
     findings += docker_findings(settings)
     findings += nsjail_findings(settings, facts)
     findings += workspace_findings(settings)

@@ -5,10 +5,30 @@ settings' one file had no room left; gen-config-docs reads the comments here too
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# A URL's userinfo ("user:password@" after "scheme://"): up to the last "@" before the
+# host's end, as urlsplit reads it (a sloppy "user:p@ss@host" is masked whole).
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s]*@")
+MASKED_USERINFO = "***@"
+
+
+def mask_userinfo(text: str) -> str:
+    """`text` with the userinfo of every URL in it masked ("http://***@host"): what may be
+    printed or logged of a URL an operator wrote (its password is a secret)."""
+    return _USERINFO.sub(lambda m: m.group(1) + MASKED_USERINFO, text)
+
+
+def without_userinfo(url: str) -> str:
+    """`url` with no userinfo at all: what is handed to a library that may print or log
+    it (boto3 sends none of it: S3 requests are signed with the credentials)."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 class ArtifactSettings(BaseModel):
@@ -40,6 +60,11 @@ class ArtifactSettings(BaseModel):
     # Text files of the write roots kept as they were hashed (<state_dir>/baseline), so the diff has
     # their content before a call; the oldest go first past this size.
     baseline_max_mb: int = Field(default=256, ge=0)
+
+    @property
+    def endpoint_shown(self) -> str:
+        """Where the store is, as it may be printed or logged (userinfo masked)."""
+        return mask_userinfo(self.endpoint_url) if self.endpoint_url else "aws"
 
 
 class TransferSettings(BaseModel):

@@ -26,7 +26,9 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from sandboxd.core.artifact_settings import mask_userinfo, without_userinfo
 from sandboxd.core.errors import FailedPrecondition
+from sandboxd.core.safe_open import read_setting_file
 from sandboxd.core.settings import ArtifactSettings
 from sandboxd.ledger.blobs import (READ_CHUNK_BYTES, BlobIntegrityError, BlobStoreUnavailable, LocalBlobStore,
                                    VerifiedReader, blob_key)
@@ -40,6 +42,8 @@ MAX_PARTS = 10_000
 MIN_PART_BYTES = 5 * 2**20
 MAX_PART_IN_MEMORY = 64 * 2**20
 RETRY_MAX_S = 5.0
+# A credentials file holds a few profiles: anything larger is not one.
+MAX_CREDENTIALS_FILE_BYTES = 64 * 1024
 _MISSING = ("NoSuchKey", "NotFound", "NoSuchBucket", "404")
 
 
@@ -49,18 +53,31 @@ class StoreRefused(BlobStoreUnavailable):
 
 def read_credentials_file(path: Path) -> dict[str, str]:
     """An AWS-style credentials file's [default] profile as boto3 client arguments. It
-    must be the daemon's own and private (like a credentials binding's file)."""
-    info = path.stat()
-    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        raise FailedPrecondition(f"{path} must belong to the daemon's user with mode 0600 or stricter "
-                                 f"(it is uid {info.st_uid}, mode {info.st_mode & 0o777:#o})",
-                                 field="artifacts.credentials_file")
-    parser = configparser.ConfigParser()
-    parser.read(path, encoding="utf-8")
+    must be the daemon's own and private (like a credentials binding's file): opened once,
+    no symlink followed, never blocking, checked and read through that descriptor. What
+    is wrong with it is told by line number only, never a line (it may be the secret)."""
+    field = "artifacts.credentials_file"
+    data = read_setting_file(path, setting=field, max_bytes=MAX_CREDENTIALS_FILE_BYTES, private=True)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise FailedPrecondition(f"{path}: line {line} is not UTF-8 text", field=field) from None
+    # No interpolation: a "%" in a secret is the secret's, never a reference (nor an error quoting it).
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(text, source=str(path))
+    except configparser.Error as exc:
+        # Its text quotes the line: only the number is kept.
+        errors = getattr(exc, "errors", None)
+        lineno = getattr(exc, "lineno", None) or (errors[0][0] if errors else None)
+        where = f"line {lineno}" if lineno else "a line"
+        raise FailedPrecondition(f"{path}: {where} is not AWS credentials file syntax ([profile] headers, then "
+                                 "key = value lines)", field=field) from None
     profile = parser["default"] if parser.has_section("default") else {}
     if not profile.get("aws_access_key_id") or not profile.get("aws_secret_access_key"):
         raise FailedPrecondition(f"{path} has no [default] aws_access_key_id and aws_secret_access_key",
-                                 field="artifacts.credentials_file")
+                                 field=field)
     found = {"aws_access_key_id": profile["aws_access_key_id"], "aws_secret_access_key": profile["aws_secret_access_key"]}
     if profile.get("aws_session_token"):
         found["aws_session_token"] = profile["aws_session_token"]
@@ -90,10 +107,11 @@ class S3BlobStore:
             error = exc.response.get("Error", {})
             if error.get("Code") in _MISSING:
                 raise FileNotFoundError(f"{action}: no such object in {self.where}") from None
-            raise StoreRefused(f"{action}: {self.where} refused it: {error.get('Code')} "
-                                       f"{error.get('Message', '')}".rstrip()) from None
+            raise StoreRefused(mask_userinfo(f"{action}: {self.where} refused it: {error.get('Code')} "
+                                             f"{error.get('Message', '')}".rstrip())) from None
         except BotoCoreError as exc:
-            raise BlobStoreUnavailable(f"{action}: {self.where} is unreachable ({exc})") from None
+            # botocore's text may quote the URL it tried.
+            raise BlobStoreUnavailable(mask_userinfo(f"{action}: {self.where} is unreachable ({exc})")) from None
 
     def check_bucket(self) -> None:
         with self._translated(f"bucket {self.bucket}"):
@@ -212,14 +230,22 @@ def s3_store(settings: ArtifactSettings) -> S3BlobStore:
                     # know the newer trailing CRC32 ones (the MD5 and sha256 checks are ours).
                     request_checksum_calculation="when_required", response_checksum_validation="when_required")
     credentials = read_credentials_file(settings.credentials_file) if settings.credentials_file else {}
-    # A session of its own: boto3's module-level default session is shared state.
-    client = boto3.session.Session().client("s3", endpoint_url=settings.endpoint_url, config=config, **credentials)
-    where = f"the S3 store {settings.endpoint_url or 'aws'}/{settings.bucket}/{settings.prefix}"
+    # botocore's debug log quotes every request's URL and headers (a session token among
+    # them): never in the daemon's log, whatever its level.
+    for name in ("botocore", "boto3", "urllib3"):
+        if logging.getLogger(name).getEffectiveLevel() < logging.INFO:
+            logging.getLogger(name).setLevel(logging.INFO)
+    # A session of its own: boto3's module-level default session is shared state. The
+    # endpoint's userinfo is no part of S3's authentication: boto3 never gets it (so
+    # neither its errors nor its log can quote it).
+    endpoint = without_userinfo(settings.endpoint_url) if settings.endpoint_url else None
+    client = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config, **credentials)
+    where = f"the S3 store {settings.endpoint_shown}/{settings.bucket}/{settings.prefix}"
     store = S3BlobStore(client, settings.bucket, settings.prefix, where, settings.multipart_threshold_mb * 2**20)
     try:
         store.check_bucket()
     except FileNotFoundError:
-        raise FailedPrecondition(f"no bucket {settings.bucket} at {settings.endpoint_url or 'aws'}",
+        raise FailedPrecondition(f"no bucket {settings.bucket} at {settings.endpoint_shown}",
                                  field="artifacts.bucket") from None
     except StoreRefused as exc:
         raise FailedPrecondition(exc.reason, field="artifacts.bucket") from None

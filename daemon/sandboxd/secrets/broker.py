@@ -22,7 +22,10 @@ from pathlib import Path
 
 from sandboxd.sandbox.spec import SECRETS_DIR, SecretMount
 from sandboxd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from sandboxd.core import hostdirs
 from sandboxd.core.hostdirs import ensure_private_dir, require_memory_filesystem, same_inode
+from sandboxd.core.mounts import unmount
+from sandboxd.core.safe_open import UnsafeFile, open_setting_file, read_fd
 from sandboxd.policy.models import EffectivePolicy, PreparedToolCall, is_within
 from sandboxd.core.settings import CredentialBinding
 
@@ -115,17 +118,20 @@ class CredentialBroker:
     def _read(self, binding_id: str, binding: CredentialBinding, where: str) -> bytes:
         field = f"{where}.bindingId"
         if binding.file is not None:
+            # Opened once, no symlink followed, never blocking on a FIFO; checked and read
+            # through that descriptor (a stat by name, then an open, could meet two files).
+            # The caller is told why without the file's path.
             try:
-                st = os.stat(binding.file)
-            except OSError:
-                raise FailedPrecondition(f"credential {binding_id!r}: its file is missing", field=field) from None
-            if not stat.S_ISREG(st.st_mode):
-                raise FailedPrecondition(f"credential {binding_id!r}: its source is not a regular file", field=field)
-            if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise FailedPrecondition(f"credential {binding_id!r}: its file must be the daemon's own and "
-                                         "readable by nobody else (mode 0600 or stricter)", field=field)
-            with open(binding.file, "rb") as f:
-                value = f.read(MAX_SECRET_BYTES + 3)
+                fd, _st = open_setting_file(binding.file, setting=f"credentials.{binding_id}.file", private=True)
+            except UnsafeFile as exc:
+                raise FailedPrecondition(f"credential {binding_id!r}: its file {exc.problem}", field=field) from None
+            try:
+                value = read_fd(fd, MAX_SECRET_BYTES + 3)
+            except OSError as exc:
+                raise FailedPrecondition(f"credential {binding_id!r}: its file cannot be read ({exc.strerror})",
+                                         field=field) from None
+            finally:
+                os.close(fd)
         elif binding.env is not None:
             if binding.env not in self._environment:
                 raise FailedPrecondition(f"credential {binding_id!r}: the daemon's environment has no "
@@ -241,6 +247,48 @@ class CredentialBroker:
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Tmpfs stacked on the secrets dir by earlier runs (each killed, each started again on
+# code that kept the one it found): more than this is no daemon's doing.
+_MAX_LEFT_MOUNTS = 16
+
+
+def reap_left_tmpfs(secrets_dir: Path) -> int:
+    """At start, before the secrets dir is opened (hostdirs.open_secrets_dir), where the
+    daemon mounts its own tmpfs: each tmpfs a killed run left mounted there, its files
+    wiped first (truncated: a descriptor or a sandbox's bind that still holds one finds
+    nothing in it) and then unmounted, so the start mounts a new one, its own, which its
+    stop unmounts. (Kept, a killed run's tmpfs was no run's to unmount: it outlived every
+    later clean stop.) The path is walked as hostdirs walks it: a planted or symlinked
+    component refuses the start. Returns how many were unmounted."""
+    reaped = 0
+    while hostdirs.inspect_private_dir(secrets_dir, setting="secrets_dir") == "":
+        fd = ensure_private_dir(secrets_dir, 0o711, setting="secrets_dir", set_mode=False)
+        try:
+            if not _is_tmpfs_mount_root(fd):
+                break
+            if reaped == _MAX_LEFT_MOUNTS:
+                raise FailedPrecondition(f"{secrets_dir} has more than {_MAX_LEFT_MOUNTS} tmpfs mounted on it: "
+                                         "unmount them by hand", field="secrets_dir")
+            _empty_dir(fd, "a killed run")
+        finally:
+            os.close(fd)
+        unmount(str(secrets_dir))  # never through a symlink; the walk above found none
+        reaped += 1
+    if reaped:
+        log.warning("unmounted the secrets tmpfs a killed run left at %s (its files wiped first)", secrets_dir)
+    return reaped
+
+
+def _is_tmpfs_mount_root(fd: int) -> bool:
+    """Whether the directory `fd` is the root of a tmpfs mounted on its name: on another
+    device than its parent ("..", which at a mount's root is the mount point's parent)."""
+    if hostdirs.filesystem_type(fd) != "tmpfs":
+        return False
+    parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+    try:
+        return os.fstat(parent).st_dev != os.fstat(fd).st_dev
+    finally:
+        os.close(parent)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 

@@ -32,6 +32,7 @@ from sandboxd.backends.docker.output import (WRITER_GRACE_S, frame_size_needed, 
 from sandboxd.core.hostfacts import CGROUP_ROOT
 from sandboxd.sandbox.signals import signal_name
 from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, InternalError, SandboxdError
+from sandboxd.core import assets
 from sandboxd.policy.models import BASE_ENV_NAMES, EffectivePolicy
 from sandboxd.policy.preflight import HostPlan
 from sandboxd.sandbox.output import OutputSpool
@@ -446,11 +447,12 @@ class DockerBackend:
 
 
 def load_seccomp_profile(path: str) -> str:
-    """The profile's JSON text, validated; a missing or broken profile stops the daemon."""
+    """The profile's JSON text (read by assets.read_seccomp_profile: opened once, never
+    through a symlink nor blocking on a FIFO), validated; a missing or broken profile
+    stops the daemon."""
+    text = assets.read_seccomp_profile(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
         json.loads(text)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         raise BackendUnavailable(f"seccomp profile {path} is unusable: {exc}") from None
     return text

@@ -123,8 +123,7 @@ class NsjailBackend:
         """Refuses (BackendUnavailable) a host that cannot run a jail, then runs one."""
         self._check_binaries()
         with host_step(f"compile the seccomp profile {self._seccomp_profile}", fault=BackendUnavailable):
-            with open(self._seccomp_profile, encoding="utf-8") as f:
-                program = seccomp_bpf.compile_profile(f.read())
+            program = seccomp_bpf.compile_profile(assets.read_seccomp_profile(self._seccomp_profile))
         with host_step(f"write the seccomp program beside {self._shim}", fault=BackendUnavailable):
             self._seccomp_program = write_program(os.path.dirname(self._shim), program)
         with host_step(f"hash the nsjail binary {self._binary}", fault=BackendUnavailable):
