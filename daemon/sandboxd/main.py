@@ -50,7 +50,7 @@ from sandboxd.ledger.retention import RetentionSweeper
 from sandboxd.ledger.store import Database
 from sandboxd.pools import PoolManager
 from sandboxd.recording import filewatch
-from sandboxd.secrets.broker import CredentialBroker
+from sandboxd.secrets.broker import CredentialBroker, reap_left_tmpfs
 
 log = logging.getLogger("sandboxd")
 
@@ -310,9 +310,11 @@ def build_daemon(settings: DaemonSettings, host: HostFacts) -> Daemon:
         # (another local user may have made one first under /tmp or /dev/shm).
         dirs = hostdirs.check_daemon_dirs(settings)
         cleanup.callback(_close_all, dirs.values())
+        if settings.secrets_dir is None:  # the daemon's own tmpfs: one a killed run left is wiped and unmounted
+            reap_left_tmpfs(settings.secrets_path)
         dirs["secrets_dir"], mounted_secrets = hostdirs.open_secrets_dir(
             settings.secrets_path, daemon_mounts=settings.secrets_dir is None)
-        if mounted_secrets:  # a tmpfs found there (a killed run's) stays for the next start
+        if mounted_secrets:
             cleanup.callback(unmount, str(settings.secrets_path))
         daemon_id = _daemon_id(settings)
         lock_fd = hold_daemon_lock(daemon_id)  # open, and locked, while the process lives

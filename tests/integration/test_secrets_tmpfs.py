@@ -58,21 +58,67 @@ def test_the_default_secrets_dir_is_a_private_tmpfs_that_goes_with_the_daemon(sp
     assert mount_of(where) is None  # a graceful stop unmounts what the daemon mounted
 
 
-def test_a_killed_daemons_tmpfs_is_kept_and_purged_at_the_next_start(spare_daemon):
-    d = spare_daemon(nsjail={"warm_slots": 0}).start()
-    where = secrets_of(d)
-    assert d.proc is not None
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait()
-    assert mount_of(where) is not None
-    # What a sandbox's secrets look like while its call runs, left by the killed run.
-    (where / "sbx-left").mkdir()
-    (where / "sbx-left" / "0").write_text("a secret of the killed run")
+def mounts_at_or_under(path: Path) -> dict[str, str]:
+    """{mount id: mount point} of every mount at `path` or below it."""
+    out = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == str(path) or fields[4].startswith(f"{path}/"):
+                out[fields[0]] = fields[4]
+    return out
+
+
+FILE_SECRET = "the-killed-runs-secret-31337"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_killed_daemons_tmpfs_is_wiped_and_unmounted_at_the_next_start(spare_daemon, tmp_path, backend):
+    """A daemon SIGKILLed while a credentialed call runs leaves its secrets tmpfs mounted,
+    the call's secret in it (and the call's persistOutputs tmpfs). The next start wipes
+    and unmounts what the dead daemon left and mounts a tmpfs of its own, which its clean
+    stop then unmounts: kept instead, the dead run's tmpfs was no run's to unmount, and
+    stayed mounted past every later clean stop."""
+    source = tmp_path / "token"
+    source.write_text(FILE_SECRET + "\n")
+    source.chmod(0o600)
+    d = spare_daemon(nsjail={"warm_slots": 0}, credentials={"tok": {"file": str(source), "principals": ["root"]}})
     d.start()
-    assert mount_of(where) is not None and os.listdir(where) == []
-    mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
-              if line.split()[4] == str(where)]
-    assert len(mounts) == 1  # the tmpfs found there was kept, never a second one on top
+    where, outputs = secrets_of(d), d.base / "runtime" / "outputs"
+    ws = d.new_workspace()
+    call = prepared_call(ws, ["sh", "-c", "cat /tmp/creds/tok; echo; sleep 600"],
+                         {"filesystem": {"readRoots": ["/workspace"], "persistOutputs": True}},
+                         runtime={"image": "sandboxd/default:latest", "adapter": backend})
+    call["credentialRefs"] = [{"bindingId": "tok", "filePath": "/tmp/creds/tok"}]
+    c = d.client()
+    stream = iter(c.execute(call))
+    for event in stream:
+        if event.WhichOneof("kind") == "output":
+            break
+    [sandbox] = os.listdir(where)
+    held = os.open(where / sandbox / "0", os.O_RDONLY)  # as a sandbox's bind holds it
+    try:
+        assert os.pread(held, 100, 0) == (FILE_SECRET).encode()
+        dead = mounts_at_or_under(where)
+        assert list(dead.values()) == [str(where)]
+        assert mounts_at_or_under(outputs), "a persistOutputs call runs on the daemon's tmpfs"
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        c.close()
+        assert mounts_at_or_under(where) == dead  # what the killed run left
+
+        d.start()
+        now = mounts_at_or_under(where)
+        assert not set(now) & set(dead), "the killed run's tmpfs is still mounted"
+        assert list(now.values()) == [str(where)] and mount_of(where)["type"] == "tmpfs"  # the new run's own
+        assert os.pread(held, 100, 0) == b"", "the killed run's secret is still readable"
+        assert os.listdir(where) == []
+        assert not mounts_at_or_under(outputs), "the killed run's persistOutputs tmpfs is still mounted"
+    finally:
+        os.close(held)
+    assert d.stop() == 0
+    assert not mounts_at_or_under(where)  # and a clean stop unmounts the new run's
 
 
 @pytest.mark.parametrize("place", ["on_disk", "planted_in_dev_shm"])
