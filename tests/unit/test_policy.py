@@ -16,6 +16,7 @@ from sandboxd.policy.models import (
     MAX_FIELD_CHARS,
     EffectivePolicy,
     check_admission,
+    check_private_networks,
     is_within,
     normalize_sandbox_path,
     parse_call,
@@ -399,6 +400,26 @@ def test_unknown_egress_is_refused():
 def test_egress_open_without_private_network_filter_is_accepted():
     p = resolve({"network": {"egress": "open", "denyPrivateNetworks": False}})
     assert p.egress == "open" and p.deny_private_networks is False
+
+
+@pytest.mark.parametrize("egress", ["none", "allowlist", "open"])
+def test_lowering_deny_private_networks_is_refused_to_a_principal_the_operator_did_not_list(egress):
+    network = {"egress": egress, "denyPrivateNetworks": False}
+    if egress == "allowlist":
+        network["allowDomains"] = ["a.test"]
+    policy = resolve({"network": network})
+    for principal, allowed in (("alice", ()), ("alice", ("bob",)), (None, ("alice",))):
+        exc = refused(PermissionDenied, check_private_networks, policy, principal, allowed)
+        assert exc.field == "policy.network.denyPrivateNetworks"
+        assert "egress.private_networks_principals" in exc.reason and "not listed" in exc.reason
+    check_private_networks(policy, "alice", ("bob", "alice"))
+    check_private_networks(policy, "alice", ("*",))
+    check_private_networks(policy, None, ("*",))
+
+
+def test_keeping_deny_private_networks_needs_no_listing():
+    for network in ({}, {"denyPrivateNetworks": True}, {"egress": "open"}):
+        check_private_networks(resolve({"network": network}), "alice", ())
 
 
 def test_egress_open_with_deny_private_networks_goes_through_the_proxy():

@@ -8,7 +8,8 @@ import os
 import pytest
 
 from sandboxd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, SandboxdError
-from sandboxd.policy.preflight import Bind, Mask, _hard_linked, preflight, resolve_workspace, sandbox_owner
+from sandboxd.policy.preflight import (Bind, Mask, _hard_linked, always_blocked, preflight, resolve_workspace,
+                                       sandbox_owner)
 from sandboxd.core.settings import DaemonSettings
 
 from .conftest import WORKSPACE_GID, WORKSPACE_UID, resolve
@@ -514,3 +515,172 @@ def test_a_root_swapped_while_it_is_resolved_is_a_refusal_not_an_internal_error(
         with pytest.raises(FailedPrecondition) as exc:
             plan_for(host, policy)
         assert exc.value.field == field and "changed while it was checked" in exc.value.message
+
+
+# ------------------------------------------------------------------ the operator's always_blocked
+
+
+def with_blocked(host, *patterns: str) -> DaemonSettings:
+    return host.settings.model_copy(update={"always_blocked": patterns})
+
+
+def test_the_default_list_masks_dotenv_but_not_its_templates_without_any_policy(host):
+    mkfile(host.ws / ".env", "SECRET=hunter2")
+    mkfile(host.ws / ".env.local", "SECRET=2")
+    mkfile(host.ws / ".env.example", "SECRET=")
+    mkfile(host.ws / ".env.sample")
+    mkfile(host.ws / ".env.template")
+    mkfile(host.ws / "README.md")
+    plan = plan_for(host)  # no policy: all of /workspace readable
+    assert set(_shapes(plan.masks)) == {("/workspace/.env", "file"), ("/workspace/.env.local", "file")}
+    assert {m.rule for m in plan.masks} == {"always_blocked: .env", "always_blocked: .env.*"}
+    assert "always_blocked: .env masks /workspace/.env: the daemon's list, no policy unblocks it" in plan.notes
+    st = os.lstat(host.ws / ".env")
+    [env] = [m for m in plan.masks if m.sandbox_path == "/workspace/.env"]
+    assert (env.dev, env.ino) == (st.st_dev, st.st_ino)
+
+
+def test_the_default_list_is_the_top_level_only_and_names_credential_directories(host):
+    mkfile(host.ws / "sub" / ".env", "deeper")
+    mkfile(host.ws / ".ssh" / "id_ed25519")
+    mkfile(host.ws / ".aws" / "credentials")
+    mkfile(host.ws / ".docker" / "config.json")
+    mkfile(host.ws / ".docker" / "Dockerfile")  # a project's own .docker/ stays readable
+    mkfile(host.ws / ".git-credentials")
+    assert set(_shapes(plan_for(host).masks)) == {
+        ("/workspace/.ssh", "dir"), ("/workspace/.aws", "dir"), ("/workspace/.docker/config.json", "file"),
+        ("/workspace/.git-credentials", "file")}
+
+
+def test_a_pattern_written_any_depth_walks_the_shown_roots(host):
+    mkfile(host.ws / ".env")
+    mkfile(host.ws / "services" / "api" / ".env")
+    mkfile(host.ws / "services" / "api" / ".env.example")
+    mkfile(host.ws / "elsewhere" / ".env")
+    settings = with_blocked(host, "**/.env*", "!**/.env.example")
+    plan = plan_for(host, settings=settings)
+    assert set(_shapes(plan.masks)) == {("/workspace/.env", "file"), ("/workspace/services/api/.env", "file"),
+                                        ("/workspace/elsewhere/.env", "file")}
+    # Only what the call shows is walked, and masked.
+    plan = plan_for(host, {"readRoots": ["/workspace/services"]}, settings=settings)
+    assert _shapes(plan.masks) == (("/workspace/services/api/.env", "file"),)
+
+
+def test_the_walk_never_follows_a_symlinked_directory(host, tmp_path):
+    outside = tmp_path / "elsewhere"
+    mkfile(outside / ".env", "not the workspace's")
+    (host.ws / "linked").symlink_to(outside)
+    mkfile(host.ws / "real" / ".env")
+    plan = plan_for(host, settings=with_blocked(host, "**/.env"))
+    assert _shapes(plan.masks) == (("/workspace/real/.env", "file"),)
+
+
+def test_a_walk_past_its_bound_is_refused_not_half_checked(host, monkeypatch):
+    import sandboxd.policy.preflight as preflight_module
+
+    for i in range(6):
+        mkfile(host.ws / "d" / f"f{i}")
+    monkeypatch.setattr(preflight_module, "MAX_ALWAYS_BLOCKED_ENTRIES", 5)
+    exc = refused(FailedPrecondition, plan_for, host, {"readRoots": ["/workspace/d"]},
+                  settings=with_blocked(host, "**/.env"))
+    assert exc.field == "policy.filesystem.readRoots[0]" and "always_blocked" in exc.reason
+    monkeypatch.setattr(preflight_module, "MAX_ALWAYS_BLOCKED_ENTRIES", 6)
+    assert plan_for(host, {"readRoots": ["/workspace/d"]}, settings=with_blocked(host, "**/.env")).masks == ()
+
+
+def test_a_walk_past_its_depth_is_refused(host, monkeypatch):
+    import sandboxd.policy.preflight as preflight_module
+
+    monkeypatch.setattr(preflight_module, "MAX_ALWAYS_BLOCKED_DEPTH", 3)
+    mkfile(host.ws / "a" / "b" / "c" / "d" / "e")
+    exc = refused(FailedPrecondition, plan_for, host, settings=with_blocked(host, "**/.env"))
+    assert "deep" in exc.reason
+
+
+def test_a_policy_cannot_show_an_always_blocked_path(host):
+    mkfile(host.ws / ".ssh" / "id_ed25519")
+    mkfile(host.ws / ".env")
+    for fs, field in (({"readRoots": ["/workspace/.ssh"]}, "policy.filesystem.readRoots[0]"),
+                      ({"readRoots": ["/workspace/src", "/workspace/.env"]}, "policy.filesystem.readRoots[1]"),
+                      ({"writeRoots": ["/workspace/.ssh"]}, "policy.filesystem.writeRoots[0]")):
+        (host.ws / "src").mkdir(exist_ok=True)
+        exc = refused(PermissionDenied, plan_for, host, fs)
+        assert exc.field == field and "always_blocked" in exc.reason and "no policy can show it" in exc.reason
+
+
+def test_a_workspace_in_an_always_blocked_directory_is_refused(host):
+    home = host.roots / "alice"  # the workspace root's user directory: ~
+    for path in (home / ".ssh", home / ".ssh" / "keys"):
+        path.mkdir(parents=True)
+        os.chown(path, WORKSPACE_UID, WORKSPACE_GID)
+        exc = refused(PermissionDenied, plan_for, host, workspace=str(path))
+        assert exc.field == "workspace" and "always_blocked: .ssh/" in exc.reason and str(home / ".ssh") in exc.reason
+
+
+def test_a_pattern_below_a_directory_above_the_workspace_still_masks(host):
+    docker = host.ws / ".docker"
+    mkfile(docker / "config.json", '{"auths": {}}')
+    mkfile(docker / "Dockerfile")
+    os.chown(docker, WORKSPACE_UID, WORKSPACE_GID)
+    plan = plan_for(host, workspace=str(docker))  # -w ~/.docker
+    assert _shapes(plan.masks) == (("/workspace/config.json", "file"),)
+    assert plan.masks[0].rule == "always_blocked: .docker/config.json"
+
+
+def test_an_empty_list_blocks_nothing(host):
+    mkfile(host.ws / ".env")
+    plan = plan_for(host, settings=with_blocked(host))
+    assert plan.masks == () and plan.notes == ()
+
+
+def test_an_always_blocked_symlink_masks_what_it_names(host):
+    mkfile(host.ws / "conf" / "real.env", "SECRET=1")
+    (host.ws / ".env").symlink_to("conf/real.env")
+    plan = plan_for(host)
+    assert _shapes(plan.masks) == (("/workspace/conf/real.env", "file"),)
+    assert "always_blocked: .env masks /workspace/conf/real.env (named /workspace/.env)" in plan.notes[0]
+    (host.ws / ".env").unlink()
+    (host.ws / ".env").symlink_to("conf/missing.env")  # dangling: nothing to mask, nothing said
+    assert plan_for(host).masks == () and plan_for(host).notes == ()
+
+
+def test_an_always_blocked_file_with_a_hard_link_is_refused_naming_the_rule(host):
+    mkfile(host.ws / ".env", "SECRET=1")
+    os.link(host.ws / ".env", host.ws / "innocent.txt")
+    exc = refused(FailedPrecondition, plan_for, host)
+    assert exc.field == "workspace" and exc.reason.startswith("always_blocked: .env: ")
+
+
+def test_a_policy_block_and_the_operators_give_one_mask_named_by_the_first(host):
+    mkfile(host.ws / ".env")
+    plan = plan_for(host, {"readRoots": ["/workspace"], "blockedPaths": [".env"]})
+    assert [(m.sandbox_path, m.rule) for m in plan.masks] == [("/workspace/.env", "policy.filesystem.blockedPaths[0]")]
+    assert plan.notes == ()
+
+
+def test_the_last_matching_pattern_decides(host):
+    mkfile(host.ws / "a.key")
+    mkfile(host.ws / "b.key")
+    plan = plan_for(host, settings=with_blocked(host, "*.key", "!a.key"))
+    assert _shapes(plan.masks) == (("/workspace/b.key", "file"),)
+    plan = plan_for(host, settings=with_blocked(host, "!a.key", "*.key"))
+    assert set(_shapes(plan.masks)) == {("/workspace/a.key", "file"), ("/workspace/b.key", "file")}
+
+
+@pytest.mark.parametrize("pattern, problem", [
+    ("", "no path"), ("/etc/passwd", "no path"), ("!", "no path"), ("a/../b", "'..'"), ("a//b", "empty"),
+    ("a/**/b", "'**' only"), ("*/x", "only its last name"), ("x\x00", "NUL"), ("x" * 256, "255 bytes"),
+])
+def test_a_malformed_pattern_is_refused_naming_its_index(pattern, problem):
+    with pytest.raises(InvalidArgument) as exc:
+        always_blocked(("ok", pattern))
+    assert exc.value.field == "always_blocked[1]" and problem in exc.value.reason
+
+
+def test_rule_for_names_the_pattern_hiding_a_path_or_a_directory_above_it():
+    rules = always_blocked(DaemonSettings().always_blocked)
+    assert rules.rule_for(("alice",), (".env",)) == "always_blocked: .env"
+    assert rules.rule_for(("alice",), (".ssh", "id_ed25519")) == "always_blocked: .ssh/"
+    assert rules.rule_for(("alice",), (".env.example",)) is None
+    assert rules.rule_for(("alice",), ("sub", ".env")) is None
+    assert rules.rule_for(("alice", ".docker"), ("config.json",)) == "always_blocked: .docker/config.json"

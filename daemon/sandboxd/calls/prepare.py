@@ -19,8 +19,9 @@ from sandboxd.egress.proxy import EgressProxy
 from sandboxd.ledger import events as ev
 from sandboxd.outputs.tempdir import outputs_dir
 from sandboxd.policy import images
-from sandboxd.policy.models import EffectivePolicy, PreparedToolCall, check_admission, resolve_policy
-from sandboxd.policy.preflight import HostPlan, preflight
+from sandboxd.policy.models import (EffectivePolicy, PreparedToolCall, check_admission, check_private_networks,
+                                    resolve_policy)
+from sandboxd.policy.preflight import HostPlan, always_blocked, preflight
 from sandboxd.policy.principal import Principal
 from sandboxd.pools import CommandSpec, LeaseSandbox, PoolManager
 from sandboxd.recording.filewatch import FileWatchError, reader_library
@@ -81,6 +82,7 @@ class Preparer:
         self._pools = pools
         # An allowlisted name the daemon's environment lacks is inherited as unset (None), not refused.
         self._inheritable = {n: os.environ.get(n) for n in settings.inheritable_env}
+        always_blocked(settings.always_blocked)  # a malformed pattern stops the start, naming it
 
     def prepare(self, call: PreparedToolCall, tool_call_id: str, caller: Principal | None, *,
                 resolve_credentials: bool = True, sandbox: bool = True) -> Prepared:
@@ -89,7 +91,7 @@ class Preparer:
         for the daemon's own templates. `resolve_credentials` False (ExplainPolicy, a
         pool's template) resolves none. `sandbox` False (a command for a leased sandbox,
         which exists) stops after the host checks: no image lookup, no spec."""
-        policy, backend, image = self._check_request(call)
+        policy, backend, image = self._check_request(call, caller)
         plan = preflight(policy, call.workspace, self._settings,
                          owner_uid=None if caller is None or caller.admin else caller.uid)
         if records_files(policy, self._settings, plan):
@@ -113,11 +115,16 @@ class Preparer:
                                attachments=attachments)
         return Prepared(call, policy, plan, image, digest, backend, spec, sandbox_id, attachments, secrets)
 
-    def _check_request(self, call: PreparedToolCall) -> tuple[EffectivePolicy, Backend, str]:
-        """The policy, the backend and the image, each refused if the daemon does not allow it."""
+    def _check_request(self, call: PreparedToolCall,
+                       caller: Principal | None) -> tuple[EffectivePolicy, Backend, str]:
+        """The policy, the backend and the image, each refused if the daemon does not allow
+        it. Every path a policy takes passes here (a call, a leased command, a pool or a
+        lease, ExplainPolicy, a transfer's view), so the operator's floors are checked here."""
         check_admission(call)
         limits = self._settings.limits
         policy = resolve_policy(call, limits, self._inheritable)
+        check_private_networks(policy, caller.name if caller is not None else None,
+                               self._settings.egress.private_networks_principals)
         argv_bytes = sum(len(a.encode()) + 1 for a in call.argv)
         if argv_bytes > limits.max_argv_bytes:
             raise InvalidArgument(f"{argv_bytes} bytes exceed the maximum of {limits.max_argv_bytes}", field="argv")
@@ -168,6 +175,7 @@ class Preparer:
         ws = pools.sandbox_for(call.runtime.lease_id, caller, prepared)
         with ExitStack() as undo:
             undo.callback(pools.command_done, ws, True)  # the sandbox is the lease's again
+            refuse_unmasked(call.runtime.lease_id, prepared.plan, ws.prepared.plan)
             # The sandbox's own attachments (the proxy variables) apply to every command;
             # env secrets travel to the supervisor on its private socket, never in a spec.
             env = {**prepared.policy.env, **ws.prepared.attachments.env()}
@@ -202,6 +210,20 @@ def resolve_allowed_image(allowed_images: tuple[str, ...], backend: Backend, ima
         raise PermissionDenied(f"image {image!r} resolves to {digest[:19]} ({shown}), which is not in the "
                                "daemon's allowed images", field="runtime.image")
     return digest
+
+
+def refuse_unmasked(lease_id: str, command: HostPlan, sandbox: HostPlan) -> None:
+    """A leased command's masks, found now, against its sandbox's, placed when it was made:
+    a blocked path the sandbox does not mask on the same inode would be visible to the
+    command. It appeared since (created by the owner, or by an earlier command), or was
+    replaced (an editor's rename over it, which also takes the mount off the old inode in
+    every namespace). Refused; a new lease's sandbox masks it."""
+    masked = {(m.sandbox_path, m.dev, m.ino) for m in sandbox.masks}
+    for m in command.masks:
+        if (m.sandbox_path, m.dev, m.ino) not in masked:
+            raise FailedPrecondition(f"lease {lease_id}: {m.sandbox_path} (blocked by {m.rule or 'the policy'}) is not "
+                                     "masked in its sandbox: it appeared or was replaced after the sandbox was made; "
+                                     "release the lease and acquire another", field="runtime.leaseId")
 
 
 def refuse_kept_tempdir(policy: EffectivePolicy, why: str) -> None:

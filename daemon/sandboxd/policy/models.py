@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -480,6 +480,23 @@ def request_digest(call: PreparedToolCall) -> str:
         "adapter": call.runtime.adapter, "image": call.runtime.image,
     }
     return "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest()
+
+
+# The setting that lets a principal lower denyPrivateNetworks (core/settings.py, EgressSettings).
+PRIVATE_NETWORKS_SETTING = "egress.private_networks_principals"
+
+
+def check_private_networks(policy: EffectivePolicy, principal: str | None, allowed: Sequence[str]) -> None:
+    """The operator's floor under denyPrivateNetworks: false (private, link-local and
+    unique-local addresses reachable, through the proxy or on the engine's own network)
+    only for a principal in `allowed` ("*": every one). `principal` None (no caller: the
+    daemon's own) is listed only by "*"."""
+    if policy.deny_private_networks or "*" in allowed or (principal is not None and principal in allowed):
+        return
+    who = f"principal {principal!r} is" if principal is not None else "no principal is"
+    raise PermissionDenied(f"false lets the sandbox reach private and link-local addresses, which only the principals "
+                           f"the operator lists in {PRIVATE_NETWORKS_SETTING} may ask for ({who} not listed)",
+                           field="policy.network.denyPrivateNetworks")
 
 
 def check_admission(call: PreparedToolCall, now: datetime | None = None) -> None:
