@@ -15,6 +15,7 @@ import yaml
 from .client import SandboxdClient
 from .contexts import resolve_target
 from .errors import SandboxdClientError
+from .terminal import visible
 from sandboxd_contract.pb import sandboxd_pb2 as pb
 
 EXIT_REFUSED = 125
@@ -24,7 +25,9 @@ EXIT_CANCELLED = 130
 
 
 def fail(message: str, code: int = EXIT_REFUSED) -> int:
-    print(f"sandboxctl: {message}", file=sys.stderr)
+    """The reason on stderr, its control characters shown (it may echo a sandbox's
+    path or a daemon's message that does), piped or not."""
+    print(f"sandboxctl: {visible(message)}", file=sys.stderr)
     return code
 
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 from .cli_common import EXIT_CANCELLED, connect, dump_json, exit_code_for, fail, load_policy, rpc_failed, workspace_of
 from .client import to_json
 from .errors import SandboxdClientError
+from .local_files import write_whole
+from .terminal import Sink, sink, visible
 from sandboxd_contract.pb import sandboxd_pb2 as pb
 
 WORKSPACE = "/workspace"
@@ -151,22 +151,14 @@ def exec_call(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 
 def write_result_json(path: str, result: pb.ToolResult) -> None:
-    """Whole or not at all: a reader never finds half a result."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".result.", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(dump_json(to_json(result)) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Whole or not at all (a reader never finds half a result), readable by its owner,
+    under a name no one else can plant a link at."""
+    write_whole(path, lambda f: f.write(dump_json(to_json(result)).encode() + b"\n"), mode=0o600)
 
 
-def _stream(client: Any, call: dict[str, Any]) -> tuple[pb.ToolResult | None, int | None]:
-    """The call's output to this process's stdout and stderr; (its result, or None and
-    the exit code when it has none)."""
-    out, err = sys.stdout.buffer, sys.stderr.buffer
+def _stream(client: Any, call: dict[str, Any], out: Sink, err: Sink) -> tuple[pb.ToolResult | None, int | None]:
+    """The call's output to `out` and `err` (this process's stdout and stderr, made
+    visible on a terminal); (its result, or None and the exit code when it has none)."""
     stream = client.execute(call)
     result = None
     try:
@@ -196,8 +188,13 @@ def cmd_exec(args: argparse.Namespace) -> int:
         return fail(str(exc))
     if args.stdin:
         call["stdin"] = sys.stdin.buffer.read()
+    out, err = sink(sys.stdout, args.raw), sink(sys.stderr, args.raw)
     with connect(args) as client:
-        result, code = _stream(client, call)
+        try:
+            result, code = _stream(client, call, out, err)
+        finally:
+            out.close()
+            err.close()
     if result is None:
         return code if code is not None else fail("the daemon ended the stream without a result")
     if args.result_json:
@@ -206,5 +203,5 @@ def cmd_exec(args: argparse.Namespace) -> int:
         sys.stdout.buffer.write(dump_json(to_json(result)).encode() + b"\n")
         sys.stdout.buffer.flush()
     if result.status == "error" and result.exit_code < 0 and result.error.message:
-        print(f"sandboxctl: {result.error.code}: {result.error.message}", file=sys.stderr)
+        print(f"sandboxctl: {visible(result.error.code)}: {visible(result.error.message)}", file=sys.stderr)
     return exit_code_for(result)

@@ -11,6 +11,7 @@ from .cli_common import (EXIT_CANCELLED, connect, dump_json, fail, load_policy, 
                          shown, workspace_of)
 from .client import to_json
 from .errors import SandboxdClientError
+from .terminal import sink
 from sandboxd_contract.pb import sandboxd_pb2 as pb
 
 
@@ -26,7 +27,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
             return rpc_failed(exc)
     if args.quiet:
         for c in running.calls:
-            print(c.tool_call_id)
+            print(shown(c.tool_call_id))  # (a caller may choose its call's id)
         return 0
     if args.json:
         print(dump_json(to_json(running)))
@@ -50,7 +51,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     (a finished call's stored output), or with -f everything until the call ends."""
     if args.since_byte < 0:
         return fail("--since-byte: must be 0 or more", 2)
-    out, err = sys.stdout.buffer, sys.stderr.buffer
+    out, err = sink(sys.stdout, args.raw), sink(sys.stderr, args.raw)  # the sandbox's bytes
     with connect(args) as client:
         stream = client.stream_output(args.call_id, follow=args.follow, stdout_offset=args.since_byte,
                                       stderr_offset=args.since_byte)
@@ -65,6 +66,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
             return EXIT_CANCELLED
         except SandboxdClientError as exc:
             return rpc_failed(exc)
+        finally:
+            out.close()
+            err.close()
     return 0
 
 

@@ -33,6 +33,11 @@ def connection_options() -> argparse.ArgumentParser:
     return p
 
 
+def _raw(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--raw", action="store_true", help="the sandbox's bytes as they are on a terminal too (there, "
+                   "by default, control characters but newline and tab are shown as escapes)")
+
+
 def _exec(sub, conn) -> None:
     p = sub.add_parser("exec", parents=[conn], help="run a command in a fresh (or leased) sandbox")
     p.add_argument("--workspace", help="host workspace directory (default: the current directory)")
@@ -54,6 +59,7 @@ def _exec(sub, conn) -> None:
     p.add_argument("--stdin", action="store_true", help="pass this process's stdin to the command")
     p.add_argument("--json", action="store_true", help="print the ToolResult as JSON after the output")
     p.add_argument("--result-json", metavar="FILE", help="write the ToolResult as JSON to FILE (not to stdout)")
+    _raw(p)
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_exec)
 
@@ -81,6 +87,7 @@ def _live(sub, conn) -> None:
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the call ends")
     p.add_argument("--since-byte", type=int, default=0, metavar="N",
                    help="skip the first N bytes of stdout and of stderr")
+    _raw(p)
     p.set_defaults(func=cmd_logs)
     p = sub.add_parser("cancel", parents=[conn], help="cancel running calls (their sandboxes are removed)")
     p.add_argument("call_ids", nargs="+", metavar="CALL_ID")
@@ -94,6 +101,7 @@ def _records(sub, conn) -> None:
     g = asub.add_parser("get", parents=[conn], help="download an artifact and verify its sha256")
     g.add_argument("artifact_id")
     g.add_argument("-o", "--output", help="file to write (default: stdout)")
+    _raw(g)
     g.set_defaults(func=cmd_artifact_get)
     ls = asub.add_parser("ls", parents=[conn], help="list a call's artifacts")
     ls.add_argument("tool_call_id")
@@ -101,6 +109,7 @@ def _records(sub, conn) -> None:
     ls.set_defaults(func=cmd_artifact_ls)
     p = sub.add_parser("diff", parents=[conn], help="what a call changed in its write roots, as a unified diff")
     p.add_argument("tool_call_id", metavar="CALL_ID")
+    _raw(p)
     p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("trace", parents=[conn], help="a call's event chain: `trace CALL_ID`, `trace verify`, "

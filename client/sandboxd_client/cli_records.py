@@ -5,29 +5,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections import Counter
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from sandboxd_contract.canonical import GENESIS_HASH, check_checkpoints, event_hash, file_accesses, verify_chain
 from .cli_common import connect, fail, load_policy, shorten, shown, workspace_of
 from .client import to_json
 from .errors import SandboxdClientError
+from .local_files import write_whole
+from .terminal import sink, visible
 
 
 def cmd_artifact_get(args: argparse.Namespace) -> int:
     with connect(args) as client:
         try:
             if args.output and args.output != "-":
-                tmp = args.output + ".part"
-                with open(tmp, "wb") as f:
-                    ref = client.download_artifact(args.artifact_id, f)
-                os.replace(tmp, args.output)
+                # Whole or not at all, under a name no one else can plant a link at.
+                ref = write_whole(args.output, lambda f: client.download_artifact(args.artifact_id, f))
             else:
-                ref = client.download_artifact(args.artifact_id, sys.stdout.buffer)
-                sys.stdout.buffer.flush()
+                out = sink(sys.stdout, args.raw)  # the sandbox's bytes: made visible on a terminal
+                try:
+                    ref = client.download_artifact(args.artifact_id, cast(BinaryIO, out))
+                finally:
+                    out.close()
         except SandboxdClientError as exc:
             return fail(f"{exc.code.name}: {exc.message}", 1)
     print(f"{ref.artifact_id} {ref.kind} {ref.size_bytes} bytes {ref.content_hash} (verified)", file=sys.stderr)
@@ -44,7 +46,8 @@ def cmd_artifact_ls(args: argparse.Namespace) -> int:
         print(json.dumps([to_json(r) for r in refs], sort_keys=True))
     else:
         for r in refs:
-            where = f"\t{r.change} {r.path}" + (f" (from {r.previous_path})" if r.previous_path else "") \
+            # The paths are the sandbox's, escaped.
+            where = f"\t{r.change} {shown(r.path)}" + (f" (from {shown(r.previous_path)})" if r.previous_path else "") \
                 if r.path else ""
             print(f"{r.artifact_id}\t{r.kind}\t{r.size_bytes}\t{r.content_hash}{where}")
     return 0
@@ -58,8 +61,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
             if not diffs:
                 return fail(f"call {args.tool_call_id} has no diff: it changed no file in a write root, "
                             "or the daemon keeps no diffs (artifacts.diff)", 1)
-            client.download_artifact(diffs[0].artifact_id, sys.stdout.buffer)
-            sys.stdout.buffer.flush()
+            out = sink(sys.stdout, args.raw)  # what the sandbox wrote: made visible on a terminal
+            try:
+                client.download_artifact(diffs[0].artifact_id, cast(BinaryIO, out))
+            finally:
+                out.close()
         except SandboxdClientError as exc:
             return fail(f"{exc.code.name}: {exc.message}", 1)
     return 0
@@ -194,7 +200,8 @@ def _trace_verify(args: argparse.Namespace) -> int:
     elif report.ok:
         print(f"ok: {report.events_checked} events, head {report.head_hash}")
     else:
-        print(f"BROKEN at seq {report.first_bad_seq}: {report.reason} ({report.events_checked} events checked)")
+        print(f"BROKEN at seq {report.first_bad_seq}: {visible(report.reason)} ({report.events_checked} events "
+              "checked)")
     return 0 if report.ok else 1
 
 
@@ -206,18 +213,20 @@ def _export_fields(entry: dict[str, Any]) -> dict[str, Any]:
 
 def _trace_export(args: argparse.Namespace) -> int:
     """JSONL, one event per line, with payloadJson exactly as hashed (verifiable offline)."""
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    n = 0
-    try:
+    def export(out: BinaryIO) -> int:
+        n = 0
         with connect(args) as client:
             for e in client.export_events(args.call or "", args.after_seq):
-                out.write(json.dumps(to_json(e), sort_keys=True) + "\n")
+                out.write(json.dumps(to_json(e), sort_keys=True).encode() + b"\n")  # (ASCII: escapes shown)
                 n += 1
+        return n
+
+    try:
+        # A file whole or not at all, under a name no one else can plant a link at.
+        n = write_whole(args.output, export) if args.output else export(sys.stdout.buffer)
     except SandboxdClientError as exc:
         return fail(f"{exc.code.name}: {exc.message}", 1)
-    finally:
-        if out is not sys.stdout:
-            out.close()
+    sys.stdout.flush()
     print(f"exported {n} events", file=sys.stderr)
     return 0
 
@@ -235,9 +244,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
                           "spec": json.loads(resp.spec_json), "notes": list(resp.notes),
                           "network": json.loads(resp.network_plan_json or "{}")}, sort_keys=True))
     else:
-        print(f"backend: {resp.backend}\nimage:   {resp.image}\n\neffective policy:\n{resp.effective_policy_json}\n")
-        print(f"network:\n{resp.network_plan_json}\n")
-        print(f"{resp.backend} spec:\n{resp.spec_json}")
+        # Names and paths from a policy (an agent may have written it), escaped.
+        print(visible(f"backend: {resp.backend}\nimage:   {resp.image}\n\neffective policy:\n"
+                      f"{resp.effective_policy_json}\n"))
+        print(visible(f"network:\n{resp.network_plan_json}\n"))
+        print(visible(f"{resp.backend} spec:\n{resp.spec_json}"))
         for n in resp.notes:
-            print(f"note: {n}")
+            print(f"note: {visible(n)}")
     return 0

