@@ -71,8 +71,9 @@ def connect(args: argparse.Namespace) -> SandboxdClient:
 
 def shown(text: Any) -> str:
     """A name from a sandbox, safe on a terminal: a file may be called "x\n... ok" or
-    hold escape sequences, and must not forge or erase a line of the trace."""
-    return json.dumps(str(text), ensure_ascii=False)[1:-1]
+    hold escape sequences, and must not forge or erase a line of the trace. JSON escapes
+    C0 controls only: DEL, C1 controls and bidi overrides are escaped as well."""
+    return visible(json.dumps(str(text), ensure_ascii=False)[1:-1])
 
 
 def shorten(text: str, width: int) -> str:

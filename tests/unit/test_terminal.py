@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from sandboxd_client.cli_common import fail
+from sandboxd_client.cli_common import fail, shown
 from sandboxd_client.terminal import Sink, VisibleBytes, on_terminal, sink, visible
 
 
@@ -59,6 +59,11 @@ def test_a_sink_holds_a_split_character_until_it_is_whole_or_closed():
     assert s.write(b"\xe2\x9c") == 2 and buf.getvalue() == b""
     s.close()
     assert buf.getvalue() == b"\\xe2\\x9c"
+
+
+def test_a_table_cell_escapes_c1_controls_del_and_bidi_too():
+    # JSON's escapes stop at U+001F: a C1 CSI, DEL or a bidi override went through.
+    assert shown("a\x1b[2J\x9b2J\x7f\u202eb\nc") == "a\\u001b[2J\\x9b2J\\x7f\\u202eb\\nc"
 
 
 def test_a_refusal_echoing_a_sandbox_path_shows_its_escapes(capsys):
