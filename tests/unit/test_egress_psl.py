@@ -168,3 +168,17 @@ def test_no_network_at_runtime():
             "import sandboxd.policy.egress_rules as e\n"
             "assert e.public_suffix_below('railway.app').name == 'up.railway.app'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=egress.__file__.rsplit("/sandboxd/", 1)[0])
+
+
+def test_the_proxy_checks_the_patterns_again_where_it_uses_them(tmp_path):
+    # Admission refuses these; a pattern that reached the proxy some other way is still
+    # never turned into a rule (the endpoint is not opened).
+    from sandboxd.egress.proxy import EgressProxy
+    proxy = EgressProxy(socket_dir=tmp_path, host_overrides={}, system_dns=False)
+    try:
+        assert proxy.rules(("allowed.test", "*.Example.COM."), True).patterns == ("allowed.test", "*.example.com")
+        for pattern in ("*.railway.app", "*.github.io", "*.com"):
+            with pytest.raises(ValueError):
+                proxy.rules(("allowed.test", pattern), True)
+    finally:
+        proxy.stop()

@@ -102,18 +102,24 @@ class _OneAnswer(asyncio.DatagramProtocol):
 
 
 async def resolve(name: str, servers: tuple[str, ...], timeout_s: float = 2.0) -> list[IPAddress]:
-    """A then AAAA records of `name`, from the first server that answers."""
-    last: Exception | None = None
+    """A then AAAA records of `name`, from the first server that answers. Both questions
+    go at once, so a server that does not answer costs timeout_s, not twice that (the
+    proxy holds the whole lookup to one deadline)."""
+    last: BaseException | None = None
     for server in servers:
         host, port = parse_server(server)
         out: list[IPAddress] = []
         answered = False
-        for qtype in (TYPE_A, TYPE_AAAA):
-            try:
-                out += await _ask(host, port, name, qtype, timeout_s)
+        answers = await asyncio.gather(*(_ask(host, port, name, qtype, timeout_s) for qtype in (TYPE_A, TYPE_AAAA)),
+                                       return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, (OSError, TimeoutError, DNSError)):
+                last = answer
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                out += answer
                 answered = True
-            except (OSError, TimeoutError, DNSError) as exc:
-                last = exc
         if answered:
             return out  # an answer to either question will do (none: the name has no address)
     raise DNSError(f"no DNS server answered for {name}: {last}")

@@ -13,11 +13,19 @@ counted. Inside a CONNECT tunnel that carries plain HTTP, every request is frame
 same way and each one's Host is checked (`TunnelRequests`); anything it cannot read
 ends the tunnel. What goes upstream is a function of the client's bytes alone, never
 of how they were cut into reads: a refusal carries (`ProxyRefusal.forward`) whatever
-was checked before the refused input in the same read."""
+was checked before the refused input in the same read.
+
+The framers also say since when they hold an incomplete framing element (a request
+head, a chunk-size line, a body's last chunk and trailer): `pending_since`, on the
+clock they are given. The relay ends a connection whose element is not whole within
+the head timeout of its first byte, so no part of the framing this proxy buffers can
+be trickled in for longer than a request head may take (`timed_out` says how)."""
 
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import h11
@@ -25,6 +33,10 @@ import h11
 from sandboxd.policy.egress_rules import normalize_host, parse_ip
 
 MAX_HEAD_BYTES = 64 * 1024
+# How long a request head (and any framing element the proxy holds: a SOCKS5 request, a
+# TLS ClientHello, a chunk-size line, a trailer) may take from its first byte to its
+# last, wherever the proxy reads one: a deadline, however the bytes trickle in.
+HEAD_TIMEOUT_S = 30.0
 # A host as the record keeps it when the request could not be read whole: bounded.
 MAX_RECORDED_HOST_CHARS = 255
 MAX_RECORDED_METHOD_CHARS = 64
@@ -293,12 +305,17 @@ def tunnel_request_head(req: RequestHead) -> bytes:
 class BodyFramer:
     """A request's body, read by h11 to its end: `feed` returns what may go upstream
     (a chunked body re-encoded as canonical chunks). Bytes past the end are dropped
-    and counted in `extra`; a malformed body raises ProxyRefusal."""
+    and counted in `extra`; a malformed body raises ProxyRefusal. `pending_since`: when
+    the first byte of the chunk-size line or trailer h11 holds incomplete came (`clock`
+    time), None when it holds nothing (a Content-Length body is never held)."""
 
-    def __init__(self, req: RequestHead):
+    def __init__(self, req: RequestHead, clock: Callable[[], float] = time.monotonic):
         self._parser, self._chunked = req.parser, req.chunked
+        self._clock = clock
         self.done = False
         self.extra = 0
+        self.pending_since: float | None = None
+        self._events = 0  # events h11 gave so far: a new one means the element held before is whole
         self._drain()  # a request without a body ends at its head
 
     def feed(self, data: bytes) -> bytes:
@@ -307,8 +324,19 @@ class BodyFramer:
             return b""
         if not data:
             return b""  # h11 reads empty bytes as the end of the stream
+        now, events = self._clock(), self._events
         self._parser.receive_data(data)
-        return self._drain()
+        out = self._drain()
+        if self.done or not self._parser.trailing_data[0]:
+            self.pending_since = None
+        elif self._events != events or self.pending_since is None:
+            self.pending_since = now  # what h11 holds came in this read
+        return out
+
+    def timed_out(self, timeout_s: float) -> ProxyRefusal:
+        """The refusal of a body whose held element (pending_since) took too long."""
+        return ProxyRefusal(408, "framing-timeout", f"a chunk-size line or trailer of the request body was not "
+                            f"complete within {timeout_s:g} s of its first byte", decision="allowed")
 
     def feed_eof(self) -> None:
         """The client stopped sending: a body cut short is refused."""
@@ -334,6 +362,8 @@ class BodyFramer:
                                        decision="allowed")
                 refusal.forward = b"".join(out)
                 raise refusal from None
+            if isinstance(event, (h11.Data, h11.EndOfMessage)):
+                self._events += 1
             if isinstance(event, h11.Data):
                 if self._chunked and event.data:
                     out.append(b"%x\r\n%s\r\n" % (len(event.data), bytes(event.data)))
@@ -353,13 +383,28 @@ class TunnelRequests:
     """Plain HTTP inside a CONNECT tunnel to host:port: every request parsed, its Host
     checked, its head and body re-serialized. `feed` returns what may go upstream and
     raises ProxyRefusal (status 0: the tunnel is closed) at the first request it cannot
-    read or that names another host, its `forward` what was checked before it."""
+    read or that names another host, its `forward` what was checked before it.
+    `pending_since`: when the first byte of the head (or of the body's framing) held
+    incomplete came, on `clock`; empty lines skipped before a head hold nothing."""
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, clock: Callable[[], float] = time.monotonic):
         self.host, self.port = host, port
         self.checked = 0  # requests whose head was read and checked
+        self._clock = clock
         self._buf = bytearray()
         self._body: BodyFramer | None = None
+        self._head_since: float | None = None
+
+    @property
+    def pending_since(self) -> float | None:
+        return self._body.pending_since if self._body is not None else self._head_since
+
+    def timed_out(self, timeout_s: float) -> ProxyRefusal:
+        """The refusal of the element held too long (pending_since): the tunnel is closed."""
+        if self._body is not None:
+            return ProxyRefusal(0, "framing-timeout", self._body.timed_out(timeout_s).reason)
+        return ProxyRefusal(0, "head-timeout", f"a request head inside the tunnel was not complete within "
+                            f"{timeout_s:g} s of its first byte")
 
     def feed(self, data: bytes) -> bytes:
         out: list[bytes] = []
@@ -371,6 +416,7 @@ class TunnelRequests:
         return b"".join(out)
 
     def _feed(self, data: bytes, out: list[bytes]) -> None:
+        now = self._clock()
         self._buf += data
         while True:
             if self._body is not None:
@@ -389,7 +435,12 @@ class TunnelRequests:
             # Servers skip empty lines before a request line (RFC 9112 2.2): so does this.
             while self._buf[:2] == b"\r\n":
                 del self._buf[:2]
-            if not self._buf or self._buf == b"\r":  # nothing yet, or half an empty line
+            if not self._buf:
+                self._head_since = None
+                break
+            if self._head_since is None:
+                self._head_since = now  # a head's first byte (or half an empty line) is held from now
+            if self._buf == b"\r":  # half an empty line
                 break
             end = self._buf.find(b"\r\n\r\n")
             if end < 0:
@@ -405,8 +456,9 @@ class TunnelRequests:
                 raise ProxyRefusal(0, "unreadable-first-bytes", f"HTTP request head: {exc.reason}") from None
             tunnel_host_check(req, self.host, self.port)
             self.checked += 1
+            self._head_since = None
             out.append(tunnel_request_head(req))
-            self._body = BodyFramer(req)
+            self._body = BodyFramer(req, self._clock)
 
     def feed_eof(self) -> None:
         pass  # a request cut short inside a tunnel is the origin's to refuse: nothing more is sent
@@ -424,7 +476,7 @@ def response_status(first: bytes) -> int:
 
 
 def refusal_response(status: int, rule: str, reason: str) -> bytes:
-    phrase = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway", 503: "Service Unavailable",
+    phrase = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 502: "Bad Gateway", 503: "Service Unavailable",
               504: "Gateway Timeout"}.get(status, "Error")
     body = f"sandboxd egress proxy: {reason} (rule: {rule})\n".encode()
     return (f"HTTP/1.1 {status} {phrase}\r\nContent-Type: text/plain; charset=utf-8\r\n"
@@ -433,7 +485,7 @@ def refusal_response(status: int, rule: str, reason: str) -> bytes:
 
 
 # RFC 1928 reply codes for what the HTTP side answers with a status.
-SOCKS5_REPLY_FOR_STATUS = {400: 0x07, 403: 0x02, 502: 0x05, 503: 0x01, 504: 0x04}
+SOCKS5_REPLY_FOR_STATUS = {400: 0x07, 403: 0x02, 408: 0x01, 502: 0x05, 503: 0x01, 504: 0x04}
 
 
 def socks5_reply(code: int) -> bytes:

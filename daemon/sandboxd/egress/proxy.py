@@ -17,6 +17,13 @@ carries TLS (its SNI checked), plain HTTP (every request's Host checked), or a
 protocol whose server speaks first, and is closed on anything else. Each connection
 leaves one ConnectionRecord, the call's NetworkAccessObserved event.
 
+Nothing a sandbox sends is waited on without a bound: every request head (the first,
+and each one inside a tunnel), SOCKS5 request, TLS ClientHello, chunk-size line and
+trailer must be whole within head_timeout_s of its first byte; a relayed connection
+on which nothing moves for relay_idle_timeout_s is closed; a lookup (its wait for one
+of the sandbox's resolver slots included) has DNS_TIMEOUT_S, and a slot is held until
+its resolver thread really returns.
+
 It runs on one asyncio loop in its own thread; the call threads talk to it through
 open_endpoint / close_endpoint."""
 
@@ -35,12 +42,13 @@ from typing import cast
 
 from sandboxd.egress import dns
 from sandboxd.ledger import events as ev
-from sandboxd.policy.egress_rules import Decision, EgressRules, IPAddress, decide_address, decide_host, host_addresses, normalize_host, parse_ip
+from sandboxd.policy.egress_rules import (Decision, EgressRules, IPAddress, decide_address, decide_host, host_addresses,
+                                          normalize_host, normalize_pattern, parse_ip)
 from sandboxd.egress.http import (HOP_BY_HOP, MAX_HEAD_BYTES, MAX_RECORDED_METHOD_CHARS, SOCKS5_REPLY_FOR_STATUS, BodyFramer,
                          ProxyRefusal, origin_form_request, parse_head, parse_proxy_target, parse_request,
                          refusal_response, response_status, socks5_reply, split_host_port)
 from sandboxd.egress.records import ConnectionRecord, EgressEndpoint, summarize_external_calls
-from sandboxd.egress.relay import FLUSH_GRACE_S, close_soon, relay
+from sandboxd.egress.relay import FLUSH_GRACE_S, RELAY_IDLE_TIMEOUT_S, close_soon, relay
 from sandboxd.egress.tls import MAX_HELLO_RECORD, IncompleteHello, looks_like_tls, tls_client_hello_sni
 from sandboxd.egress.tunnel import HEAD_TIMEOUT_S, RELAY_CHUNK, check_first_bytes, note_request_line, read_socks5_request
 
@@ -81,7 +89,8 @@ class _Link:
 class EgressProxy:
     def __init__(self, *, socket_dir: Path, host_overrides: dict[str, tuple[str, ...]],
                  system_dns: bool, dns_servers: tuple[str, ...] = (), exempt_networks: tuple[str, ...] = (), connect_timeout_s: float = 10.0,
-                 max_connections: int = 256, max_records: int = 2000):
+                 max_connections: int = 256, max_records: int = 2000, head_timeout_s: float = HEAD_TIMEOUT_S,
+                 relay_idle_timeout_s: float = RELAY_IDLE_TIMEOUT_S):
         self.socket_dir = socket_dir
         self.exempt = tuple(ipaddress.ip_network(n, strict=False) for n in exempt_networks)
         self._overrides = {normalize_host(k): tuple(v) for k, v in host_overrides.items()}
@@ -90,6 +99,8 @@ class EgressProxy:
         self._connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
         self._max_records = max_records
+        self._head_timeout_s = head_timeout_s
+        self._relay_idle_timeout_s = relay_idle_timeout_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="egress-proxy", daemon=True)
         self._started = False
@@ -126,8 +137,11 @@ class EgressProxy:
         return self.socket_dir / f"{sandbox_id}.sock"
 
     def rules(self, allow_domains: tuple[str, ...], deny_private: bool, *, any_host: bool = False) -> EgressRules:
+        # Checked again where they are used (ValueError): a pattern that reached the proxy
+        # without admission's check still never admits a public suffix's names.
+        patterns = tuple(normalize_pattern(p) for p in allow_domains)
         # The host's addresses now: bridges and interfaces come and go.
-        return EgressRules(allow_domains, deny_private, host_addresses(), self.exempt, any_host)
+        return EgressRules(patterns, deny_private, host_addresses(), self.exempt, any_host)
 
     def open_endpoint(self, sandbox_id: str, rules: EgressRules, *, uid: int, gid: int,
                       record_allowed: bool = True) -> EgressEndpoint:
@@ -282,20 +296,35 @@ class EgressProxy:
     async def _serve_socks5(self, ep: EgressEndpoint, rec: ConnectionRecord, link: _Link,
                             reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         rec.protocol, rec.method = "socks5", "CONNECT"
-        await asyncio.wait_for(read_socks5_request(rec, reader, writer), HEAD_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(read_socks5_request(rec, reader, writer), self._head_timeout_s)
+        except TimeoutError:
+            raise ProxyRefusal(0, "head-timeout", f"the SOCKS5 request was not complete within "
+                               f"{self._head_timeout_s:g} s of its first byte") from None
         link.reader, link.writer = await self._connect(ep, rec)
         rec.decision, rec.status = "allowed", 200
         writer.write(socks5_reply(0))
         await writer.drain()
-        framer = await check_first_bytes(rec, reader, link.writer)
-        await relay(rec, reader, writer, link.reader, link.writer, framer)
+        await self._tunnel(rec, link, reader, writer)
+
+    async def _tunnel(self, rec: ConnectionRecord, link: _Link, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        """An established tunnel (CONNECT or SOCKS5): its first bytes checked, then relayed."""
+        assert link.reader is not None and link.writer is not None
+        framer = await check_first_bytes(rec, reader, link.writer, self._head_timeout_s)
+        await relay(rec, reader, writer, link.reader, link.writer, framer, head_timeout_s=self._head_timeout_s,
+                    idle_timeout_s=self._relay_idle_timeout_s)
 
     async def _serve_http(self, ep: EgressEndpoint, rec: ConnectionRecord, link: _Link, first: bytes,
                           reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A proxy request (CONNECT or absolute-form http://), exactly one per connection."""
         try:
-            head = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError) as exc:
+            head = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._head_timeout_s)
+        except TimeoutError:
+            note_request_line(rec, first + bytes(reader._buffer))  # type: ignore[attr-defined]  # noqa: SLF001
+            raise ProxyRefusal(408, "head-timeout", f"the request head was not complete within "
+                               f"{self._head_timeout_s:g} s of its first byte") from None
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError) as exc:
             partial = getattr(exc, "partial", b"")
             note_request_line(rec, first + (partial if isinstance(partial, bytes) else b""))
             raise ProxyRefusal(400, "bad-request", "no complete request head") from None
@@ -311,8 +340,7 @@ class EgressProxy:
             rec.decision, rec.status = "allowed", 200
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await writer.drain()
-            framer = await check_first_bytes(rec, reader, link.writer)
-            await relay(rec, reader, writer, link.reader, link.writer, framer)
+            await self._tunnel(rec, link, reader, writer)
             return
         if req.target[:8].lower() == "https://":
             raise ProxyRefusal(400, "bad-request", "https:// URLs go through CONNECT")
@@ -328,9 +356,10 @@ class EgressProxy:
         request = origin_form_request(req, rec.host, rec.port, path)
         link.writer.write(request)
         rec.bytes_up += len(request)
-        body = BodyFramer(req)
+        body = BodyFramer(req, self._loop.time)
         try:
-            await relay(rec, reader, writer, link.reader, link.writer, body)
+            await relay(rec, reader, writer, link.reader, link.writer, body, head_timeout_s=self._head_timeout_s,
+                        idle_timeout_s=self._relay_idle_timeout_s)
         except ProxyRefusal as refusal:
             if rec.bytes_down:  # an answer is on its way already: only the record says why it was cut
                 refusal.status = 0
@@ -347,9 +376,7 @@ class EgressProxy:
         if not decision.allowed:
             raise ProxyRefusal(403, decision.rule, decision.reason)
         rec.rule = decision.rule
-        assert ep.dns_slots is not None
-        async with ep.dns_slots:
-            addresses = await self._resolve(rec)
+        addresses = await self._resolve(ep, rec)
         permitted: list[IPAddress] = []
         first_refusal: Decision | None = None
         for ip in addresses:
@@ -375,27 +402,56 @@ class EgressProxy:
                 last_error = f"{ip} port {rec.port}: {exc or type(exc).__name__}"
         raise ProxyRefusal(502, rec.rule, f"cannot connect to {rec.host}: {last_error}", decision="allowed")
 
-    async def _resolve(self, rec: ConnectionRecord) -> list[IPAddress]:
+    async def _resolve(self, ep: EgressEndpoint, rec: ConnectionRecord) -> list[IPAddress]:
         literal = parse_ip(rec.host)
         if literal is not None:
             return [literal]
         if rec.host in self._overrides:
             return [ipaddress.ip_address(a) for a in self._overrides[rec.host]]
+        if not self._dns_servers and not self._system_dns:
+            raise ProxyRefusal(502, rec.rule, f"{rec.host} is not in the proxy's host table", decision="allowed")
+        # One deadline for the whole lookup, the wait for one of the sandbox's slots included.
+        deadline = self._loop.time() + DNS_TIMEOUT_S
+        slots = ep.dns_slots
+        assert slots is not None
+        try:
+            await asyncio.wait_for(slots.acquire(), DNS_TIMEOUT_S)
+        except TimeoutError:
+            raise ProxyRefusal(502, rec.rule, f"cannot resolve {rec.host}: the sandbox's {DNS_LOOKUPS_PER_SANDBOX} "
+                               f"lookups at a time were all still running after {DNS_TIMEOUT_S:g} s",
+                               decision="allowed") from None
         if self._dns_servers:
             try:
-                found = await dns.resolve(rec.host, self._dns_servers)
+                found = await asyncio.wait_for(dns.resolve(rec.host, self._dns_servers),
+                                               max(0.0, deadline - self._loop.time()))
             except dns.DNSError as exc:
                 raise ProxyRefusal(502, rec.rule, str(exc), decision="allowed") from None
+            except TimeoutError:
+                raise ProxyRefusal(502, rec.rule, f"cannot resolve {rec.host}: no answer within {DNS_TIMEOUT_S:g} s",
+                                   decision="allowed") from None
+            finally:
+                slots.release()
             if not found:
                 raise ProxyRefusal(502, rec.rule, f"{rec.host} has no address", decision="allowed")
             return found
-        if not self._system_dns:
-            raise ProxyRefusal(502, rec.rule, f"{rec.host} is not in the proxy's host table", decision="allowed")
         try:
             # Fully qualified ("name."), so the host's search domains are never appended.
-            infos = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
-                self._resolver_pool, socket.getaddrinfo, rec.host + ".", rec.port, 0, socket.SOCK_STREAM),
-                DNS_TIMEOUT_S)
+            lookup = self._loop.run_in_executor(self._resolver_pool, socket.getaddrinfo, rec.host + ".", rec.port, 0,
+                                                socket.SOCK_STREAM)
+        except BaseException:
+            slots.release()
+            raise
+
+        def thread_done(f: asyncio.Future) -> None:
+            # The slot is the thread's: a lookup given up on holds it until getaddrinfo
+            # returns, so one sandbox never blocks more than its share of the pool.
+            slots.release()
+            if not f.cancelled():
+                f.exception()  # retrieved: nobody may be waiting for it any more
+
+        lookup.add_done_callback(thread_done)
+        try:
+            infos = await asyncio.wait_for(asyncio.shield(lookup), max(0.0, deadline - self._loop.time()))
         except (socket.gaierror, TimeoutError) as exc:
             raise ProxyRefusal(502, rec.rule, f"cannot resolve {rec.host}: {exc or 'timed out'}",
                                decision="allowed") from None

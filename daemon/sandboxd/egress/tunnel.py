@@ -7,11 +7,11 @@ import asyncio
 import ipaddress
 
 from sandboxd.policy.egress_rules import normalize_host
-from sandboxd.egress.http import MAX_RECORDED_METHOD_CHARS, ProxyRefusal, TunnelRequests, best_effort_host, url_authority
+from sandboxd.egress.http import (HEAD_TIMEOUT_S, MAX_RECORDED_METHOD_CHARS, ProxyRefusal, TunnelRequests, best_effort_host,
+                                  url_authority)
 from sandboxd.egress.records import ConnectionRecord
 from sandboxd.egress.tls import MAX_HELLO_RECORD, IncompleteHello, looks_like_tls, tls_client_hello_sni
 
-HEAD_TIMEOUT_S = 30.0
 # Ports whose protocols let the server speak first (SSH, SMTP, FTP, POP, IMAP, MySQL):
 # a tunnel there is relayed if the client stays silent for a second (or, SSH's client
 # not waiting for the server, opens with its banner). Every other tunnel waits for the
@@ -50,33 +50,35 @@ async def read_socks5_request(rec: ConnectionRecord, reader: asyncio.StreamReade
         raise ProxyRefusal(400, "bad-request", f"bad port {port}")
 
 
-async def check_first_bytes(rec: ConnectionRecord, reader: asyncio.StreamReader,
-                             upstream: asyncio.StreamWriter) -> TunnelRequests | None:
+async def check_first_bytes(rec: ConnectionRecord, reader: asyncio.StreamReader, upstream: asyncio.StreamWriter,
+                            head_timeout_s: float = HEAD_TIMEOUT_S) -> TunnelRequests | None:
     """The tunnel's first bytes decide what it may carry. TLS: the ClientHello's SNI
     must agree with the target, then the rest is relayed. Plain HTTP: every request
     is framed and its Host checked (the TunnelRequests returned stays in the relay's
-    path). On a port whose server speaks first, a silent client or an SSH banner is
-    relayed. Anything else ends the tunnel before a byte is passed; so does a hello
-    or a head that never completes."""
-    wait = SERVER_FIRST_WAIT_S if rec.port in SERVER_FIRST_PORTS else HEAD_TIMEOUT_S
+    path, which holds each later head to the same deadline). On a port whose server
+    speaks first, a silent client or an SSH banner is relayed. Anything else ends the
+    tunnel before a byte is passed; so does a hello or a head that is not whole within
+    head_timeout_s of its first byte."""
+    wait = SERVER_FIRST_WAIT_S if rec.port in SERVER_FIRST_PORTS else head_timeout_s
     try:
         first = await asyncio.wait_for(reader.read(RELAY_CHUNK), wait)
     except TimeoutError:
         if rec.port in SERVER_FIRST_PORTS:
             return None  # the server speaks first (SSH, SMTP): nothing names a host
-        raise ProxyRefusal(0, "unreadable-first-bytes", f"the client sent nothing for {wait:.0f} s") from None
+        raise ProxyRefusal(0, "unreadable-first-bytes", f"the client sent nothing for {wait:g} s") from None
     if not first:
         return None
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + HEAD_TIMEOUT_S
+    deadline = loop.time() + head_timeout_s
 
     async def more(why: str) -> bytes:
         try:
             data = await asyncio.wait_for(reader.read(RELAY_CHUNK), max(0.0, deadline - loop.time()))
         except TimeoutError:
-            data = b""
+            raise ProxyRefusal(0, "head-timeout", f"{why}: not complete within {head_timeout_s:g} s of its "
+                               "first byte") from None
         if not data:
-            raise ProxyRefusal(0, "unreadable-first-bytes", why)
+            raise ProxyRefusal(0, "unreadable-first-bytes", f"{why}: the client stopped before its end")
         return data
 
     if looks_like_tls(first):
@@ -99,12 +101,12 @@ async def check_first_bytes(rec: ConnectionRecord, reader: asyncio.StreamReader,
         upstream.write(first)
         rec.bytes_up += len(first)
         return None
-    requests = TunnelRequests(rec.host, rec.port)
+    requests = TunnelRequests(rec.host, rec.port, loop.time)
     out = b""
     try:
         out += requests.feed(first)
         while not requests.checked:
-            out += requests.feed(await more("an HTTP request head that never ends"))
+            out += requests.feed(await more("an HTTP request head"))
     except ProxyRefusal as refusal:
         # What was checked before it goes, as it would have had it come in a read of its own.
         out += refusal.forward
