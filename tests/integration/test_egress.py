@@ -553,6 +553,24 @@ def test_allowlist_without_the_proxy_is_refused_never_run_open(spare_daemon, doc
     assert not leftover_sandboxes(docker_engine, d)
 
 
+@pytest.mark.parametrize("pattern, suffix, section", [
+    ("*.railway.app", "up.railway.app", "Public Suffix List, private section"),
+    ("*.on.aws", ".on.aws", "Public Suffix List, private section"),
+    ("*.herokuapp.com", "herokuapp.com", "Public Suffix List, private section"),
+    ("*.firebaseio.com", "firebaseio.com", "sandboxd's own list of shared suffixes"),
+])
+def test_a_wildcard_over_a_platforms_customers_is_refused_before_anything_starts(ec, ws, egress_daemon,
+                                                                                  docker_engine, pattern, suffix,
+                                                                                  section):
+    with pytest.raises(errors.InvalidArgument) as exc:
+        ec.run(call(ws, ["true"], allowlist(["allowed.test", "myapp.railway.app", "*.allowed.test", pattern])))
+    message = exc.value.message
+    assert "policy.network.allowDomains[3]" in message and pattern in message, message
+    assert f"{suffix}', a public suffix ({section})" in message or f"{suffix}' is a public suffix ({section})" \
+        in message, message
+    assert not leftover_sandboxes(docker_engine, egress_daemon)
+
+
 def test_explain_shows_the_network_plan(egress_daemon, ws):
     with egress_daemon.client() as c:
         resp = c.explain(allowlist(["pypi.test", "*.files.test"]), str(ws))
