@@ -25,7 +25,10 @@ from sandboxd.recording.baseline import Baseline
 from sandboxd.recording.changes import changed_files
 from sandboxd.secrets.redact import Redactor
 
+from .test_snapshot import reuse_inode_number
+
 ROOT = "/workspace"
+READER = (1000, 1000)  # the sandbox's user: the files below are root's, readable by all
 
 
 def sha(data: bytes) -> str:
@@ -61,7 +64,7 @@ def store(tmp_path):
 
 
 def collect(ws: Workspace, store: FileArtifactStore, redactor=None, **caps):
-    collector = OutputCollector(ArtifactSettings(**caps), store, ws.baseline, "call_1", ws.roots, redactor)
+    collector = OutputCollector(ArtifactSettings(**caps), store, ws.baseline, "call_1", ws.roots, redactor, READER)
     return collector.collect(ws.changed())
 
 
@@ -373,13 +376,78 @@ def test_the_content_before_is_shown_only_for_a_file_changed_in_place(tmp_path, 
     os.rename(ws.dir / "tmp", ws.dir / "sed.txt")
     with open(ws.dir / "edit.txt", "ab") as f:
         f.write(b"2\n")
-    got = collect_as(ws, store, None)
+    got = collect_as(ws, store, READER)
     [diff] = [r for r in got.records if r.kind == "diff"]
     text = read_blob(store, diff.content_hash).decode()
     assert "old secret" not in text and "-a\n" not in text
     assert " 1\n+2\n" in text
     assert text.count("# sandboxd: not diffed: its content before the call is shown only for a file changed "
                       "in place") == 2
+
+
+def test_a_new_file_in_the_inode_number_of_one_closed_to_the_sandbox_shows_nothing_of_it(tmp_path, store):
+    """The red-team's attack: secret.txt, root's and 0600, hashed as root before the call
+    (the baseline keeps it); the call removes it, makes files until one gets its inode
+    number and renames that one to secret.txt: the same path and inode number."""
+    ws = Workspace(tmp_path, {"edit.txt": b"1\n"})
+    os.chown(ws.dir, 1000, 1000)
+    (ws.dir / "secret.txt").write_bytes(b"ROOTONLY\n")
+    os.chmod(ws.dir / "secret.txt", 0o600)
+    ws.before = ws.snap()
+    assert ws.baseline.read(sha(b"ROOTONLY\n")) == b"ROOTONLY\n"  # as the hash cache read it
+    number = (ws.dir / "secret.txt").stat().st_ino
+    reuse_inode_number(ws.dir, "secret.txt", b"mine\n")
+    assert (ws.dir / "secret.txt").stat().st_ino == number
+    with open(ws.dir / "edit.txt", "ab") as f:
+        f.write(b"2\n")
+    got = collect_as(ws, store, READER)
+    [diff] = [r for r in got.records if r.kind == "diff"]
+    text = read_blob(store, diff.content_hash).decode()
+    assert "ROOTONLY" not in text
+    assert ("diff --git a/workspace/secret.txt b/workspace/secret.txt\n# sandboxd: not diffed: its content before "
+            "the call is shown only for a file changed in place\n") in text
+    assert " 1\n+2\n" in text  # a file changed in place still is diffed
+
+
+def test_the_content_before_is_shown_only_if_the_sandboxs_user_could_read_it_then(tmp_path, store):
+    """What the sandbox's user owns it may open to itself during the call: the modes
+    before the call decide. What it does not own keeps its modes and ACLs through the
+    call: the kernel's judgement as that user after the call holds for before it too."""
+    ws = Workspace(tmp_path, {"own-closed.txt": b"was closed\n", "shut/inside.txt": b"behind a shut door\n",
+                              "own-open.txt": b"mine before\n", "others-rw.txt": b"anyone's\n",
+                              "others-w.txt": b"write only\n"})
+    os.chown(ws.dir, 1000, 1000)
+    for name, mode, owner in (("own-closed.txt", 0o200, 1000), ("shut", 0o000, 1000), ("shut/inside.txt", 0o666, 0),
+                              ("own-open.txt", 0o600, 1000), ("others-rw.txt", 0o666, 0), ("others-w.txt", 0o622, 0)):
+        os.chown(ws.dir / name, owner, owner)
+        os.chmod(ws.dir / name, mode)
+    ws.before = ws.snap()
+    # The call: its user opens what it owns to itself, and writes to each file in place.
+    os.chmod(ws.dir / "own-closed.txt", 0o644)
+    os.chmod(ws.dir / "shut", 0o755)
+    for name in ("own-closed.txt", "shut/inside.txt", "own-open.txt", "others-rw.txt", "others-w.txt"):
+        with open(ws.dir / name, "ab") as f:
+            f.write(b"more\n")
+    got = collect_as(ws, store, READER)
+    [diff] = [r for r in got.records if r.kind == "diff"]
+    text = read_blob(store, diff.content_hash).decode()
+    assert "was closed" not in text and "behind a shut door" not in text and "write only" not in text
+    closed = "# sandboxd: not diffed: the sandbox's user could not read it before the call: its content then is not shown\n"
+    assert f"diff --git a/workspace/own-closed.txt b/workspace/own-closed.txt\n{closed}" in text
+    assert f"diff --git a/workspace/shut/inside.txt b/workspace/shut/inside.txt\n{closed}" in text
+    assert ("diff --git a/workspace/others-w.txt b/workspace/others-w.txt\n# sandboxd: not diffed: the sandbox's "
+            "user cannot read it: not kept\n") in text
+    assert " mine before\n+more\n" in text and " anyone's\n+more\n" in text
+
+
+def test_without_the_sandboxs_user_no_content_before_is_shown(tmp_path, store):
+    ws = Workspace(tmp_path, {"a.txt": b"before\n"})
+    (ws.dir / "a.txt").write_bytes(b"after\n")
+    got = OutputCollector(ArtifactSettings(), store, ws.baseline, "call_1", ws.roots).collect(ws.changed())
+    [diff] = [r for r in got.records if r.kind == "diff"]
+    assert read_blob(store, diff.content_hash) == (b"diff --git a/workspace/a.txt b/workspace/a.txt\n# sandboxd: not "
+                                                   b"diffed: its content before the call is shown only for a file read "
+                                                   b"as the sandbox's user\n")
 
 
 def test_with_blocked_paths_no_changed_file_is_kept(tmp_path, store):

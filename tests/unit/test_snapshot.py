@@ -87,6 +87,83 @@ def test_a_file_replaced_by_a_directory_is_a_delete_and_a_create():
                                    {"path": "/w/x", "operation": "delete", "sha256Before": "X"}]
 
 
+def born(inode, btime, generation=-1, **kw):
+    return e(inode, **kw)._replace(btime_ns=btime, generation=generation)
+
+
+def test_a_new_file_in_a_freed_inode_number_is_not_the_file_before():
+    """rm secret; create files until one gets its inode number; rename it to secret: the
+    same path and inode number, another birth. Neither an edit in place nor a rename."""
+    before = {"/w/secret": born(7, btime=100, generation=5, size=7, mtime=1, sha="SECRET")}
+    after = {"/w/secret": born(7, btime=900, generation=6, size=5, mtime=2, ctime=2, sha="MINE")}
+    assert diff(before, after) == [{"path": "/w/secret", "operation": "write", "replaced": True,
+                                    "sha256Before": "SECRET", "sha256After": "MINE"}]
+    # Either birth differing tells them apart; a rename needs the same birth too.
+    assert snapshot.born_apart(born(7, 100, 5), born(7, 100, 6)) and snapshot.born_apart(born(7, 100), born(7, 900))
+    gone = {"/w/a": born(7, btime=100, size=1, mtime=1, sha="")}
+    assert [c["operation"] for c in diff(gone, {"/w/b": born(7, btime=900, size=1, mtime=1)})] == ["delete", "create"]
+    assert [c["operation"] for c in diff(gone, {"/w/b": born(7, btime=100, size=1, mtime=1)})] == ["rename"]
+
+
+def test_the_same_file_is_known_only_from_a_birth_both_have_that_is_equal():
+    same_file = snapshot.same_file
+    assert same_file(born(7, 100, 5), born(7, 100, 5))
+    assert same_file(born(7, 100), born(7, 100)) and same_file(born(7, 0, 5), born(7, 0, 5))
+    assert same_file(born(7, 100, -1), born(7, 100, 5))  # one known on both, equal, none differing
+    assert not same_file(born(7, 0, -1), born(7, 0, -1))  # neither known: it may be a new file
+    assert not same_file(born(7, 100, -1), born(7, 0, 5))  # nothing known on both sides
+    assert not same_file(born(7, 100, 5), born(8, 100, 5))
+    assert not same_file(born(7, 100, 5), born(7, 100, 5)._replace(dev=9))
+    # Unknown on both, the record still calls it an edit in place (its hashes say what changed).
+    assert snapshot.same_inode(born(7, 0), born(7, 0))
+
+
+def reuse_inode_number(directory, name: str, data: bytes) -> int:
+    """What the red-team did: note a file's inode number, remove it, make files until one
+    gets the number, rename that one to the name. How many files it took."""
+    target = directory / name
+    number = target.stat().st_ino
+    target.unlink()
+    made = []
+    for n in range(5000):
+        candidate = directory / f".reuse{n}"
+        candidate.write_bytes(data)
+        made.append(candidate)
+        if candidate.stat().st_ino == number:
+            os.rename(candidate, target)
+            made.pop()
+            break
+    else:
+        pytest.fail("the file system never reused the inode number")
+    for f in made:
+        f.unlink()
+    return len(made) + 1
+
+
+def test_a_reused_inode_number_on_disk_is_told_by_the_birth_the_hash_cache_reads(tmp_path):
+    from sandboxd.recording.changes import changed_files
+
+    (tmp_path / "secret.txt").write_bytes(b"ROOTONLY\n")
+    (tmp_path / "edit.txt").write_bytes(b"1\n")
+    cache = HashCache()
+    before = take([("/w", str(tmp_path))], cache).entries
+    was = before["/w/secret.txt"]
+    assert was.btime_ns and was.generation >= 0  # ext4 gives both
+    reuse_inode_number(tmp_path, "secret.txt", b"mine\n")
+    with open(tmp_path / "edit.txt", "ab") as f:
+        f.write(b"2\n")
+    after = take([("/w", str(tmp_path))], cache).entries
+    assert after["/w/secret.txt"].inode == was.inode
+    changes = diff(before, after)
+    assert {"path": "/w/secret.txt", "operation": "write", "replaced": True, "sha256Before": h(b"ROOTONLY\n"),
+            "sha256After": h(b"mine\n")} in changes
+    got = {c.path: c for c in changed_files(changes, before, after)}
+    assert got["/w/secret.txt"].replaced and not got["/w/secret.txt"].same_file
+    assert got["/w/edit.txt"].same_file and not got["/w/edit.txt"].replaced
+    # The cache keeps a file's birth with its hash: a walk that reads nothing still has it.
+    assert take([("/w", str(tmp_path))], cache).entries["/w/edit.txt"][-2:] == after["/w/edit.txt"][-2:]
+
+
 # -- take ------------------------------------------------------------------------------
 
 def test_take_walks_and_hashes_the_writable_binds(tmp_path):

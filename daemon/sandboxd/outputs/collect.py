@@ -65,7 +65,8 @@ class OutputCollector:
         self._redactor = redactor
         self._budget = _Budget(settings.max_files_per_call, settings.max_collected_mb_per_call * 2**20)
         self._omitted: list[str] = []
-        self._afters: dict[str, bytes] = {}  # raw content kept for the diff, by path
+        # Raw content kept for the diff, by path, with what its read as the sandbox's user passed.
+        self._afters: dict[str, tuple[bytes, list[os.stat_result]]] = {}
         self._afters_left = settings.diff_max_mb * 2**20  # no more held than the diff can show
         self._diffed: set[str] = set()  # the paths the diff shows content of
         text_redactor = redactor() if redactor is not None else None
@@ -86,8 +87,8 @@ class OutputCollector:
                 raise NotReadable(f"cannot be read as the sandbox's user ({exc})") from None
         return self._user
 
-    def _read(self, f: ChangedFile) -> Iterator[bytes]:
-        return read_chunks(locate(f.path, self._roots), f.size, self._as_user(), f.found_as)
+    def _read(self, f: ChangedFile, seen: list[os.stat_result] | None = None) -> Iterator[bytes]:
+        return read_chunks(locate(f.path, self._roots), f.size, self._as_user(), f.found_as, seen)
 
     def collect(self, changed: list[ChangedFile], kept: list[ChangedFile] | None = None) -> Collected:
         """`changed`: the write roots' changed files (artifacts, and the diff); `kept`:
@@ -161,6 +162,7 @@ class OutputCollector:
         keep_for_diff = (f.path in self._diffed and f.size <= self._settings.diff_max_file_kb * 1024
                          and f.size <= self._afters_left)
         kept: list[bytes] = []
+        seen: list[os.stat_result] = []
         redactor = self._redactor() if self._redactor is not None else None
         redacting = redactor is not None and redactor.active
         tmp = self._incoming / f"{self._call}.{uuid.uuid4().hex}"
@@ -172,7 +174,7 @@ class OutputCollector:
                         kept.append(data)
                     out.write(redactor.feed(_FILE_STREAM, data) if redacting and redactor else data)
 
-                raw_hash = copy_verified(self._read(f), f.sha256_after, sink)
+                raw_hash = copy_verified(self._read(f, seen), f.sha256_after, sink)
                 if redacting and redactor:
                     out.write(redactor.flush(_FILE_STREAM))
             size = tmp.stat().st_size
@@ -182,7 +184,7 @@ class OutputCollector:
             tmp.unlink(missing_ok=True)
             raise
         if keep_for_diff:
-            self._afters[f.path] = b"".join(kept)
+            self._afters[f.path] = (b"".join(kept), seen)
             self._afters_left -= f.size
         return content_hash, size, redacting
 
@@ -209,40 +211,73 @@ class OutputCollector:
         after: bytes | None = b""
         why = ""
         if f.change != "created":
-            before, why = self._before(f, cap)
+            before, why = self._before(f)
         if f.change != "deleted" and before is not None:
-            after, why = self._after(f, cap)
+            after, why, seen = self._after(f, cap)
+            if after is not None and f.change == "modified":
+                why = self._unreadable_before(f, seen)
+                if why:
+                    before = None
         return FileVersions(printable(f.path), f.change, f.mode, before, after, printable(f.previous_path), why)
 
-    def _before(self, f: ChangedFile, cap: int) -> tuple[bytes | None, str]:
-        if f.change == "deleted" or f.replaced or (f.change == "renamed" and f.sha256_before != f.sha256_after):
-            # Only a file the call changed in place is known to have been readable to the
-            # sandbox before (it reads it now, the same inode at the same path); another
-            # inode's old content may have been closed to it.
+    def _before(self, f: ChangedFile) -> tuple[bytes | None, str]:
+        """The file's content before the call, as the baseline kept it (read as root): only
+        of the very file the path holds now, its birth too, not only an inode number a new
+        file may have taken; shown only if the sandbox's user could read it before the
+        call (`_unreadable_before`, once it is read as that user after the call)."""
+        if f.change == "renamed" and f.sha256_before == f.sha256_after:
+            return b"", ""  # the same content: the rename is all there is to show
+        if f.change != "modified" or f.replaced or not f.same_file:
             return None, "its content before the call is shown only for a file changed in place"
         if not f.sha256_before:
             return None, "the file had no content hash before the call (over the hashing caps)"
-        if f.change == "renamed" and f.sha256_before == f.sha256_after:
-            return b"", ""  # the same content: the rename is all there is to show
         kept = self._baseline.read(f.sha256_before) if self._baseline is not None else None
         if kept is None:
             return None, ("its content before the call was not kept (binary, larger than "
-                          f"{self._settings.diff_max_file_kb} KB, or past the baseline's cap)")
+                          f"{self._settings.diff_max_file_kb} KB, past the baseline's cap, or written by a "
+                          "call with secrets)")
         return kept, ""
 
-    def _after(self, f: ChangedFile, cap: int) -> tuple[bytes | None, str]:
+    def _unreadable_before(self, f: ChangedFile, seen: list[os.stat_result]) -> str:
+        """Why the sandbox's user could not read the file before the call ("" if it could).
+        `seen`: the write root, the directories on the way and the file, as the read of its
+        content after the call passed them as that user: the kernel let it through them
+        (mode bits, ACLs). Before the call the same held of all it does not own: the call
+        runs as that user with no capability, so it changes no one else's modes, ACLs or
+        owners. What it owns it may have opened to itself during the call: there the
+        record's modes before the call decide (an owner's bits are all the kernel looks at
+        for its owner). The write root's own mode before the call is not in the record:
+        for it, the kernel's judgement after the call stands."""
+        where = locate(f.path, self._roots)
+        if self._reader is None or len(seen) != 1 + len(where.relative.split("/")):
+            return "its content before the call is shown only for a file read as the sandbox's user"
+        before = {path: (dev, ino, mode) for path, dev, ino, mode in f.modes_before}
+        passed = [(where.sandbox_path(depth), st, stat.S_IXUSR) for depth, st in enumerate(seen[1:-1], start=1)]
+        passed.append((f.path, seen[-1], stat.S_IRUSR))
+        for path, st, needed in passed:
+            if st.st_uid != self._reader[0]:
+                continue  # not the sandbox user's: as the kernel judged it just now, so it was before
+            was = before.get(path)
+            if was is None or was[:2] != (st.st_dev, st.st_ino) or not was[2] & needed:
+                return "the sandbox's user could not read it before the call: its content then is not shown"
+        return ""
+
+    def _after(self, f: ChangedFile, cap: int) -> tuple[bytes | None, str, list[os.stat_result]]:
         if f.change == "renamed" and f.sha256_before == f.sha256_after:
-            return b"", ""
+            return b"", "", []
         if f.size > cap:
-            return None, f"{f.size} bytes: larger than the diff's per-file cap of {self._settings.diff_max_file_kb} KB"
+            return None, (f"{f.size} bytes: larger than the diff's per-file cap of "
+                          f"{self._settings.diff_max_file_kb} KB"), []
         if f.path in self._afters:
-            return self._afters[f.path], ""
+            content, passed = self._afters[f.path]
+            return content, "", passed
         try:  # not kept as an artifact (a cap, or collection off): read for the diff alone
             kept: list[bytes] = []
-            copy_verified(self._read(f), f.sha256_after, kept.append)
-            return b"".join(kept), ""
+            seen: list[os.stat_result] = []
+            copy_verified(self._read(f, seen), f.sha256_after, kept.append)
+            return b"".join(kept), "", seen
         except NotReadable as exc:
-            return None, str(exc)
+            return None, str(exc), []
 
 
 def _hash_file(path: Path) -> str:

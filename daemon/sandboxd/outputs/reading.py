@@ -27,6 +27,12 @@ class NotReadable(Exception):
 class Located:
     host_root: str  # the directory to open beneath
     relative: str  # the path below it ("" never: a bound file is its parent's child)
+    sandbox_root: str = ""  # the sandbox path of host_root ("": a bound file's parent, outside the sandbox)
+
+    def sandbox_path(self, depth: int) -> str:
+        """The sandbox path of the directory `depth` names below host_root (0: itself)."""
+        parts = self.relative.split("/")[:depth]
+        return "/".join([self.sandbox_root, *parts]) if self.sandbox_root else ""
 
 
 def locate(path: str, write_roots: list[tuple[str, str]]) -> Located:
@@ -42,27 +48,47 @@ def locate(path: str, write_roots: list[tuple[str, str]]) -> Located:
     root, host_root = best
     if path == root:  # a bound file
         return Located(os.path.dirname(host_root), os.path.basename(host_root))
-    return Located(host_root, path[len(root) + 1:])
+    return Located(host_root, path[len(root) + 1:], root)
+
+
+def _open_each(root_fd: int, relative: str, seen: list[os.stat_result]) -> int:
+    """An O_PATH descriptor of `relative` beneath `root_fd`, opened one name at a time,
+    each beneath the last and never through a symlink; the stat of each one opened (the
+    directories on the way, then the file) appended to `seen`, taken from what was opened."""
+    fd = os.dup(root_fd)
+    try:
+        for part in relative.split("/"):
+            nxt = openat2(fd, part, _BENEATH)
+            os.close(fd)
+            fd = nxt
+            seen.append(os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_chunks(where: Located, size: int, as_user: AsUser | None = None,
-                found_as: tuple[int, ...] = ()) -> Iterator[bytes]:
+                found_as: tuple[int, ...] = (), seen: list[os.stat_result] | None = None) -> Iterator[bytes]:
     """The file's bytes, in chunks; NotReadable when it is not a regular file there now,
     holds more than `size` bytes, or (with `as_user`, the sandbox's user) is one the
     sandbox's user could not have read: opened as that user, from the write root down,
     so the kernel decides (directories it cannot search, mode bits, ACLs): the daemon
     reads as root, and what the sandbox could not read, a file it moved out of a
-    directory closed to it, must not come out through its artifacts."""
+    directory closed to it, must not come out through its artifacts. `seen`: given the
+    stat of the write root, of each directory on the way and of the file, as opened."""
     def run(fn: Callable[..., int], *args: object) -> int:
         return as_user.run(fn, *args) if as_user is not None else fn(*args)
 
+    passed: list[os.stat_result] = []
     try:
         root_fd = _open_beneath_root(where.host_root)
     except OSError as exc:
         raise NotReadable(f"its write root cannot be opened ({exc.strerror})") from None
     try:
+        passed.append(os.fstat(root_fd))
         try:
-            path_fd = run(openat2, root_fd, where.relative, _BENEATH)
+            path_fd = run(_open_each, root_fd, where.relative, passed)
         except PermissionError:
             raise NotReadable("the sandbox's user cannot reach it: not kept") from None
         except OSError as exc:
@@ -81,6 +107,8 @@ def read_chunks(where: Located, size: int, as_user: AsUser | None = None,
             os.close(path_fd)
     finally:
         os.close(root_fd)
+    if seen is not None:
+        seen[:] = passed
     try:
         left = size + 1  # one byte more: a file that grew shows
         while left > 0:

@@ -7,15 +7,24 @@ The walk opens every directory relative to its parent without following symlinks
 nothing the sandbox left behind can send the daemon outside the write root. Content
 hashes are cached by (device, inode) and reused while size, mtime and ctime are
 unchanged (git's index rule: ctime cannot be set from user space), so only files that
-changed since the last call are read again."""
+changed since the last call are read again.
+
+A hashed file also carries its birth: the birth time (statx) and the generation
+(FS_IOC_GETVERSION) its file system gives it. A freed inode number is soon given to a
+new file (ext4 reuses it at once): (device, inode) alone cannot tell a file changed in
+place from another one made where it was; a birth both have that differs can, and only
+a birth both have that is equal confirms the same file (`same_file`)."""
 
 from __future__ import annotations
 
 import base64
+import ctypes
 import errno
+import fcntl
 import hashlib
 import os
 import stat
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -23,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
 from sandboxd.ledger.event_types import FileAccessObserved
+from sandboxd.recording.libc import libc
 
 
 MAX_ENTRIES = 200_000
@@ -45,10 +55,63 @@ class Entry(NamedTuple):  # a tuple: a walk makes one per file, and it must be c
     sha256: str = ""  # "sha256:<hex>" of a regular file; "" when not hashed (see note)
     note: str = ""  # why a regular file has no hash
     dev: int = 0
+    btime_ns: int = 0  # a hashed file's birth time; 0 where unknown
+    generation: int = -1  # and its generation (FS_IOC_GETVERSION); -1 where unknown
 
     @property
     def regular(self) -> bool:
         return stat.S_ISREG(self.mode)
+
+
+def born_apart(a: Entry, b: Entry) -> bool:
+    """Known to be two files: a birth time or a generation both have differs."""
+    return bool(a.btime_ns and b.btime_ns and a.btime_ns != b.btime_ns) \
+        or (a.generation >= 0 and b.generation >= 0 and a.generation != b.generation)
+
+
+def same_inode(a: Entry, b: Entry) -> bool:
+    """The same inode as far as is known: the same device and inode number, not born apart."""
+    return a.inode == b.inode and a.dev == b.dev and not born_apart(a, b)
+
+
+def same_file(a: Entry, b: Entry) -> bool:
+    """Known to be the same file: the same inode, and a birth time or a generation that
+    both have, equal. Where neither is known (a file system that gives neither, a file
+    not hashed), it is not known: a new file may have taken a freed inode number."""
+    return same_inode(a, b) and bool((a.btime_ns and b.btime_ns) or (a.generation >= 0 and b.generation >= 0))
+
+
+class _Statx(ctypes.Structure):
+    """struct statx (linux/stat.h) up to stx_btime, padded to its 256 bytes."""
+    _fields_ = [("stx_mask", ctypes.c_uint32), ("_blksize", ctypes.c_uint32), ("_attributes", ctypes.c_uint64),
+                ("_nlink", ctypes.c_uint32), ("_uid", ctypes.c_uint32), ("_gid", ctypes.c_uint32),
+                ("_mode", ctypes.c_uint16), ("_spare0", ctypes.c_uint16), ("_ino", ctypes.c_uint64),
+                ("_size", ctypes.c_uint64), ("_blocks", ctypes.c_uint64), ("_attributes_mask", ctypes.c_uint64),
+                ("_atime", ctypes.c_byte * 16), ("btime_sec", ctypes.c_int64), ("btime_nsec", ctypes.c_uint32),
+                ("_btime_reserved", ctypes.c_int32), ("_rest", ctypes.c_byte * 160)]
+
+
+_STATX_BTIME = 0x800
+_AT_EMPTY_PATH = 0x1000
+_FS_IOC_GETVERSION = 0x80087601  # _IOR('v', 1, long)
+_statx_buffers = threading.local()  # one per thread
+UNBORN = (0, -1)  # (birth time, generation) unknown
+
+
+def birth(fd: int) -> tuple[int, int]:
+    """(birth time in ns, generation) of an open file, each 0 / -1 where its file system
+    does not give it."""
+    buf = getattr(_statx_buffers, "buf", None)
+    if buf is None:
+        buf = _statx_buffers.buf = _Statx()
+    btime = 0
+    if libc().statx(fd, b"", _AT_EMPTY_PATH, _STATX_BTIME, ctypes.byref(buf)) == 0 and buf.stx_mask & _STATX_BTIME:
+        btime = buf.btime_sec * 10**9 + buf.btime_nsec
+    try:  # the kernel writes an int (ext4, xfs, btrfs); ENOTTY where there is none
+        generation = struct.unpack_from("=I", fcntl.ioctl(fd, _FS_IOC_GETVERSION, bytes(8)))[0]
+    except OSError:
+        generation = -1
+    return btime, generation
 
 
 @dataclass
@@ -70,43 +133,58 @@ class Snapshot:
 
 @dataclass
 class HashBudget:
-    """How much uncached content one snapshot may read, and the largest file it hashes."""
+    """How much uncached content one snapshot may read, and the largest file it hashes.
+    `keep` False: what it reads may hold what a call with secrets wrote: none of it goes
+    into the baseline, and its hashes are refused there for good (baseline.py)."""
     bytes_left: int = HASH_BUDGET_BYTES
     max_file: int = MAX_HASH_FILE_BYTES
+    keep: bool = True
+
+
+# What HashCache.digest finds: (hash, why not, birth time, generation).
+Hashed = tuple[str, str, int, int]
 
 
 class HashCache:
     """sha256 of regular files by (device, inode), valid while size, mtime and ctime
-    are what they were when it was read. Bounded: the oldest entries go first."""
+    are what they were when it was read (a new file in a freed inode number has a new
+    ctime: it is read again). Bounded: the oldest entries go first."""
 
     def __init__(self, max_entries: int = 250_000, baseline: Any = None):
         self._max = max_entries
         # baseline.Baseline: given the content of the files it wants as they are read.
         self._baseline = baseline
         self._lock = threading.Lock()
-        self._by_inode: OrderedDict[tuple[int, int], tuple[int, int, int, str]] = OrderedDict()
+        self._by_inode: OrderedDict[tuple[int, int], tuple[int, int, int, str, int, int]] = OrderedDict()
         self.hashed_bytes = 0  # content read (for tests and metrics)
 
-    def digest(self, dir_fd: int, name: str, st: os.stat_result, budget: HashBudget) -> tuple[str, str]:
-        """(hash, "") or ("", why not) for the regular file `name` in `dir_fd`."""
+    @property
+    def baseline(self) -> Any:
+        return self._baseline
+
+    def digest(self, dir_fd: int, name: str, st: os.stat_result, budget: HashBudget) -> Hashed:
+        """(hash, "", birth time, generation) or ("", why not, 0, -1) for the regular file
+        `name` in `dir_fd`."""
         key, stamp = (st.st_dev, st.st_ino), (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         known = self._by_inode.get(key)  # a plain read needs no lock; eviction order is rough
         if known is not None and known[:3] == stamp:
-            return known[3], ""
+            return known[3], "", known[4], known[5]
         if st.st_size > budget.max_file:
-            return "", f"larger than the hashing cap of {budget.max_file} bytes"
+            return "", f"larger than the hashing cap of {budget.max_file} bytes", *UNBORN
         if st.st_size > budget.bytes_left:
-            return "", "over the snapshot's hashing budget"
+            return "", "over the snapshot's hashing budget", *UNBORN
         try:
             fd = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
         except OSError as exc:
-            return "", f"not readable: {exc.strerror}"
+            return "", f"not readable: {exc.strerror}", *UNBORN
+        baseline = self._baseline
         try:
             first = os.fstat(fd)
             if not stat.S_ISREG(first.st_mode) or (first.st_dev, first.st_ino) != key:
-                return "", "replaced while it was read"
+                return "", "replaced while it was read", *UNBORN
+            born = birth(fd)
             content = None
-            if self._baseline is not None and self._baseline.wants(first.st_size):
+            if baseline is not None and budget.keep and baseline.wants(first.st_size):
                 content = _read_all(fd, first.st_size)
                 digest = "sha256:" + hashlib.sha256(content).hexdigest()
             else:
@@ -118,19 +196,21 @@ class HashCache:
         budget.bytes_left -= last.st_size
         self.hashed_bytes += last.st_size
         if (last.st_size, last.st_mtime_ns, last.st_ctime_ns) != stamp:
-            return "", "changed while it was read"
-        if content is not None and len(content) == last.st_size:
-            self._baseline.keep(digest, content)
+            return "", "changed while it was read", *UNBORN
+        if baseline is not None and not budget.keep:
+            baseline.refuse(digest)  # whenever these bytes are read again, they are not kept
+        elif content is not None and len(content) == last.st_size:
+            baseline.keep(digest, content)
         if time.time_ns() - max(stamp[1], stamp[2]) < RACY_NS:
             # Changed moments ago: a write in the same timestamp tick would keep the
             # stamp, so the hash is used now but not trusted later (git's racy rule).
-            return digest, ""
+            return digest, "", *born
         with self._lock:
-            self._by_inode[key] = (*stamp, digest)
+            self._by_inode[key] = (*stamp, digest, *born)
             self._by_inode.move_to_end(key)
             while len(self._by_inode) > self._max:
                 self._by_inode.popitem(last=False)
-        return digest, ""
+        return digest, "", *born
 
 
 def _read_all(fd: int, size: int) -> bytes:
@@ -199,12 +279,12 @@ def _open_beneath_root(path: str) -> int:
 
 def _add(snap: Snapshot, dir_fd: int, name: str, path: str, st: os.stat_result, hashes: HashCache | None,
          budget: HashBudget) -> None:
-    digest = note = ""
+    digest, note, btime, generation = "", "", *UNBORN
     if stat.S_ISREG(st.st_mode) and hashes is not None:
-        digest, note = hashes.digest(dir_fd, name, st, budget)
+        digest, note, btime, generation = hashes.digest(dir_fd, name, st, budget)
         snap.unhashed += not digest
     snap.entries[path] = Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, note,
-                               st.st_dev)
+                               st.st_dev, btime, generation)
 
 
 def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, budget: HashBudget,
@@ -234,10 +314,11 @@ def _walk(root_fd: int, root: str, snap: Snapshot, hashes: HashCache | None, bud
                         name = e.name
                         mode = st.st_mode
                         if hashes is not None and S_ISREG(mode):
-                            digest, note = hashes.digest(fd, name, st, budget)
+                            digest, note, btime, generation = hashes.digest(fd, name, st, budget)
                             snap.unhashed += not digest
                             entries[f"{base}/{name}"] = Entry(st.st_ino, mode, st.st_size, st.st_mtime_ns,
-                                                              st.st_ctime_ns, digest, note, st.st_dev)
+                                                              st.st_ctime_ns, digest, note, st.st_dev, btime,
+                                                              generation)
                         else:
                             entries[f"{base}/{name}"] = Entry(st.st_ino, mode, st.st_size, st.st_mtime_ns,
                                                               st.st_ctime_ns, "", "", st.st_dev)
@@ -298,7 +379,7 @@ def diff(before: dict[str, Entry], after: dict[str, Entry], candidates: set[str]
     renamed_from: set[str] = set()
     for path, now in sorted(after.items()):
         was = before.get(path)
-        if was is not None and was.inode == now.inode:
+        if was is not None and same_inode(was, now):
             if now.regular and _content_changed(was, now):
                 out.append(_write(path, was, now))
             if stat.S_IMODE(now.mode) != stat.S_IMODE(was.mode):
@@ -307,10 +388,11 @@ def diff(before: dict[str, Entry], after: dict[str, Entry], candidates: set[str]
             continue
         source = by_inode.get((now.dev, now.inode))
         moved = gone.get(source) if source is not None else None
-        # A rename keeps the inode, the type, the size, the mtime and the content; a file
-        # created in a deleted one's place may reuse the inode (and a command can set
-        # the mtime).
-        if source is not None and moved is not None and stat.S_IFMT(moved.mode) == stat.S_IFMT(now.mode) \
+        # A rename keeps the inode, the type, the size, the mtime, the birth and the
+        # content; a file created in a deleted one's place may reuse the inode number
+        # (and a command can set the mtime).
+        if source is not None and moved is not None and not born_apart(moved, now) \
+                and stat.S_IFMT(moved.mode) == stat.S_IFMT(now.mode) \
                 and moved.size == now.size and moved.mtime_ns == now.mtime_ns \
                 and not (moved.sha256 and now.sha256 and moved.sha256 != now.sha256):
             out.append(_hashed({"path": source, "operation": "rename", "renamedTo": path}, "sha256", now))
@@ -447,7 +529,7 @@ def _content_changed(was: Entry, now: Entry) -> bool:
 
 def _write(path: str, was: Entry, now: Entry) -> dict[str, Any]:
     out: dict[str, Any] = {"path": path, "operation": "write"}
-    if was.inode != now.inode:
+    if not same_inode(was, now):
         out["replaced"] = True
     _hashed(out, "sha256Before", was)
     return _hashed(out, "sha256After", now)

@@ -9,7 +9,7 @@ import os
 import stat
 from collections import OrderedDict
 
-from sandboxd.recording.snapshot import Entry, HashBudget, HashCache, Snapshot
+from sandboxd.recording.snapshot import UNBORN, Entry, HashBudget, HashCache, Snapshot
 
 # Generations of a tracker's changes kept: a call's before and after are a few apart.
 HISTORY = 64
@@ -74,10 +74,11 @@ class TreeRecord:
         return out
 
     def _entry(self, dir_fd: int, name: str, st: os.stat_result, budget: HashBudget) -> Entry:
-        digest = note = ""
+        digest, note, btime, generation = "", "", *UNBORN
         if stat.S_ISREG(st.st_mode) and self._hashes is not None:
-            digest, note = self._hashes.digest(dir_fd, name, st, budget)
-        return Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, note, st.st_dev)
+            digest, note, btime, generation = self._hashes.digest(dir_fd, name, st, budget)
+        return Entry(st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, note, st.st_dev,
+                     btime, generation)
 
     def _set(self, path: str, entry: Entry) -> None:
         if self._entries.get(path) != entry:
