@@ -93,11 +93,15 @@ def test_artifact_get_trace_and_explain(daemon, workspace, tmp_path):
     assert missing.returncode == 1 and b"NOT_FOUND" in missing.stderr
 
     policy = tmp_path / "p.json"
-    policy.write_text(json.dumps({"process": {"maxPids": 64}, "network": {"egress": "open", "denyPrivateNetworks": False}}))
+    policy.write_text(json.dumps({"process": {"maxPids": 64}, "network": {"egress": "open"}}))
     e = ctl(daemon, "explain", "--json", "--policy", str(policy), "--workspace", str(workspace))
+    assert e.returncode == 0, e.stderr
     explained = json.loads(e.stdout)
-    assert explained["spec"]["pids_limit"] == 64 and explained["spec"]["network_mode"] == "bridge"
-    assert explained["effectivePolicy"]["egress"] == "open"
+    assert explained["spec"]["pids_limit"] == 64 and explained["effectivePolicy"]["egress"] == "open"
+    # Private networks are the operator's to open (egress.private_networks_principals): explain says so too.
+    policy.write_text(json.dumps({"network": {"egress": "open", "denyPrivateNetworks": False}}))
+    refused = ctl(daemon, "explain", "--json", "--policy", str(policy), "--workspace", str(workspace))
+    assert refused.returncode == 1 and b"private_networks_principals" in refused.stderr, refused.stderr
 
 
 def on_terminal(daemon, *args: str, timeout: float = 120) -> tuple[int, bytes]:
