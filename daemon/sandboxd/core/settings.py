@@ -161,6 +161,11 @@ class EgressSettings(BaseModel):
     # link-local addresses through the proxy). Nobody's, unless listed: "*" is everyone.
     private_networks_principals: tuple[str, ...] = ()
     connect_timeout_s: float = 10.0
+    # A request head (also inside a tunnel), a chunk-size line or a trailer must be whole
+    # within this of its first byte; past it the connection is cut (rule head-timeout).
+    head_timeout_s: float = Field(default=30.0, gt=0)
+    # A relayed connection on which no byte moves either way for this long is closed.
+    relay_idle_timeout_s: float = Field(default=900.0, gt=0)
     max_connections_per_sandbox: int = 256
     # NetworkAccessObserved events kept per call; past it they are counted, not kept.
     max_records_per_call: int = 2000

@@ -114,7 +114,8 @@ class EgressProxy:
         return cls(socket_dir=egress.socket_dir, host_overrides=dict(egress.hosts),
                    system_dns=egress.system_dns, dns_servers=egress.dns_servers, exempt_networks=egress.exempt_networks,
                    connect_timeout_s=egress.connect_timeout_s, max_connections=egress.max_connections_per_sandbox,
-                   max_records=egress.max_records_per_call)
+                   max_records=egress.max_records_per_call, head_timeout_s=egress.head_timeout_s,
+                   relay_idle_timeout_s=egress.relay_idle_timeout_s)
 
     # -- lifecycle (any thread) ----------------------------------------------------
     def start(self) -> None:
