@@ -129,6 +129,87 @@ def test_a_restart_empties_the_baseline(tmp_path):
     assert os.listdir(tmp_path / "b") == []
 
 
+# ------------------------------------------------------------------ what a call with secrets wrote
+
+def holding(directory: Path, needle: bytes) -> list[str]:
+    """The files under `directory` (and its siblings named after it: the refused filter,
+    the withheld roots) whose bytes hold `needle`."""
+    return [str(f) for d in directory.parent.glob(directory.name + "*")
+            for f in ([d] if d.is_file() else d.rglob("*")) if f.is_file() and needle in f.read_bytes()]
+
+
+def test_refused_bytes_go_and_are_never_kept_again_even_after_a_restart(tmp_path):
+    baseline = Baseline(tmp_path / "b", 2**20, 2**20)
+    baseline.open()
+    baseline.keep(sha(b"token=S3CR3T\n"), b"token=S3CR3T\n")
+    assert baseline.read(sha(b"token=S3CR3T\n")) == b"token=S3CR3T\n"
+    baseline.refuse(sha(b"token=S3CR3T\n"))
+    assert baseline.read(sha(b"token=S3CR3T\n")) is None and baseline.kept_bytes == 0
+    baseline.keep(sha(b"token=S3CR3T\n"), b"token=S3CR3T\n")
+    assert baseline.read(sha(b"token=S3CR3T\n")) is None and holding(tmp_path / "b", b"S3CR3T") == []
+    again = Baseline(tmp_path / "b", 2**20, 2**20)  # the daemon restarted: its hash cache is empty
+    again.open()
+    again.keep(sha(b"token=S3CR3T\n"), b"token=S3CR3T\n")
+    assert again.read(sha(b"token=S3CR3T\n")) is None and holding(tmp_path / "b", b"S3CR3T") == []
+    again.keep(sha(b"plain\n"), b"plain\n")
+    assert again.read(sha(b"plain\n")) == b"plain\n"
+
+
+def test_a_root_withheld_when_the_daemon_stopped_is_withheld_after_its_start(tmp_path):
+    baseline = Baseline(tmp_path / "b", 2**20, 2**20)
+    baseline.open()
+    baseline.withhold(["/srv/ws/a"])  # the daemon is killed while the call runs
+    restarted = Baseline(tmp_path / "b", 2**20, 2**20)
+    restarted.open()
+    assert restarted.withheld("/srv/ws/a") and not restarted.withheld("/srv/ws/b")
+    restarted.settle("/srv/ws", restarted.tick())  # a snapshot of the start that hashed it whole
+    assert not restarted.withheld("/srv/ws/a")
+    again = Baseline(tmp_path / "b", 2**20, 2**20)
+    again.open()
+    assert not again.withheld("/srv/ws/a")
+
+
+def test_a_root_a_call_with_secrets_writes_in_keeps_nothing_until_a_later_snapshot_hashed_it_whole(tmp_path,
+                                                                                                   monkeypatch):
+    from sandboxd.recording.live_snapshot import LiveSnapshots
+
+    monkeypatch.setattr(snapshot, "RACY_NS", 0)  # hashes cached at once: a later read is the cache's miss
+    ws = tmp_path / "ws"
+    (ws / "sub").mkdir(parents=True)
+    (ws / "old.txt").write_bytes(b"before\n")
+    baseline = Baseline(tmp_path / "b", 2**20, 2**20)
+    baseline.open()
+    live = LiveSnapshots(snapshot.HashCache(baseline=baseline))
+    roots = [(ROOT, str(ws))]
+    live.take(roots)  # the call's before-snapshot
+    assert baseline.read(sha(b"before\n")) == b"before\n"
+    release = baseline.withhold([str(ws)])
+    assert baseline.withheld(str(ws)) and baseline.withheld(str(ws / "sub")) and baseline.withheld(str(tmp_path))
+    assert not baseline.withheld(str(tmp_path / "other"))
+    (ws / "out.txt").write_bytes(b"token=S3CR3T\n")  # what the call writes
+    (ws / "sub" / "notes.txt").write_bytes(b"S3CR3T again\n")
+    after = live.take(roots)  # its after-snapshot
+    assert after.entries["/workspace/out.txt"].sha256 == sha(b"token=S3CR3T\n")
+    assert holding(tmp_path / "b", b"S3CR3T") == []
+    since = baseline.tick()
+    release()
+    baseline.settle(str(ws), since)  # a snapshot begun before the release settles nothing
+    assert baseline.withheld(str(ws))
+    live.take([(ROOT + "/sub", str(ws / "sub"))])  # nor one of a part of the root
+    assert baseline.withheld(str(ws))
+    live.take(roots)  # begun after, it hashed the root whole
+    assert not baseline.withheld(str(ws))
+    # Read again later (a chmod moves the ctime: the cache misses), its bytes are still refused.
+    os.chmod(ws / "out.txt", 0o600)
+    (ws / "sub" / "notes.txt").write_bytes(b"S3CR3T again\n")
+    live.take(roots)
+    assert holding(tmp_path / "b", b"S3CR3T") == []
+    (ws / "later.txt").write_bytes(b"plain\n")
+    live.take(roots)
+    assert baseline.read(sha(b"plain\n")) == b"plain\n"
+    live.close()
+
+
 # ------------------------------------------------------------------ the diff's text
 
 def test_a_modified_text_file_gets_a_unified_diff():

@@ -200,6 +200,7 @@ class CallRun:
         recorder = placement.recorder(self._recording, self.prepared.sandbox_id)
         try:
             with ExitStack() as cleanup:  # unwound in reverse: a step that fails never skips the next
+                cleanup.callback(self._withhold_written())  # last: the sandbox gone, the after-walk done
                 cleanup.callback(self.spool.close)
                 cleanup.callback(self._refresh_if_ran, recorder)
                 cleanup.enter_context(placement)  # the sandbox destroyed, its endpoint and secrets released
@@ -219,6 +220,15 @@ class CallRun:
             ending.failure = ending.failure or SandboxdError("internal error while releasing the sandbox")
             log.exception("call %s: releasing its sandbox failed: %s", self.tool_call_id, exc)
         self._conclude(ending, recorder.record)
+
+    def _withhold_written(self) -> Callable[[], None]:
+        """A call with secrets (or in a sandbox that remembers some): the baseline keeps
+        nothing raw of what it writes (recording/baseline.py), from before its sandbox is
+        made until the function returned is called."""
+        p, baseline = self.prepared, self._host.baseline
+        if baseline is None or not (p.secrets or p.redaction):
+            return lambda: None
+        return baseline.withhold(host for _, host in self._placement.write_roots())
 
     def _run_command(self, recorder: FileRecorder, ending: _Ending) -> None:
         p, placement = self.prepared, self._placement

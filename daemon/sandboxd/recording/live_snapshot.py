@@ -2,7 +2,12 @@
 call's before/after snapshots cost O(what changed) instead of a walk of the whole tree:
 `LiveSnapshots` keeps a `RootTracker` (root_tracker.py) per write root, walks a root it
 cannot track (snapshot.take), and, when asked to, refreshes its trackers ahead of the
-next call on a thread of its own (started by the store, never at import)."""
+next call on a thread of its own (started by the store, never at import).
+
+Each root's snapshot, walked or tracked, asks the baseline whether a call with secrets
+may have written there (baseline.withheld): then what it hashes is refused, not kept,
+and once one begun after the call hashed every file small enough to keep, the root is
+settled. A root withheld while a snapshot of it ran has what that snapshot kept refused."""
 
 from __future__ import annotations
 
@@ -14,8 +19,11 @@ import threading
 import time
 from collections import OrderedDict
 
+from collections.abc import Iterable
+
+from sandboxd.recording.baseline import Baseline
 from sandboxd.recording.root_tracker import RootTracker, Untrackable
-from sandboxd.recording.snapshot import HashBudget, HashCache, Snapshot, take
+from sandboxd.recording.snapshot import Entry, HashBudget, HashCache, Snapshot, take
 
 __all__ = ["AHEAD_HASH_BYTES", "AHEAD_IDLE_S", "AHEAD_MAX_DELAY_S", "IDLE_S", "MAX_TRACKERS", "UNTRACKED_S",
            "LiveSnapshots", "RootTracker", "Untrackable"]
@@ -66,22 +74,37 @@ class LiveSnapshots:
         budget = budget or HashBudget()
         out = Snapshot()
         shared = False  # out.entries is a tracker's copy (to be copied before it is added to)
+        baseline = self._baseline()
         for sandbox_root, host_root in binds:
             left = max_entries - len(out.entries)
+            since = baseline.tick() if baseline is not None else 0
+            keep = budget.keep and (baseline is None or not baseline.withheld(host_root))
             part = None
             if left > 0:
                 # The tracker spends a copy: one that gives up leaves the walk its budget.
-                spent = HashBudget(budget.bytes_left, budget.max_file)
+                spent = HashBudget(budget.bytes_left, budget.max_file, keep, [])
                 part = self._tracked(sandbox_root, host_root, spent, left)
+                self._refuse_if_withheld(baseline, host_root, spent)
                 if part is not None:
                     budget.bytes_left = spent.bytes_left
+                    if not keep:
+                        self._settle_if_whole(baseline, host_root, since, part.gaps,
+                                              part.entries.values() if part.unhashed else ())
             if part is None:
                 self.fallbacks += 1
                 out.walked = True
                 if shared:  # the walk adds to it
                     out.entries, shared = dict(out.entries), False
                 gaps = len(out.gaps)
-                take([(sandbox_root, host_root)], self._hashes, budget, max_entries, into=out)
+                walk = HashBudget(budget.bytes_left, budget.max_file, keep, [])
+                take([(sandbox_root, host_root)], self._hashes, walk, max_entries, into=out)
+                budget.bytes_left = walk.bytes_left
+                self._refuse_if_withheld(baseline, host_root, walk)
+                if not keep:
+                    below = sandbox_root.rstrip("/") + "/"
+                    self._settle_if_whole(baseline, host_root, since, out.gaps[gaps:],
+                                          (e for p, e in out.entries.items()
+                                           if e.note and (p == sandbox_root or p.startswith(below))))
                 if len(out.gaps) > gaps and len(out.entries) >= max_entries:
                     break  # the cap: the walk stops there too
                 continue
@@ -96,6 +119,26 @@ class LiveSnapshots:
             out.unhashed += part.unhashed
             out.origins.update(part.origins)
         return out
+
+    def _baseline(self) -> Baseline | None:
+        baseline = self._hashes.baseline if self._hashes is not None else None
+        return baseline if isinstance(baseline, Baseline) else None
+
+    @staticmethod
+    def _refuse_if_withheld(baseline: Baseline | None, host_root: str, spent: HashBudget) -> None:
+        """What a snapshot kept is refused if a call with secrets took the root meanwhile."""
+        if baseline is not None and spent.keep and spent.kept and baseline.withheld(host_root):
+            for digest in spent.kept:
+                baseline.refuse(digest)
+
+    @staticmethod
+    def _settle_if_whole(baseline: Baseline | None, host_root: str, since: int, gaps: list[str],
+                         unhashed: Iterable[Entry]) -> None:
+        """A withheld root's snapshot begun at `since` that hashed it whole (every file
+        small enough to keep, its hash refused) settles it."""
+        if baseline is not None and not gaps \
+                and not any(e.note and stat.S_ISREG(e.mode) and baseline.wants(e.size) for e in unhashed):
+            baseline.settle(host_root, since)
 
     def _tracked(self, sandbox_root: str, host_root: str, budget: HashBudget, max_entries: int) -> Snapshot | None:
         key = (sandbox_root, host_root)
@@ -174,9 +217,16 @@ class LiveSnapshots:
             if tracker.closed or tracker.fileno() < 0 or time.monotonic() - tracker.last_used > AHEAD_IDLE_S:
                 return  # idle: its queue waits for the next call (or overflows: a walk then)
             budget_bytes, max_file, max_entries = tracker.caps
+            baseline = self._baseline()
+            since = baseline.tick() if baseline is not None else 0
+            keep = baseline is None or not baseline.withheld(key[1])
             try:
-                tracker.snapshot(HashBudget(min(budget_bytes, AHEAD_HASH_BYTES), min(max_file, AHEAD_HASH_BYTES)),
-                                 max_entries, use=False)
+                ahead = HashBudget(min(budget_bytes, AHEAD_HASH_BYTES), min(max_file, AHEAD_HASH_BYTES), keep, [])
+                snap = tracker.snapshot(ahead, max_entries, use=False)
+                self._refuse_if_withheld(baseline, key[1], ahead)
+                if not keep:
+                    self._settle_if_whole(baseline, key[1], since, snap.gaps,
+                                          snap.entries.values() if snap.unhashed else ())
                 tracker.ahead += 1
                 self.refreshes += 1
             except (Untrackable, OSError) as exc:

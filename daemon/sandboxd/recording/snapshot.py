@@ -135,10 +135,12 @@ class Snapshot:
 class HashBudget:
     """How much uncached content one snapshot may read, and the largest file it hashes.
     `keep` False: what it reads may hold what a call with secrets wrote: none of it goes
-    into the baseline, and its hashes are refused there for good (baseline.py)."""
+    into the baseline, and its hashes are refused there for good (baseline.py). `kept`:
+    given the hashes whose content went into the baseline."""
     bytes_left: int = HASH_BUDGET_BYTES
     max_file: int = MAX_HASH_FILE_BYTES
     keep: bool = True
+    kept: list[str] | None = None
 
 
 # What HashCache.digest finds: (hash, why not, birth time, generation).
@@ -201,6 +203,8 @@ class HashCache:
             baseline.refuse(digest)  # whenever these bytes are read again, they are not kept
         elif content is not None and len(content) == last.st_size:
             baseline.keep(digest, content)
+            if budget.kept is not None:
+                budget.kept.append(digest)
         if time.time_ns() - max(stamp[1], stamp[2]) < RACY_NS:
             # Changed moments ago: a write in the same timestamp tick would keep the
             # stamp, so the hash is used now but not trusted later (git's racy rule).
