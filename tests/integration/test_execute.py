@@ -19,7 +19,8 @@ from sandboxd_contract.calls import build_call
 from sandboxd_contract.canonical import event_hash
 from sandboxd_contract.pb import sandboxd_pb2 as pb
 
-from .conftest import BUSYBOX_IMAGE, DAEMON_ENV, DAEMON_SECRET, WORKSPACE_UID, call, leftover_sandboxes, sh, wait_for
+from .conftest import (BACKENDS, BUSYBOX_IMAGE, DAEMON_ENV, DAEMON_SECRET, WORKSPACE_UID, AdapterClient, call,
+                       leftover_sandboxes, sh, wait_for)
 
 
 def test_output_arrives_while_the_command_runs(client, workspace):
@@ -280,15 +281,20 @@ def test_egress_none_has_only_loopback(client, workspace):
     assert _interfaces(client.run(call(workspace, ["cat", "/proc/net/dev"]))) == ["lo"]
 
 
-def test_egress_open_has_a_network_interface(client, workspace):
+def test_egress_open_has_a_network_interface(spare_daemon):
+    # denyPrivateNetworks false is the operator's to allow (egress.private_networks_principals).
+    d = spare_daemon(egress={"private_networks_principals": ["root"]}).start()
+    workspace = d.new_workspace({"README.md": "hello workspace\n"})
     open_policy = {"network": {"egress": "open", "denyPrivateNetworks": False}}
-    if client.adapter == "nsjail":
-        # nsjail has no network of its own to give: refused, never run on the host's.
-        with pytest.raises(errors.Unimplemented) as exc:
-            client.run(call(workspace, ["true"], open_policy))
-        assert "policy.network.egress" in exc.value.message
-        return
-    assert "eth0" in _interfaces(client.run(call(workspace, ["cat", "/proc/net/dev"], open_policy)))
+    for adapter in BACKENDS:
+        with AdapterClient(str(d.socket), adapter) as client:
+            if adapter == "nsjail":
+                # nsjail has no network of its own to give: refused, never run on the host's.
+                with pytest.raises(errors.Unimplemented) as exc:
+                    client.run(call(workspace, ["true"], open_policy))
+                assert "policy.network.egress" in exc.value.message
+                continue
+            assert "eth0" in _interfaces(client.run(call(workspace, ["cat", "/proc/net/dev"], open_policy)))
 
 
 def test_egress_open_that_must_deny_private_networks_has_no_network_but_the_proxy(client, workspace):

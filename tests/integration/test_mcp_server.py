@@ -28,7 +28,7 @@ from mcp_types import Implementation
 
 from sandboxd_testing import prepared_call
 
-from .conftest import DEFAULT_IMAGE, WORKSPACE_UID, wait_for
+from .conftest import BACKENDS, DEFAULT_IMAGE, WORKSPACE_UID, wait_for
 from .test_mtls import make_ca, make_cert
 
 SANDBOXD_MCP = str(Path(sys.executable).with_name("sandboxd-mcp"))
@@ -433,3 +433,44 @@ def test_at_start_a_refused_policy_exits_2_and_an_absent_daemon_is_only_a_warnin
 
     anyio.run(scenario)
     assert "does not answer" in (tmp_path / "stderr").read_text()
+
+
+@pytest.mark.parametrize("adapter", BACKENDS)
+def test_an_agent_never_reads_the_workspaces_secret_files(daemon, adapter):
+    """Issue 32: `-w .` and no policy file, and the agent read .env. The daemon's
+    always_blocked masks it in every call, whatever the server's policy says."""
+    ws = daemon.new_workspace({".env": "SECRET=hunter2\n", ".env.example": "SECRET=\n", "README.md": "hi\n"})
+
+    async def scenario():
+        async with stdio_session(daemon, ws, "-w", ".", "--adapter", adapter) as s:
+            read = await call(s, "read_file", path=".env")
+            ran = await call(s, "run_command",
+                             command=["sh", "-c", "cat .env; cat /workspace/./.env; grep -rs hunter2 ."])
+            found = await call(s, "search_files", pattern="hunter2")
+            example = await call(s, "read_file", path=".env.example")
+            return read, ran, found, example
+
+    read, ran, found, example = anyio.run(scenario)
+    for result in (read, ran, found):
+        assert "hunter2" not in text(result) and "hunter2" not in json.dumps(result.structured_content)
+    assert read.is_error or read.structured_content.get("content", "") == ""
+    assert example.structured_content["content"] == "SECRET=\n"
+    with daemon.client() as c:
+        checked = next(json.loads(e.payload_json) for e in c.get_trace(ran.structured_content["tool_call_id"])
+                       if e.type == "ToolPolicyChecked")
+    assert "/workspace/.env" in checked["masks"]
+    assert any(n.startswith("always_blocked: .env masks /workspace/.env") for n in checked["notes"])
+
+
+def test_a_policy_lowering_deny_private_networks_is_refused_for_an_unlisted_principal(daemon, tmp_path):
+    """The shared daemon lists no principal in egress.private_networks_principals."""
+    ws = daemon.new_workspace()
+    policy = tmp_path / "open.json"
+    policy.write_text(json.dumps({"network": {"egress": "allowlist", "allowDomains": ["pypi.org"],
+                                              "denyPrivateNetworks": False}}))
+    refused = subprocess.run([SANDBOXD_MCP, *server_args(daemon, ws), "--policy", str(policy)],
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stderr
+    assert "PERMISSION_DENIED" in refused.stderr or "permission" in refused.stderr.lower(), refused.stderr
+    assert "policy.network.denyPrivateNetworks" in refused.stderr
+    assert "egress.private_networks_principals" in refused.stderr

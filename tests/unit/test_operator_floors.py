@@ -91,7 +91,8 @@ def test_a_listed_principal_may_lower_it(floors):
 
 
 def test_a_star_lets_every_principal_lower_it(tmp_path):
-    executor, _backend, _events, db, workspace = build(tmp_path, egress=EgressSettings(private_networks_principals=("*",)))
+    everyone = EgressSettings(private_networks_principals=("*",))
+    executor, _backend, _events, db, workspace = build(tmp_path, egress=everyone)
     try:
         prepared, _notes = executor.explain(prepared_call(workspace, ["true"], LOWERED), ROOT)
         assert json.dumps(prepared.policy.to_json_dict())
