@@ -8,8 +8,8 @@ import os
 import pytest
 
 from sandboxd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, SandboxdError
-from sandboxd.policy.preflight import (Bind, Mask, _hard_linked, always_blocked, preflight, resolve_workspace,
-                                       sandbox_owner)
+from sandboxd.policy.preflight import (Bind, Mask, _hard_linked, always_blocked, always_blocked_rule, preflight,
+                                       resolve_workspace, sandbox_owner)
 from sandboxd.core.settings import DaemonSettings
 
 from .conftest import WORKSPACE_GID, WORKSPACE_UID, resolve
@@ -684,3 +684,13 @@ def test_rule_for_names_the_pattern_hiding_a_path_or_a_directory_above_it():
     assert rules.rule_for(("alice",), (".env.example",)) is None
     assert rules.rule_for(("alice",), ("sub", ".env")) is None
     assert rules.rule_for(("alice", ".docker"), ("config.json",)) == "always_blocked: .docker/config.json"
+
+
+def test_always_blocked_rule_answers_by_name_for_a_resolved_workspace(host):
+    ws = str(host.ws)
+    assert always_blocked_rule(host.settings, ws, "/workspace/.env.production") == "always_blocked: .env.*"
+    assert always_blocked_rule(host.settings, ws, "/workspace/.ssh/config") == "always_blocked: .ssh/"
+    assert always_blocked_rule(host.settings, ws, "/workspace/.env.example") is None
+    assert always_blocked_rule(host.settings, ws, "/workspace") is None
+    assert always_blocked_rule(host.settings, ws, "/tmp/.env") is None  # tempDir: the sandbox's own
+    assert always_blocked_rule(with_blocked(host), ws, "/workspace/.env") is None

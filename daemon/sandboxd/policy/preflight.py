@@ -444,6 +444,17 @@ class AlwaysBlocked:
         return None
 
 
+def always_blocked_rule(settings: DaemonSettings, workspace: str, sandbox_path: str) -> str | None:
+    """`always_blocked: <pattern>` when the operator's list hides `sandbox_path` (normalized,
+    absolute) of `workspace` (as preflight resolved it), or a directory on its way; None
+    otherwise. For a check by name where a mask cannot answer: a mask covers only what
+    existed when it was placed (a leased sandbox's, made earlier; a file transfer's)."""
+    if not is_within(sandbox_path, WORKSPACE) or sandbox_path == WORKSPACE:
+        return None
+    rel = tuple(sandbox_path[len(WORKSPACE) + 1:].split("/"))
+    return always_blocked(settings.always_blocked).rule_for(_names_from_root(workspace, settings), rel)
+
+
 def always_blocked(patterns: Sequence[str]) -> AlwaysBlocked:
     """The setting parsed (cached: a preflight runs at every call); a malformed pattern
     is INVALID_ARGUMENT naming its index, at the daemon's start (calls/prepare.py)."""
