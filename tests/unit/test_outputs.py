@@ -490,6 +490,23 @@ def test_a_new_file_in_the_inode_number_of_one_closed_to_the_sandbox_shows_nothi
     assert " 1\n+2\n" in text  # a file changed in place still is diffed
 
 
+def test_a_file_whose_birth_is_unknown_is_not_diffed(tmp_path, store):
+    """A file system that gives neither a birth time nor a generation cannot tell an edit
+    in place from a new file in a freed inode number: the content before is not shown."""
+    ws = Workspace(tmp_path, {"a.txt": b"before\n"})
+    (ws.dir / "a.txt").write_bytes(b"after\n")
+    after = ws.snap()
+    unborn = {p: e._replace(btime_ns=0, generation=-1) for p, e in after.entries.items()}
+    before = {p: e._replace(btime_ns=0, generation=-1) for p, e in ws.before.entries.items()}
+    changed = changed_files(snapshot.diff(before, unborn), before, unborn)
+    assert [(c.change, c.replaced, c.same_file) for c in changed] == [("modified", False, False)]
+    got = OutputCollector(ArtifactSettings(), store, ws.baseline, "call_1", ws.roots, None, READER).collect(changed)
+    [diff] = [r for r in got.records if r.kind == "diff"]
+    assert read_blob(store, diff.content_hash) == (b"diff --git a/workspace/a.txt b/workspace/a.txt\n# sandboxd: not "
+                                                   b"diffed: its content before the call is shown only for a file "
+                                                   b"changed in place\n")
+
+
 def test_the_content_before_is_shown_only_if_the_sandboxs_user_could_read_it_then(tmp_path, store):
     """What the sandbox's user owns it may open to itself during the call: the modes
     before the call decide. What it does not own keeps its modes and ACLs through the
