@@ -439,3 +439,16 @@ class TestTlsFiles:
         assert all(f.needed_by == (DAEMON,) for f in got.values())
         key.chmod(0o600)
         assert {f.field: f.status for f in probes.tls_findings(s)}["tcp.key_file"] == "ok"
+
+
+def test_a_docker_hosts_userinfo_is_masked(tmp_path):
+    # A loopback port nobody listens on: dockerd "does not answer", named without the password.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    found = dockerd_probes.docker_findings(settings_under(tmp_path, docker_host=f"tcp://ops:hunter2-pw@127.0.0.1:{port}"))
+    dockerd = next(f for f in found if f.probe == "dockerd")
+    assert dockerd.status == "fail" and f"dockerd at tcp://***@127.0.0.1:{port} does not answer" in dockerd.reason
+    assert all("hunter2-pw" not in f.reason for f in found)

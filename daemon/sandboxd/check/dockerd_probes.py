@@ -12,6 +12,7 @@ from typing import Any
 from sandboxd.backends.docker.compile import CGROUP_DRIVERS
 from sandboxd.backends.docker.errors import dockerd
 from sandboxd.check.report import Finding
+from sandboxd.core.artifact_settings import mask_userinfo
 from sandboxd.core.errors import BackendUnavailable, FailedPrecondition, SandboxdError
 from sandboxd.core.settings import DaemonSettings
 from sandboxd.policy import images
@@ -41,7 +42,7 @@ def ask_dockerd(settings: DaemonSettings) -> DockerFacts:
     import docker  # heavy; only when dockerd is asked
 
     base_url = settings.docker_host or DEFAULT_DOCKER_HOST
-    with dockerd(f"answer at {base_url}", refusal=BackendUnavailable):
+    with dockerd(f"answer at {mask_userinfo(base_url)}", refusal=BackendUnavailable):
         api = docker.APIClient(base_url=base_url, version="auto", timeout=CHECK_TIMEOUT_S)
     try:
         with dockerd("tell its version and images", refusal=BackendUnavailable):
@@ -60,12 +61,13 @@ def ask_dockerd(settings: DaemonSettings) -> DockerFacts:
 
 def docker_findings(settings: DaemonSettings) -> list[Finding]:
     """dockerd, its cgroup driver, the images."""
-    base_url = settings.docker_host or DEFAULT_DOCKER_HOST
+    base_url = mask_userinfo(settings.docker_host or DEFAULT_DOCKER_HOST)  # as shown: never a user:password@
     try:
         facts = ask_dockerd(settings)
     except SandboxdError as exc:
-        return [Finding("dockerd", "fail", f"dockerd at {base_url} does not answer ({exc.reason}): is it running? "
-                                           "(`make docker` starts one)", needed_by=("docker",), field="docker_host"),
+        return [Finding("dockerd", "fail", f"dockerd at {base_url} does not answer ({mask_userinfo(exc.reason)}): "
+                                           "is it running? (`make docker` starts one)", needed_by=("docker",),
+                        field="docker_host"),
                 Finding("images", "fail", "not checked: dockerd does not answer (jails run only images exported "
                                           "from it before)", needed_by=("docker",))]
     return [_version_finding(base_url, facts), _driver_finding(facts), image_finding(settings, facts)]
