@@ -91,7 +91,24 @@ def test_with_blocked_paths_a_renamed_parent_leaks_nothing(client, daemon):
     assert out.result.status == "success", out.stderr
     assert {a.kind for a in out.result.artifacts} <= {"stdout", "stderr"}
     assert list(out.result.artifacts_omitted) == [
-        "2 changed files: none is kept or diffed when the policy blocks paths"]
+        "2 changed files: none is kept or diffed when a blocked path lies below a directory the sandbox could "
+        "move"]
+
+
+def test_a_blocked_path_right_below_a_root_leaves_collection_on(client, daemon):
+    """`.env` (the operator's always_blocked) sits in the root itself, a mount the sandbox
+    cannot rename: nothing can be carried out from under its mask, so a call's changes
+    are still kept and diffed, and the masked file is never among them."""
+    ws = daemon.new_workspace({".env": "SECRET=hunter2\n", "app.py": "x = 1\n"})
+    out = client.run(call(ws, sh("printf 'x = 2\\n' > /workspace/app.py; cat /workspace/.env; "
+                                 "mv /workspace/.env /workspace/stolen 2>&1 || true"),
+                          {"filesystem": {"writeRoots": ["/workspace"]}}))
+    assert out.result.status == "success", out.stderr
+    assert {a.path for a in out.result.artifacts if a.kind == "file"} == {"/workspace/app.py"}
+    [diff] = [a for a in out.result.artifacts if a.kind == "diff"]
+    text = download(client, diff.artifact_id).decode()
+    assert "-x = 1\n+x = 2\n" in text and "hunter2" not in text
+    assert b"hunter2" not in out.stdout and (ws / ".env").read_text() == "SECRET=hunter2\n"
 
 
 def test_a_call_that_changes_nothing_leaves_no_file_artifact(client, daemon):

@@ -17,7 +17,7 @@ import pytest
 from sandboxd.core.artifact_settings import ArtifactSettings
 from sandboxd.ledger.artifacts import FileArtifactStore
 from sandboxd.ledger.store import Database
-from sandboxd.outputs.collect import MAX_OMISSIONS_LISTED, OutputCollector
+from sandboxd.outputs.collect import MAX_OMISSIONS_LISTED, OutputCollector, movable_masks
 from sandboxd.outputs.diff import MAX_DIFF_LINES, FileVersions, Pending, file_diff, unified_diff
 from sandboxd.outputs.reading import NotReadable, locate, read_chunks
 from sandboxd.recording import snapshot
@@ -553,7 +553,8 @@ def test_with_blocked_paths_no_changed_file_is_kept(tmp_path, store):
     os.rename(ws.dir / "conf", ws.dir / "moved")  # the mask moves with it in the sandbox, not on the host
     got = collect_as(ws, store, None, blocked=("/workspace/conf/secret.env",))
     assert got.records == []
-    assert got.omitted == ["1 changed files: none is kept or diffed when the policy blocks paths"]
+    assert got.omitted == ["1 changed files: none is kept or diffed when a blocked path lies below a directory "
+                           "the sandbox could move"]
 
 
 def test_only_content_the_diff_shows_is_held_in_memory(tmp_path, store):
@@ -600,3 +601,9 @@ def test_the_outputs_tmpfs_is_a_private_mount_even_under_a_shared_one(tmp_path):
         assert not os.path.exists(path)
     finally:
         unmount(str(runtime))
+
+
+def test_only_masks_below_a_movable_directory_turn_collection_off():
+    masks = ["/workspace/.env", "/workspace/conf/secret.env", "/workspace/sub/.ssh", "/tmp/x/key"]
+    assert movable_masks(masks, ["/workspace", "/workspace/sub", "/tmp"]) == ("/workspace/conf/secret.env",
+                                                                                "/tmp/x/key")

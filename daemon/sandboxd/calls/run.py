@@ -25,7 +25,7 @@ from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import ArtifactRecord, FileArtifactStore
 from sandboxd.ledger.events import EventDraft, EventLog
 from sandboxd.ledger.store import Database
-from sandboxd.outputs.collect import Collected, OutputCollector
+from sandboxd.outputs.collect import Collected, OutputCollector, movable_masks
 from sandboxd.recording.baseline import Baseline
 from sandboxd.recording.snapshot import printable
 from sandboxd.recording.recorder import FileRecord, FileRecorder
@@ -339,7 +339,8 @@ class CallRun:
             roots = placement.write_roots() + ([(p.policy.temp_dir, placement.kept_tempdir)] if kept else [])
             collector = OutputCollector(self._host.settings.artifacts, self._host.artifacts, self._host.baseline,
                                         self.tool_call_id, roots, redactor, reader=(p.plan.uid, p.plan.gid),
-                                        blocked=tuple(m.sandbox_path for m in p.plan.masks))
+                                        blocked=movable_masks([m.sandbox_path for m in p.plan.masks],
+                                                              [b.sandbox_path for b in p.plan.binds]))
             collected = collector.collect(files.changed, kept)
             collected.omitted[:0] = gaps
             return collected

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import stat
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,15 @@ class _Budget:
     bytes: int
 
 
+def movable_masks(masks: Sequence[str], mount_points: Sequence[str]) -> tuple[str, ...]:
+    """The masked paths the sandbox could carry out from under their masks by renaming a
+    directory on their way: those whose parent is no mount point of the sandbox (a root
+    or tempDir, which rename refuses with EBUSY; the masked path is a mount itself). A
+    mask right below a root (the operator's `.env`) leaves collection on."""
+    mounts = set(mount_points)
+    return tuple(m for m in masks if posixpath.dirname(m) not in mounts)
+
+
 class OutputCollector:
     """One call's collection: its store, caps and write roots."""
 
@@ -52,9 +62,9 @@ class OutputCollector:
                  redactor: Callable[[], Redactor] | None = None, reader: tuple[int, int] | None = None,
                  blocked: tuple[str, ...] = ()):
         """`reader`: the sandbox's (uid, gid): only what it could read is kept. `blocked`:
-        the policy's blocked paths; with any, no changed file is kept (a rename of a
-        blocked file's parent moves it out from under its mask on the host, and what
-        came from under a mask cannot yet be told apart)."""
+        the masked paths a rename could move (movable_masks); with any, no changed file
+        is kept (a rename of a blocked file's parent moves it out from under its mask on
+        the host, and what came from under a mask cannot yet be told apart)."""
         self._settings = settings
         self._store = store
         self._baseline = baseline
@@ -103,7 +113,8 @@ class OutputCollector:
     def _collect(self, changed: list[ChangedFile], kept: list[ChangedFile] | None) -> Collected:
         records: list[ArtifactRecord] = []
         if self._blocked and changed:
-            self._omitted.append(f"{len(changed)} changed files: none is kept or diffed when the policy blocks paths")
+            self._omitted.append(f"{len(changed)} changed files: none is kept or diffed when a blocked path lies below a "
+                                 "directory the sandbox could move")
             changed = []
         if self._settings.diff:
             self._diffed = {f.path for f in changed if f.change != "deleted" and not f.replaced}
