@@ -92,7 +92,7 @@ def test_an_upload_lands_only_under_a_write_root_and_never_in_a_blocked_path(dae
          "/workspace/src/f.txt", "under the read root /workspace"),
         (target(ws, policy={**WRITE_ALL, "filesystem": {**WRITE_ALL["filesystem"],
                                                          "blockedPaths": ["/workspace/secret"]}}),
-         "/workspace/secret/f.txt", "blocked by the policy"),
+         "/workspace/secret/f.txt", "is blocked"),
         (target(ws, policy=WRITE_ALL), "/tmp/f.txt", "tempDir"),
         (target(ws, policy=WRITE_ALL), "/etc/f.txt", "not under any write root"),
     ]
@@ -353,3 +353,28 @@ def test_transfer_records_are_bounded_per_principal_and_retention_frees_them(spa
     wait_for(lambda: any(e.type == "ToolCallExpired" for e in c.get_trace(first.transfer_id)), timeout_s=30)
     c.download(target(ws), "/workspace/a.txt", tmp_path / "a")
     assert (tmp_path / "a").read_text() == "a\n"
+
+
+@pytest.mark.parametrize("adapter", ["docker", "nsjail"])
+def test_a_secret_file_made_after_the_lease_began_is_never_transferred(daemon, adapter, tmp_path):
+    """The lease's masks were placed when its sandbox was made: the operator's
+    always_blocked is asked by name too, so a `.env` a command makes later stays in."""
+    ws = daemon.new_workspace({"a.txt": "a\n"})
+    c = daemon.client()
+    lease = c.acquire_sandbox(str(ws), WRITE_ALL, adapter=adapter)
+    try:
+        to = target(lease_id=lease.lease_id)
+        made = c.run(call(ws, sh("echo SECRET=hunter2 > /workspace/.env"), WRITE_ALL,
+                          runtime={"adapter": adapter, "leaseId": lease.lease_id}))
+        assert made.result.status == "success", made.stderr
+        with pytest.raises(errors.PermissionDenied, match="always_blocked: .env"):
+            c.download(to, "/workspace/.env", tmp_path / "env")
+        whole = c.download(to, "/workspace", tmp_path / "ws")
+        assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == ["a.txt"]
+        assert any("/workspace/.env" in line for line in whole.skipped)
+        (tmp_path / "up").write_text("x\n")
+        with pytest.raises(errors.PermissionDenied, match="always_blocked: .env"):
+            c.upload(to, "/workspace/.env", tmp_path / "up")
+        assert (ws / ".env").read_text() == "SECRET=hunter2\n"
+    finally:
+        c.release_sandbox(lease.lease_id)

@@ -40,6 +40,9 @@ class Where:
     # meanwhile by another process is never taken for the sandbox.
     temp_pid: int = 0
     init_pid_now: Callable[[], int] | None = None
+    # The operator's always_blocked, asked by name (`always_blocked: <pattern>` or None):
+    # the masks cover only what existed when they were placed (a lease's, made earlier).
+    always_blocked: Callable[[str], str | None] | None = None
 
     def mask_inodes(self) -> frozenset[tuple[int, int]]:
         return frozenset((m.dev, m.ino) for m in self.masks if m.ino)
@@ -89,11 +92,15 @@ def join(base: str, parts: tuple[str, ...]) -> str:
 
 
 def blocked_by(where: Where, path: str) -> str | None:
-    """The blocked path (or mask) that covers `path`, if one does."""
-    for blocked in where.blocked + tuple(m.sandbox_path for m in where.masks):
+    """The rule that hides `path`, if one does: a blocked path of the policy, a mask
+    (named by its rule), or the operator's always_blocked."""
+    for blocked in where.blocked:
         if is_within(path, blocked):
             return blocked
-    return None
+    for mask in where.masks:
+        if is_within(path, mask.sandbox_path):
+            return mask.rule or mask.sandbox_path
+    return where.always_blocked(path) if where.always_blocked is not None else None
 
 
 def temp_bind(where: Where) -> Bind:
@@ -106,7 +113,7 @@ def place(where: Where, path: str, *, write: bool, field: str) -> Placed:
     the rule when no root lets the transfer do what it asks."""
     blocked = blocked_by(where, path)
     if blocked is not None:
-        raise PermissionDenied(f"{path} is blocked by the policy ({blocked}): never transferred", field=field)
+        raise PermissionDenied(f"{path} is blocked ({blocked}): never transferred", field=field)
     holders = [b for b in where.binds if is_within(path, b.sandbox_path)]
     if not holders:
         if is_within(path, where.temp_dir):

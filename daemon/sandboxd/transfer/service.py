@@ -18,6 +18,8 @@ from sandboxd.core.errors import Aborted, InvalidArgument, NotFound, ResourceExh
 from sandboxd.ledger import call_rows, transfer_usage
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.event_types import FilesTransferred, draft
+from sandboxd.core.settings import DaemonSettings
+from sandboxd.policy.preflight import always_blocked_rule
 from sandboxd.policy.principal import Principal
 from sandboxd.secrets.redact import Redactor
 from sandboxd.transfer.download import Download, Part
@@ -103,8 +105,8 @@ class FileTransfers:
                 built = ws.prepared
                 rec.workspace = built.plan.workspace
                 rec.secrets = dict(ws.secrets_seen)
-                yield replace(_where_of(built.plan, built.policy, lease_id), temp_pid=ws.init_pid(),
-                              init_pid_now=ws.init_pid)
+                yield replace(_where_of(built.plan, built.policy, lease_id, self._executor.settings),
+                              temp_pid=ws.init_pid(), init_pid_now=ws.init_pid)
             finally:
                 pools.command_done(ws, True)
             return
@@ -114,7 +116,7 @@ class FileTransfers:
         reservations = self._executor.reservations
         reservations.reserve(transfer_id, prepared.plan if write else _reader(prepared.plan))
         try:
-            yield _where_of(prepared.plan, prepared.policy, "")
+            yield _where_of(prepared.plan, prepared.policy, "", self._executor.settings)
         finally:
             reservations.release(transfer_id)
 
@@ -267,9 +269,12 @@ def _redact_reason(exc: SandboxdError, secrets: dict[str, bytes]) -> None:
     exc.args = (exc.message,)
 
 
-def _where_of(plan: Any, policy: Any, lease_id: str) -> Where:
+def _where_of(plan: Any, policy: Any, lease_id: str, settings: DaemonSettings) -> Where:
+    def always_blocked(path: str) -> str | None:
+        return always_blocked_rule(settings, plan.workspace, path)
+
     return Where(plan.binds, plan.masks, tuple(policy.blocked_paths), policy.temp_dir, plan.uid, plan.gid,
-                 plan.workspace, lease_id)
+                 plan.workspace, lease_id, always_blocked=always_blocked)
 
 
 def _reader(plan: Any) -> Any:
