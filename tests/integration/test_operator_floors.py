@@ -170,6 +170,8 @@ def test_an_unlisted_principal_cannot_lower_deny_private_networks_anywhere(floor
         with pytest.raises(errors.PermissionDenied) as exc:
             attempt()
         assert "policy.network.denyPrivateNetworks" in exc.value.message
+        # On record as a refused call is, under the id the error names.
+        assert rejected(root, exc.value.tool_call_id)["field"] == "policy.network.denyPrivateNetworks"
     assert not [p for p in root.list_pools() if p.workspace == str(ws)]  # nothing half-created
 
 

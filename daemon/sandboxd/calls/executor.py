@@ -13,7 +13,8 @@ import logging
 import os
 import shlex
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from sandboxd.calls.admission import Admission, CallTable, Submitted
@@ -176,14 +177,31 @@ class CallExecutor:
 
     def acquire(self, raw: Mapping[str, Any], caller: Principal, lease_ms: int, wait_ms: int) -> Lease:
         """A lease on a warm sandbox for this workspace, image and policy."""
-        template = self._pool_template(raw, caller, sandbox=False)
-        assert self.pools is not None
-        return self.pools.acquire(template, caller, lease_ms, wait_ms)
+        with self._refusal_recorded(raw, caller, "lease"):
+            template = self._pool_template(raw, caller, sandbox=False)
+            assert self.pools is not None
+            return self.pools.acquire(template, caller, lease_ms, wait_ms)
 
     def create_pool(self, raw: Mapping[str, Any], caller: Principal) -> dict[str, Any]:
-        template = self._pool_template(raw, caller)
-        assert self.pools is not None
-        return self.pools.ensure(template, caller)
+        with self._refusal_recorded(raw, caller, "pool"):
+            template = self._pool_template(raw, caller)
+            assert self.pools is not None
+            return self.pools.ensure(template, caller)
+
+    @contextmanager
+    def _refusal_recorded(self, raw: Mapping[str, Any], caller: Principal, stage: str) -> Iterator[None]:
+        """A pool's, a lease's or an explain's refusal on the log as a call's is (a probe
+        of what the daemon allows is evidence too), under an id of its own."""
+        try:
+            yield
+        except SandboxdError as exc:
+            if exc.tool_call_id is None:
+                exc.tool_call_id = refused = ev.new_id("tc")
+                try:
+                    self._admission.reject(refused, raw, caller.name, stage, exc)
+                except Exception:  # refused all the same; the daemon's log says why it is not on record
+                    log.exception("recording the refusal %s failed", refused)
+            raise
 
     def prepare_transfer(self, workspace: str, policy: Mapping[str, Any] | None, caller: Principal) -> Prepared:
         """A file transfer's view of a workspace: the host checks a call with `policy`
@@ -204,9 +222,10 @@ class CallExecutor:
     def explain(self, raw_call: Mapping[str, Any], caller: Principal) -> tuple[Prepared, list[str]]:
         """A dry run, with Execute's checks: another tenant's workspace is refused before
         anything of it is looked at."""
-        call = parse_call(raw_call)
-        prepared = self._preparer.prepare(call, call.tool_call_id or "explain", caller, resolve_credentials=False)
-        return prepared, list(prepared.plan.notes)
+        with self._refusal_recorded(raw_call, caller, "explain"):
+            call = parse_call(raw_call)
+            prepared = self._preparer.prepare(call, call.tool_call_id or "explain", caller, resolve_credentials=False)
+            return prepared, list(prepared.plan.notes)
 
     # -- records -----------------------------------------------------------------------
     def check_access(self, tool_call_id: str, caller: Principal) -> None:

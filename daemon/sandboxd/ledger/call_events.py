@@ -369,7 +369,7 @@ class ToolCallRejected:
     (bounded by the caller), and the id the request asked for ("" when none)."""
 
     TYPE: ClassVar[str] = ev.REJECTED
-    stage: str  # "admission" | "verification"
+    stage: str  # "validation" | "admission" | "verification" | "pool" | "lease" | "explain"
     code: str
     field: str
     reason: str
