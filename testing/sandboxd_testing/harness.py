@@ -79,7 +79,7 @@ class DaemonProcess:
                 self.proc.kill()
                 self.proc.wait()
         # The secrets tmpfs the daemon mounts below its runtime dir: a killed daemon left
-        # it (its next start keeps it); a test's directories are removed after this.
+        # it (its next start would wipe and unmount it); a test's directories go after this.
         unmount(str(self.base / "runtime" / "secrets"))
         return self.proc.returncode
 

@@ -4,6 +4,7 @@ the daemon knows) is refused, and plain TCP cannot even be configured."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 from pathlib import Path
@@ -131,3 +132,23 @@ def test_plain_tcp_cannot_be_configured(tmp_path):
     with pytest.raises(RuntimeError) as exc:
         d.start(timeout_s=20)
     assert "tcp.cert_file" in str(exc.value) or "cert_file" in str(exc.value)
+
+
+def test_the_tls_files_are_read_once_safely_or_the_daemon_does_not_start(spare_daemon, pki, tmp_path):
+    """The key the daemon's own and closed to others; no file through a link; a FIFO in a
+    file's place refused, never waited on (the start would hang for good)."""
+    loose_key = tmp_path / "loose.key"
+    loose_key.write_bytes(pki["server"][1].read_bytes())
+    loose_key.chmod(0o644)
+    linked_cert = tmp_path / "linked.pem"
+    linked_cert.symlink_to(pki["server"][0])
+    fifo_ca = tmp_path / "ca.fifo"
+    os.mkfifo(fifo_ca)
+    good = {"cert_file": str(pki["server"][0]), "key_file": str(pki["server"][1]),
+            "client_ca_file": str(pki["ca"][0])}
+    for setting, path, why in (("key_file", loose_key, "closed to group and others"), ("cert_file", linked_cert, "symbolic link"),
+                               ("client_ca_file", fifo_ca, "is not a file")):
+        d = spare_daemon(tcp={"address": f"127.0.0.1:{free_port()}", **good, setting: str(path)})
+        with pytest.raises(RuntimeError, match=f"tcp.{setting}") as refused:
+            d.start(timeout_s=20)
+        assert why in str(refused.value)

@@ -33,6 +33,10 @@ class TestFieldPaths:
         got = errors_of(tmp_path, "socket_mod: 0o660\n")
         assert got == {"socket_mod": "unknown key: no such setting (did you mean 'socket_mode'?)"}
 
+    def test_a_malformed_always_blocked_pattern_is_named_by_its_index(self, tmp_path):
+        got = errors_of(tmp_path, "always_blocked: ['.env', 'a/**/b']\n")
+        assert "'**' only as its first name" in got["always_blocked[1]"]
+
     def test_an_unknown_nested_key_is_named_with_its_section(self, tmp_path):
         got = errors_of(tmp_path, "limits:\n  max_pidz: 10\n")
         assert got["limits.max_pidz"] == "unknown key: no such setting of limits (did you mean 'max_pids'?)"

@@ -24,6 +24,7 @@ from sandboxd.api.records import ArtifactServicer, AuditServicer, TraceServicer
 from sandboxd.api.transfer import FileServicer
 from sandboxd.calls.executor import CallExecutor
 from sandboxd.core.errors import BackendUnavailable
+from sandboxd.core.safe_open import read_setting_file
 from sandboxd.core.settings import DaemonSettings, TcpSettings
 from sandboxd.ledger.artifacts import FileArtifactStore
 from sandboxd.ledger.audit import AuditIndex
@@ -31,6 +32,8 @@ from sandboxd.ledger.events import CheckpointFile, EventLog
 from sandboxd.transfer.service import FileTransfers
 
 log = logging.getLogger("sandboxd.api.server")
+# A PEM chain, key or CA bundle past this is no certificate file.
+TLS_FILE_MAX_BYTES = 1 << 20
 SERVICES = ("ExecutionService", "ArtifactService", "TraceService", "AuditService", "PoolService", "FileService")
 
 
@@ -86,9 +89,12 @@ def listen(server: grpc.Server, settings: DaemonSettings, internal_socket: Path)
 
 
 def _listen_tls(server: grpc.Server, tcp: TcpSettings) -> None:
-    credentials = grpc.ssl_server_credentials(
-        [(tcp.key_file.read_bytes(), tcp.cert_file.read_bytes())],
-        root_certificates=tcp.client_ca_file.read_bytes(), require_client_auth=True)
+    # Each read once from a descriptor: no link followed, a FIFO never waited on, the key
+    # the daemon's own and closed to others.
+    key = read_setting_file(tcp.key_file, setting="tcp.key_file", private=True, max_bytes=TLS_FILE_MAX_BYTES)
+    chain = read_setting_file(tcp.cert_file, setting="tcp.cert_file", max_bytes=TLS_FILE_MAX_BYTES)
+    client_ca = read_setting_file(tcp.client_ca_file, setting="tcp.client_ca_file", max_bytes=TLS_FILE_MAX_BYTES)
+    credentials = grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca, require_client_auth=True)
     try:
         port = server.add_secure_port(tcp.address, credentials)
     except RuntimeError as exc:  # grpc raises (older versions returned 0) when the bind fails

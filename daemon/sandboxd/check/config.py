@@ -25,7 +25,9 @@ from pydantic import BaseModel, ValidationError
 from sandboxd.check.report import BACKENDS
 from sandboxd.core.artifact_settings import mask_userinfo
 from sandboxd.core.safe_open import UnsafeFile, open_setting_file
+from sandboxd.core.errors import InvalidArgument
 from sandboxd.core.settings import DaemonSettings, load_settings
+from sandboxd.policy.preflight import always_blocked
 
 # A reason that starts with a setting's own path ("nsjail.nsjail_binary_sha256: ...",
 # as the settings' validators write them): the path is taken from it.
@@ -222,4 +224,8 @@ def start_problems(settings: DaemonSettings) -> list[ConfigError]:
         host, sep, port = settings.metrics_address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
             problems.append(ConfigError("metrics_address", f"{settings.metrics_address!r} is not host:port"))
+    try:
+        always_blocked(settings.always_blocked)  # the start parses it too, and refuses a malformed one
+    except InvalidArgument as exc:
+        problems.append(ConfigError(exc.field or "always_blocked", exc.reason))
     return problems

@@ -156,8 +156,8 @@ def open_secrets_dir(path: Path, *, daemon_mounts: bool) -> tuple[int, bool]:
     """The secrets directory, checked like the others and on a memory filesystem. When
     `daemon_mounts` (the default place, below the runtime dir), a directory on a disk
     gets a tmpfs of the daemon's own mounted on it: private (no propagation to other
-    mount namespaces), nosuid, nodev, noexec and size-capped. A tmpfs already there (left
-    by a run that was killed) is kept: start-up purges what is in it. An operator's own
+    mount namespaces), nosuid, nodev, noexec and size-capped. One a killed run left there
+    is wiped and unmounted first (secrets/broker.reap_left_tmpfs). An operator's own
     `secrets_dir` must already be on one; a directory on a disk is refused.
     Returns the descriptor and whether this call mounted the tmpfs."""
     fd = ensure_private_dir(path, 0o711, setting="secrets_dir")
