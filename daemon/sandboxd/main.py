@@ -39,6 +39,7 @@ from sandboxd.core.errors import BackendUnavailable, SandboxdError
 from sandboxd.core.hostfacts import HostFacts
 from sandboxd.core.metrics import MetricsServer, render
 from sandboxd.core.mounts import unmount
+from sandboxd.core.safe_open import UnsafeFile, held_setting_file
 from sandboxd.outputs import tempdir
 from sandboxd.core.sdnotify import SystemdNotifier
 from sandboxd.core.settings import DaemonSettings
@@ -132,7 +133,12 @@ def _install_shim(settings: DaemonSettings) -> tuple[str, str]:
         return "", reason
     runtime = settings.runtime_dir
     target, tmp = runtime / "sandbox-shim", runtime / ".sandbox-shim.tmp"
-    shutil.copyfile(source, tmp)
+    try:
+        with held_setting_file(source, setting="shim_binary") as held:  # a FIFO there: refused, not waited on
+            shutil.copyfile(held, tmp)
+    except UnsafeFile as exc:
+        log.error("%s", exc.message)
+        return "", exc.message
     os.chmod(tmp, 0o755)
     os.replace(tmp, target)
     return str(target), ""

@@ -17,7 +17,11 @@ import pytest
 from sandboxd.backends.docker.backend import load_seccomp_profile
 from sandboxd.core.artifact_settings import ArtifactSettings, mask_userinfo, without_userinfo
 from sandboxd.core.errors import BackendUnavailable, FailedPrecondition
-from sandboxd.core.safe_open import UnsafeFile, open_setting_file, read_setting_file
+from sandboxd.api.transport import RelayPump
+from sandboxd.backends.nsjail.host import is_static_elf, verified_nsjail
+from sandboxd.core.safe_open import UnsafeFile, held_setting_file, open_setting_file, read_setting_file
+from sandboxd.recording import fanotify_reader
+from sandboxd.recording.errors import FileWatchError
 from sandboxd.ledger.blobs import BlobStoreUnavailable
 from sandboxd.ledger.s3_blobs import read_credentials_file, s3_store
 
@@ -178,3 +182,24 @@ class TestSeccompProfile:
         with pytest.raises(BackendUnavailable, match="symbolic link"):
             load_seccomp_profile(str(link))
         assert load_seccomp_profile(str(target)) == target.read_text()
+
+
+def test_the_native_helpers_named_by_settings_never_block_the_start_on_a_fifo(tmp_path):
+    """The relay and the fanotify reader are dlopened, the nsjail binary hashed, the init
+    and the shim read for their ELF header, the shim copied: each through one held
+    non-blocking descriptor, so a FIFO in its place is refused at once."""
+    fifo = make_fifo(tmp_path / "helper")
+    with pytest.raises(FailedPrecondition, match="relay"):
+        finishes(fifo, lambda: RelayPump(fifo))
+    assert finishes(fifo, lambda: is_static_elf(str(fifo))) is False
+    with pytest.raises(BackendUnavailable, match="not a regular file"):
+        finishes(fifo, lambda: verified_nsjail(str(fifo), "unchecked"))
+    fanotify_reader.use_reader_library(fifo)
+    try:
+        with pytest.raises(FileWatchError, match="cannot be loaded"):
+            finishes(fifo, fanotify_reader.reader_library)
+    finally:
+        fanotify_reader.use_reader_library(None)
+    with pytest.raises(UnsafeFile, match="not a regular file"):  # a directory is no file either
+        with held_setting_file(tmp_path):
+            pass

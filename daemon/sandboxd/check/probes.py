@@ -9,8 +9,6 @@ from __future__ import annotations
 import ctypes
 import os
 import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from sandboxd.backends.docker.backend import load_seccomp_profile
@@ -18,7 +16,7 @@ from sandboxd.backends.nsjail.host import is_static_elf
 from sandboxd.check.report import DAEMON, Finding
 from sandboxd.core.errors import SandboxdError
 from sandboxd.core.hostfacts import HostFacts
-from sandboxd.core.safe_open import UnsafeFile, open_setting_file
+from sandboxd.core.safe_open import UnsafeFile, held_setting_file, open_setting_file
 from sandboxd.core.settings import DaemonSettings
 from sandboxd.recording import filewatch
 from sandboxd.recording.errors import FileWatchError
@@ -28,25 +26,11 @@ from sandboxd.recording.libc import libc
 EVERY_BACKEND = ("docker", "nsjail")
 
 
-@contextmanager
-def held_file(path: str | os.PathLike[str]) -> Iterator[str]:
-    """The regular file `path` (a symlink at its name followed: the packaged helpers may
-    be links), held open through a non-blocking descriptor while the caller reads or
-    loads it by the name yielded, its /proc/self/fd one: the same file, whatever is
-    renamed meanwhile. Anything else is refused (UnsafeFile) before any blocking open: a
-    FIFO named as a binary or a library blocked an ELF header read or a dlopen for good."""
-    fd, _st = open_setting_file(path, setting="", follow=True)
-    try:
-        yield f"/proc/self/fd/{fd}"
-    finally:
-        os.close(fd)
-
-
 def static_elf(path: str | os.PathLike[str]) -> bool:
     """Whether `path` is a regular file and a static executable (host.is_static_elf),
     never blocking on what is no regular file."""
     try:
-        with held_file(path) as held:
+        with held_setting_file(path) as held:
             return is_static_elf(held)
     except (OSError, UnsafeFile):
         return False
@@ -87,7 +71,7 @@ def fanotify_finding(settings: DaemonSettings, facts: HostFacts) -> Finding:
         return Finding("fanotify", "warn", "file-access recording is off (file_watch: false)", field="file_watch")
     refused = "calls asking for audit.recordFileAccess will be refused"
     try:
-        with held_file(settings.file_audit.reader_library):  # a FIFO there would block the dlopen for good
+        with held_setting_file(settings.file_audit.reader_library):  # a FIFO there would block the dlopen for good
             pass
     except UnsafeFile as exc:
         return Finding("fanotify", "warn", f"{exc.reason}: {refused}", field="file_audit.reader_library")
@@ -124,7 +108,7 @@ def asset_findings(settings: DaemonSettings) -> list[Finding]:
         out.append(Finding("seccomp-profile", "fail", exc.message, needed_by=EVERY_BACKEND, field="seccomp_profile"))
     relay = settings.relay_library
     try:
-        with held_file(relay) as held:
+        with held_setting_file(relay) as held:
             ctypes.CDLL(held)
         out.append(Finding("relay-library", "ok", f"{relay} loads", needed_by=(DAEMON,)))
     except (OSError, UnsafeFile) as exc:

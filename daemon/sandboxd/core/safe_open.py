@@ -11,6 +11,8 @@ import errno
 import functools
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from sandboxd.core.errors import FailedPrecondition
 
@@ -130,3 +132,18 @@ def _open_problem(exc: OSError) -> str:
     if exc.errno == errno.ENXIO:
         return "is not a regular file (a socket, or a device without its driver)"
     return f"cannot be opened ({exc.strerror})"
+
+
+@contextmanager
+def held_setting_file(path: str | os.PathLike[str], *, setting: str = "") -> Iterator[str]:
+    """The regular file `path` (a symlink at its name followed: the packaged helpers may
+    be links), held open through a non-blocking descriptor while the caller reads,
+    copies or loads it by the name yielded, its /proc/self/fd one: the same file,
+    whatever is renamed meanwhile. Anything else is refused (UnsafeFile) before any
+    blocking open: a FIFO named as a binary or a library would block an ELF header
+    read, a copy or a dlopen for good (the daemon's start with it)."""
+    fd, _st = open_setting_file(path, setting=setting, follow=True)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+from sandboxd.core.safe_open import UnsafeFile, held_setting_file
 from sandboxd.core.settings import FileAuditSettings
 from sandboxd.recording.errors import FileWatchError
 
@@ -34,8 +35,9 @@ def reader_library() -> ctypes.CDLL:
     if _reader is None:
         path = reader_library_path()
         try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
+            with held_setting_file(path, setting="file_audit.reader_library") as held:  # a FIFO: refused, not waited on
+                lib = ctypes.CDLL(held)
+        except (OSError, UnsafeFile) as exc:
             raise FileWatchError(f"the fanotify reader {path} cannot be loaded (build it with "
                                  f"`make native`): {exc}") from None
         _declare(lib)

