@@ -8,8 +8,9 @@ import os
 import pytest
 
 from sandboxd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, SandboxdError
-from sandboxd.policy.preflight import (Bind, Mask, _hard_linked, always_blocked, always_blocked_rule, preflight,
-                                       resolve_workspace, sandbox_owner)
+from sandboxd.policy.always_blocked import always_blocked
+from sandboxd.policy.preflight import (Bind, Mask, _hard_linked, always_blocked_rule, preflight, resolve_workspace,
+                                       sandbox_owner)
 from sandboxd.core.settings import DaemonSettings
 
 from .conftest import WORKSPACE_GID, WORKSPACE_UID, resolve

@@ -21,7 +21,8 @@ from sandboxd.outputs.tempdir import outputs_dir
 from sandboxd.policy import images
 from sandboxd.policy.models import (EffectivePolicy, PreparedToolCall, check_admission, check_private_networks,
                                     resolve_policy)
-from sandboxd.policy.preflight import HostPlan, always_blocked, preflight
+from sandboxd.policy.always_blocked import always_blocked
+from sandboxd.policy.preflight import HostPlan, preflight
 from sandboxd.policy.principal import Principal
 from sandboxd.pools import CommandSpec, LeaseSandbox, PoolManager
 from sandboxd.recording.filewatch import FileWatchError, reader_library

@@ -27,7 +27,7 @@ from sandboxd.core.artifact_settings import mask_userinfo
 from sandboxd.core.safe_open import UnsafeFile, open_setting_file
 from sandboxd.core.errors import InvalidArgument
 from sandboxd.core.settings import DaemonSettings, load_settings
-from sandboxd.policy.preflight import always_blocked
+from sandboxd.policy.always_blocked import always_blocked
 
 # A reason that starts with a setting's own path ("nsjail.nsjail_binary_sha256: ...",
 # as the settings' validators write them): the path is taken from it.
