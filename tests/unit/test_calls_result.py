@@ -11,7 +11,7 @@ from sandboxd.core.errors import BackendUnavailable
 from sandboxd.egress.records import ConnectionRecord
 from sandboxd.ledger import events as ev
 from sandboxd.ledger.artifacts import ArtifactRecord
-from sandboxd.recording import snapshot
+from sandboxd.recording import activity
 from sandboxd.recording.recorder import FileRecord
 from sandboxd.sandbox.output import StreamSummary
 from sandboxd.sandbox.protocol import ExitStatus, ResourceUsage
@@ -69,7 +69,7 @@ def test_no_status_means_the_command_never_ran():
 
 
 def test_file_and_network_records_come_before_the_end_and_overflow_is_counted():
-    files = FileRecord(snapshot.FileEvents([{"path": "/w/a", "operation": "write"}], [("/w/r", 1)]),
+    files = FileRecord(activity.FileEvents([{"path": "/w/a", "operation": "write"}], [("/w/r", 1)]),
                        ["the kernel's event queue overflowed"])
     net = NetworkRecord([ConnectionRecord("http", "GET", "example.test", 80, decision="denied")], 2,
                         {("a.test", 443, "denied"): (2, 0, 0)})
@@ -85,7 +85,7 @@ def test_file_and_network_records_come_before_the_end_and_overflow_is_counted():
 
 
 def test_redaction_strikes_sandbox_strings_but_not_the_daemon_s():
-    files = FileRecord(snapshot.FileEvents([{"path": "/w/SECRET", "operation": "write"}], []), [])
+    files = FileRecord(activity.FileEvents([{"path": "/w/SECRET", "operation": "write"}], []), [])
     done = finished_call(end(files=files, failure=BackendUnavailable("no SECRET"), status=None), "f", "v",
                          redact=lambda s: s.replace("SECRET", "[x]"))
     text = repr([d.payload for d in done.drafts])

@@ -12,6 +12,7 @@ import pytest
 
 from sandboxd.recording import live_snapshot as ls
 from sandboxd.recording import tree_record
+from sandboxd.recording import activity
 from sandboxd.recording import snapshot
 from sandboxd.recording.live_snapshot import LiveSnapshots
 from sandboxd.recording.snapshot import HashCache
@@ -183,7 +184,7 @@ def test_random_changes_agree_with_the_walk(live, tree, tmp_path, seed):
 def assert_diff_by_changes_is_the_full_diff(before, after) -> None:
     changed = LiveSnapshots.changed_between(before, after)
     assert changed is not None
-    assert snapshot.diff(before.entries, after.entries, changed) == snapshot.diff(before.entries, after.entries)
+    assert activity.diff(before.entries, after.entries, changed) == activity.diff(before.entries, after.entries)
     assert {p for p, _ in before.entries.items() ^ after.entries.items()} <= changed
 
 
@@ -195,7 +196,7 @@ def test_changes_are_not_claimed_across_a_full_walk_a_walked_root_or_a_lost_hist
     after = live.take([(SB, str(tree))])
     assert tracker(live, tree).full_walks == 2
     assert LiveSnapshots.changed_between(before, after) is None
-    assert len(snapshot.diff(before.entries, after.entries)) == limit + 10
+    assert len(activity.diff(before.entries, after.entries)) == limit + 10
     # A root that is walked (a bind of one file) has no tracker to ask.
     one = tmp_path / "one.txt"
     one.write_text("1")
@@ -220,7 +221,7 @@ def test_a_call_s_before_and_after_compare_only_what_changed(live, tree, monkeyp
     after = live.take([(SB, str(tree))])
     assert LiveSnapshots.changed_between(before, after) == {
         f"{SB}/d1/f1.txt", f"{SB}/d3/new.txt", f"{SB}/d3"}  # d1 itself: a write leaves it as it was
-    ops = {(c["path"], c["operation"]) for c in snapshot.diff(before.entries, after.entries,
+    ops = {(c["path"], c["operation"]) for c in activity.diff(before.entries, after.entries,
                                                               LiveSnapshots.changed_between(before, after))}
     assert ops == {(f"{SB}/d1/f1.txt", "write"), (f"{SB}/d3/new.txt", "create")}
 
@@ -377,7 +378,7 @@ def test_a_change_through_a_link_made_and_removed_in_between_is_seen(live, tree,
     after = kept(live, tree)
     assert after == walked(tree)
     assert after[f"{SB}/d0/f0.txt"] != before[f"{SB}/d0/f0.txt"]
-    assert snapshot.diff(before, after) == snapshot.diff(before, walked(tree))
+    assert activity.diff(before, after) == activity.diff(before, walked(tree))
 
 
 def test_an_overflow_while_rescanning_is_not_returned_as_a_snapshot(live, tree, monkeypatch):
@@ -457,12 +458,12 @@ def test_an_unchanged_tree_gives_the_same_snapshot_and_a_changed_one_leaves_the_
     first = kept(live, tree)
     (tree / "top.txt").read_text()  # a read changes nothing
     second = kept(live, tree)
-    assert second is first and snapshot.diff(first, second) == []
+    assert second is first and activity.diff(first, second) == []
     (tree / "d1" / "f1.txt").write_text("changed\n")
     third = kept(live, tree)
     assert third is not first and third == walked(tree)
     assert first["/workspace/d1/f1.txt"].sha256 != third["/workspace/d1/f1.txt"].sha256
-    assert [c["path"] for c in snapshot.diff(first, third)] == ["/workspace/d1/f1.txt"]
+    assert [c["path"] for c in activity.diff(first, third)] == ["/workspace/d1/f1.txt"]
     assert kept(live, tree) is third
 
 

@@ -20,6 +20,7 @@ from sandboxd.ledger.store import Database
 from sandboxd.outputs.collect import MAX_OMISSIONS_LISTED, OutputCollector, movable_masks
 from sandboxd.outputs.diff import MAX_DIFF_LINES, FileVersions, Pending, file_diff, unified_diff
 from sandboxd.outputs.reading import NotReadable, locate, read_chunks
+from sandboxd.recording import activity
 from sandboxd.recording import snapshot
 from sandboxd.recording.baseline import Baseline
 from sandboxd.recording.changes import changed_files
@@ -55,7 +56,7 @@ class Workspace:
 
     def changed(self):
         after = self.snap()
-        return changed_files(snapshot.diff(self.before.entries, after.entries), self.before.entries, after.entries)
+        return changed_files(activity.diff(self.before.entries, after.entries), self.before.entries, after.entries)
 
 
 @pytest.fixture
@@ -498,7 +499,7 @@ def test_a_file_whose_birth_is_unknown_is_not_diffed(tmp_path, store):
     after = ws.snap()
     unborn = {p: e._replace(btime_ns=0, generation=-1) for p, e in after.entries.items()}
     before = {p: e._replace(btime_ns=0, generation=-1) for p, e in ws.before.entries.items()}
-    changed = changed_files(snapshot.diff(before, unborn), before, unborn)
+    changed = changed_files(activity.diff(before, unborn), before, unborn)
     assert [(c.change, c.replaced, c.same_file) for c in changed] == [("modified", False, False)]
     got = OutputCollector(ArtifactSettings(), store, ws.baseline, "call_1", ws.roots, None, READER).collect(changed)
     [diff] = [r for r in got.records if r.kind == "diff"]

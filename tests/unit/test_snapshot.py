@@ -13,8 +13,8 @@ import pytest
 from sandboxd.recording import snapshot
 from sandboxd.recording.filewatch import Access
 from sandboxd_contract.canonical import canonical_json
-from sandboxd.recording.snapshot import (Entry, FileEvents, HashBudget, HashCache, diff, effects, file_access_events, file_events,
-                               printable, take)
+from sandboxd.recording.activity import FileEvents, diff, effects, file_access_events, file_events, printable
+from sandboxd.recording.snapshot import Entry, HashBudget, HashCache, take
 
 
 def h(data: bytes) -> str:

@@ -16,7 +16,7 @@ from sandboxd.ledger.events import EventDraft
 from sandboxd.ledger.event_types import (ArtifactPersisted, CountedAttempts, DestinationCount, FileAccessObserved,
                                           NetworkAccessObserved, OutputDigest, ToolCallFinished, ToolResultValidated, draft)
 from sandboxd.policy.models import EffectivePolicy
-from sandboxd.recording import snapshot
+from sandboxd.recording import activity
 from sandboxd.recording.recorder import FileRecord
 from sandboxd.sandbox.output import StreamSummary
 from sandboxd.sandbox.protocol import ExitStatus, ResourceUsage
@@ -123,7 +123,7 @@ def result_of(end: CallEnd, validated_id: str) -> dict[str, Any]:
         "stdoutTruncated": out.truncated, "stderrTruncated": err.truncated,
         "stdoutPreview": out.preview, "stderrPreview": err.preview,
         "artifacts": [artifact_json(r) for r in end.artifacts],
-        "effectsObserved": {**{k: paths[:MAX_EFFECT_PATHS] for k, paths in snapshot.effects(files.events).items()},
+        "effectsObserved": {**{k: paths[:MAX_EFFECT_PATHS] for k, paths in activity.effects(files.events).items()},
                             "externalCalls": summarize_external_calls(end.network.connections, end.network.overflow),
                             **({"incomplete": files.incomplete} if files.incomplete else {})},
         "usage": {"latencyMs": end.latency_ms, "cpuMs": end.usage.cpu_ms,
@@ -142,7 +142,7 @@ def observation_drafts(files: FileRecord, network: NetworkRecord) -> list[EventD
     """FileAccessObserved and NetworkAccessObserved. Accesses go in batches: a test run
     touches thousands of files, and one event per path would cost the log more than the run."""
     drafts = [draft(e) for e in
-              snapshot.file_access_events(files.events, FILE_ENTRIES_PER_EVENT, FILE_READS_PER_EVENT)]
+              activity.file_access_events(files.events, FILE_ENTRIES_PER_EVENT, FILE_READS_PER_EVENT)]
     if files.incomplete:
         drafts.append(draft(FileAccessObserved(accesses=[], incomplete=files.incomplete)))
     drafts += [draft(c.observed()) for c in network.connections]

@@ -27,7 +27,7 @@ from sandboxd.ledger.events import EventDraft, EventLog
 from sandboxd.ledger.store import Database
 from sandboxd.outputs.collect import Collected, OutputCollector, movable_masks
 from sandboxd.recording.baseline import Baseline
-from sandboxd.recording.snapshot import printable
+from sandboxd.recording.activity import printable
 from sandboxd.recording.recorder import FileRecord, FileRecorder
 from sandboxd.sandbox.output import STDERR, STDOUT, OutputSpool, StreamSummary
 from sandboxd.sandbox.protocol import ExitStatus, Process, ResourceUsage

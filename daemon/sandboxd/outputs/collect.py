@@ -25,7 +25,7 @@ from sandboxd.outputs.diff import FileVersions, Pending, unified_diff
 from sandboxd.outputs.reading import NotReadable, copy_verified, locate, read_chunks
 from sandboxd.recording.baseline import Baseline
 from sandboxd.recording.changes import ChangedFile
-from sandboxd.recording.snapshot import printable
+from sandboxd.recording.activity import printable
 from sandboxd.secrets.redact import Redactor
 
 # Omissions listed one by one in the result; the rest are counted.

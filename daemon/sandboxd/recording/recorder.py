@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from sandboxd.core.errors import FailedPrecondition
+from sandboxd.recording import activity
 from sandboxd.recording import snapshot
 from sandboxd.recording.changes import ChangedFile, changed_files
 from sandboxd.recording.filewatch import MAX_PATHS as MAX_WATCHED_PATHS
@@ -33,7 +34,7 @@ WriteRoots = list[tuple[str, str]]  # (sandbox path, host path) of each writable
 @dataclass
 class FileRecord:
     """What a call did to files: FileAccessObserved entries, and why they may not be all."""
-    events: snapshot.FileEvents = field(default_factory=lambda: snapshot.FileEvents([], []))
+    events: activity.FileEvents = field(default_factory=lambda: activity.FileEvents([], []))
     incomplete: list[str] = field(default_factory=list)
     # The regular files the call created, modified, renamed or deleted (its artifacts' source).
     changed: list[ChangedFile] = field(default_factory=list)
@@ -69,7 +70,7 @@ def file_record(accesses: Sequence[tuple[str, int, int]], watch: Any, before: sn
             for gap in dict.fromkeys(before.gaps + after.gaps):
                 incomplete.append(gap)
             if before.complete and after.complete:
-                changes = snapshot.diff(before.entries, after.entries,
+                changes = activity.diff(before.entries, after.entries,
                                         LiveSnapshots.changed_between(before, after))
             else:
                 incomplete.append("creations, deletions and renames were not compared")
@@ -79,8 +80,8 @@ def file_record(accesses: Sequence[tuple[str, int, int]], watch: Any, before: sn
                                   "unreadable): see sha256BeforeMissing / sha256AfterMissing")
     before_entries, after_entries = before.entries if before else {}, after.entries if after else {}
     changed = changed_files(changes, before_entries, after_entries)
-    events = snapshot.file_events(list(accesses), changes, before_entries, after_entries)
-    return FileRecord(events, [snapshot.printable(gap) for gap in incomplete], changed)  # gaps name paths
+    events = activity.file_events(list(accesses), changes, before_entries, after_entries)
+    return FileRecord(events, [activity.printable(gap) for gap in incomplete], changed)  # gaps name paths
 
 
 def make_gate(path: Path, uid: int, gid: int) -> None:
