@@ -18,7 +18,8 @@ from pydantic import ValidationError
 
 from sandboxd.policy.approvals import verify_authorization
 from sandboxd.core.errors import InvalidArgument, PermissionDenied, SandboxdError
-from sandboxd.policy.models import check_admission, parse_call
+from sandboxd.policy.admission import check_admission
+from sandboxd.policy.models import parse_call
 from sandboxd.api.messages import call_to_json
 from sandboxd.core.settings import ApprovalSettings, DaemonSettings
 from sandboxd_contract.approval import (

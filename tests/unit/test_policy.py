@@ -8,6 +8,7 @@ import pytest
 from google.protobuf import json_format
 
 from sandboxd.core.errors import InvalidArgument, PermissionDenied, SandboxdError
+from sandboxd.policy.admission import check_admission, check_private_networks
 from sandboxd.policy.models import (
     BASE_ENV_NAMES,
     BASE_PATH,
@@ -15,8 +16,6 @@ from sandboxd.policy.models import (
     MAX_ENV_VALUE_CHARS,
     MAX_FIELD_CHARS,
     EffectivePolicy,
-    check_admission,
-    check_private_networks,
     is_within,
     normalize_sandbox_path,
     parse_call,

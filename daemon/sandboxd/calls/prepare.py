@@ -19,8 +19,8 @@ from sandboxd.egress.proxy import EgressProxy
 from sandboxd.ledger import events as ev
 from sandboxd.outputs.tempdir import outputs_dir
 from sandboxd.policy import images
-from sandboxd.policy.models import (EffectivePolicy, PreparedToolCall, check_admission, check_private_networks,
-                                    resolve_policy)
+from sandboxd.policy.admission import check_admission, check_private_networks
+from sandboxd.policy.models import EffectivePolicy, PreparedToolCall, resolve_policy
 from sandboxd.policy.always_blocked import always_blocked
 from sandboxd.policy.preflight import HostPlan, preflight
 from sandboxd.policy.principal import Principal

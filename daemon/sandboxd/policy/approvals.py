@@ -24,7 +24,7 @@ from sandboxd.core.settings import ApprovalSettings
 def verify_authorization(raw: Mapping[str, Any], call: PreparedToolCall, settings: ApprovalSettings) -> str:
     """Refuses (PermissionDenied naming the field) what was not approved; returns the
     approval digest of a verified grant ("" for a tool that needs none). Status and
-    expiry are checked by policy.check_admission."""
+    expiry are checked by policy.admission.check_admission."""
     auth = call.authorization
     if auth.status == "not_required":
         if not any(fnmatch.fnmatchcase(call.tool_id, p) for p in settings.tools_without_grant):
