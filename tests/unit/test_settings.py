@@ -10,6 +10,9 @@ import yaml
 from pydantic import BaseModel
 
 from sandboxd.core.settings import DOCKER_SOCKET, DaemonSettings, LimitSettings, load_settings
+from sandboxd.core.safe_open import UnsafeFile
+
+from .fifos import finishes, make_fifo
 
 
 def make(tmp_path, **kw) -> DaemonSettings:
@@ -170,8 +173,14 @@ def test_load_settings_refuses_unsafe_root_from_file(tmp_path):
 
 
 def test_load_settings_missing_file(tmp_path):
-    with pytest.raises(OSError):
+    with pytest.raises(UnsafeFile, match="does not exist"):
         load_settings(tmp_path / "nope.yaml")
+
+
+def test_load_settings_refuses_a_fifo_without_waiting_on_it(tmp_path):
+    fifo = make_fifo(tmp_path / "sandboxd.yaml")
+    with pytest.raises(UnsafeFile, match="regular file"):
+        finishes(fifo, lambda: load_settings(fifo))
 
 
 @pytest.mark.parametrize("field,value", [
@@ -254,7 +263,7 @@ def test_decimal_ints_elsewhere_are_plain_ints(tmp_path):
 
 def test_every_mode_setting_reads_octal():
     """A *_mode setting added later must take the same octal forms (FileMode)."""
-    from sandboxd.core.settings import _file_mode
+    from sandboxd.core.config_file import _file_mode
 
     def modes(model: type) -> list[str]:
         found = []
