@@ -577,22 +577,22 @@ def test_the_walk_never_follows_a_symlinked_directory(host, tmp_path):
 
 
 def test_a_walk_past_its_bound_is_refused_not_half_checked(host, monkeypatch):
-    import sandboxd.policy.preflight as preflight_module
+    import sandboxd.policy.always_blocked_host as host_matching
 
     for i in range(6):
         mkfile(host.ws / "d" / f"f{i}")
-    monkeypatch.setattr(preflight_module, "MAX_ALWAYS_BLOCKED_ENTRIES", 5)
+    monkeypatch.setattr(host_matching, "MAX_ALWAYS_BLOCKED_ENTRIES", 5)
     exc = refused(FailedPrecondition, plan_for, host, {"readRoots": ["/workspace/d"]},
                   settings=with_blocked(host, "**/.env"))
     assert exc.field == "policy.filesystem.readRoots[0]" and "always_blocked" in exc.reason
-    monkeypatch.setattr(preflight_module, "MAX_ALWAYS_BLOCKED_ENTRIES", 6)
+    monkeypatch.setattr(host_matching, "MAX_ALWAYS_BLOCKED_ENTRIES", 6)
     assert plan_for(host, {"readRoots": ["/workspace/d"]}, settings=with_blocked(host, "**/.env")).masks == ()
 
 
 def test_a_walk_past_its_depth_is_refused(host, monkeypatch):
-    import sandboxd.policy.preflight as preflight_module
+    import sandboxd.policy.always_blocked_host as host_matching
 
-    monkeypatch.setattr(preflight_module, "MAX_ALWAYS_BLOCKED_DEPTH", 3)
+    monkeypatch.setattr(host_matching, "MAX_ALWAYS_BLOCKED_DEPTH", 3)
     mkfile(host.ws / "a" / "b" / "c" / "d" / "e")
     exc = refused(FailedPrecondition, plan_for, host, settings=with_blocked(host, "**/.env"))
     assert "deep" in exc.reason
