@@ -7,6 +7,7 @@ within a second, the CPU quota, streaming), measured in a run of the whole suite
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 from collections.abc import Callable
@@ -113,3 +114,13 @@ class GuestQueue:
 
 
 QUEUE = GuestQueue()
+
+
+def progress(log: str, expected: list[str]) -> str:
+    """What a guest that stopped short (out of time) did: the tests it finished, by the
+    outcome pytest -v printed for each, and those it never reached."""
+    finished = dict(re.findall(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", log, re.MULTILINE))
+    left = [test for test in expected if test not in finished]
+    shown = "\n".join(f"  {outcome} {test}" for test, outcome in finished.items())
+    return (f"the guest finished {len(finished)} of {len(expected)} tests:\n{shown}\n"
+            f"and never reached {len(left)}:\n" + "\n".join(f"  {test}" for test in left))
