@@ -27,7 +27,7 @@ from sandboxd.ledger import lease_rows
 from sandboxd.ledger.events import EventLog
 from sandboxd.ledger.store import Database
 from sandboxd.policy.principal import Principal
-from sandboxd.pools import warm
+import sandboxd.pools.warm as warm
 from sandboxd.pools.builder import WarmSandboxBuilder
 from sandboxd.pools.metrics import render_pool_metrics
 from sandboxd.pools.template import PoolTemplate, WorkspaceReservations, template_key
