@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from . import __version__
 from .cli_exec import cmd_exec
 from .cli_live import cmd_cancel, cmd_logs, cmd_pool, cmd_ps
 from .cli_records import cmd_artifact_get, cmd_artifact_ls, cmd_audit, cmd_diff, cmd_explain, cmd_trace
-from .cli_setup import CONTEXT_COMMANDS, cmd_completion, cmd_context
+from .cli_setup import CONTEXT_COMMANDS, cmd_context
 from .cli_transfer import cmd_cp
 from .client import default_socket
 from .completion import SCRIPTS
@@ -189,6 +190,12 @@ def _setup(sub, conn) -> None:
     p = sub.add_parser("completion", parents=[conn], help="print a shell completion script: `source <(sandboxctl completion bash)`")
     p.add_argument("shell", choices=sorted(SCRIPTS))
     p.set_defaults(func=cmd_completion)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """The script completes what the parser offers: here, beside it (no import back)."""
+    sys.stdout.write(SCRIPTS[args.shell](build_parser()))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

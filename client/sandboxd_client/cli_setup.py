@@ -88,11 +88,3 @@ def cmd_context(args: argparse.Namespace) -> int:
         return CONTEXT_COMMANDS[args.context_command](args)
     except ConfigError as exc:
         return fail(str(exc), 1)
-
-
-def cmd_completion(args: argparse.Namespace) -> int:
-    from .cli_parser import build_parser  # (the parser builds this command too)
-    from .completion import SCRIPTS
-
-    sys.stdout.write(SCRIPTS[args.shell](build_parser()))
-    return 0
