@@ -608,3 +608,41 @@ def test_only_masks_below_a_movable_directory_turn_collection_off():
     masks = ["/workspace/.env", "/workspace/conf/secret.env", "/workspace/sub/.ssh", "/tmp/x/key"]
     assert movable_masks(masks, ["/workspace", "/workspace/sub", "/tmp"]) == ("/workspace/conf/secret.env",
                                                                                 "/tmp/x/key")
+
+
+def test_a_write_through_a_shared_mapping_never_reaches_the_baseline(tmp_path, monkeypatch):
+    """A write through MAP_SHARED after the descriptor closed tells inotify nothing at the
+    write, but the mapping holds the file open: its IN_CLOSE_WRITE comes when the mapping
+    ends (with the call's processes), so the tracker that settles the root has hashed, and
+    refused, what was written; a later walk keeps nothing of it."""
+    import mmap
+
+    from sandboxd.recording.live_snapshot import LiveSnapshots
+
+    monkeypatch.setattr(snapshot, "RACY_NS", 0)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    target = ws / "mapped.txt"
+    target.write_bytes(b"x" * 64 + b"\n")
+    baseline = Baseline(tmp_path / "b", 2**20, 2**20)
+    baseline.open()
+    live = LiveSnapshots(snapshot.HashCache(baseline=baseline))
+    roots = [(ROOT, str(ws))]
+    live.take(roots)
+    live.take(roots)  # tracked from here on
+    release = baseline.withhold([str(ws)])
+    fd = os.open(target, os.O_RDWR)
+    mapped = mmap.mmap(fd, 0)
+    os.close(fd)  # the mapping still holds the file open
+    live.take(roots)  # the call's after-snapshot, while the mapping is still unwritten
+    mapped[:13] = b"token=S3CR3T "
+    mapped.flush()
+    mapped.close()
+    release()
+    live.take(roots)  # the next call's before-snapshot settles the root
+    assert not baseline.withheld(str(ws))
+    live.close()
+    fresh = LiveSnapshots(snapshot.HashCache(baseline=baseline))  # a tracker retired, a restart: a walk
+    fresh.take(roots)
+    assert holding(tmp_path / "b", b"S3CR3T") == []
+    fresh.close()
