@@ -111,6 +111,19 @@ def test_a_blocked_path_right_below_a_root_leaves_collection_on(client, daemon):
     assert b"hunter2" not in out.stdout and (ws / ".env").read_text() == "SECRET=hunter2\n"
 
 
+def test_a_mask_below_a_read_root_nested_in_a_write_root_is_never_carried_out(client, daemon):
+    """The mask of .config/gh/hosts.yml (always_blocked) sits right below a read root, a
+    mount the sandbox cannot rename; but that root lies in the write root, and renaming
+    its parent carries it, and the file, away on the host: no file is kept or diffed."""
+    ws = daemon.new_workspace({".config/gh/hosts.yml": "oauth_token: gho_SECRET123\n", "a.txt": "a\n"})
+    out = client.run(call(ws, sh("mv /workspace/.config /workspace/cfg && echo b > /workspace/a.txt"),
+                          {"filesystem": {"writeRoots": ["/workspace"], "readRoots": ["/workspace/.config/gh"]}}))
+    assert out.result.status == "success", out.stderr
+    assert {a.kind for a in out.result.artifacts} <= {"stdout", "stderr"}
+    assert any("blocked path" in line for line in out.result.artifacts_omitted)
+    assert (ws / "cfg" / "gh" / "hosts.yml").read_text() == "oauth_token: gho_SECRET123\n"
+
+
 def test_a_call_that_changes_nothing_leaves_no_file_artifact(client, daemon):
     ws = daemon.new_workspace({"a.txt": "a\n"})
     out = client.run(call(ws, ["cat", "/workspace/a.txt"], {"filesystem": {"writeRoots": ["/workspace"]}}))

@@ -605,9 +605,12 @@ def test_the_outputs_tmpfs_is_a_private_mount_even_under_a_shared_one(tmp_path):
 
 
 def test_only_masks_below_a_movable_directory_turn_collection_off():
-    masks = ["/workspace/.env", "/workspace/conf/secret.env", "/workspace/sub/.ssh", "/tmp/x/key"]
-    assert movable_masks(masks, ["/workspace", "/workspace/sub", "/tmp"]) == ("/workspace/conf/secret.env",
-                                                                                "/tmp/x/key")
+    masks = ["/workspace/.env", "/workspace/conf/secret.env", "/workspace/sub/.ssh", "/tmp/x/key",
+             "/workspace/.config/gh/hosts.yml", "/data/ro/.env"]
+    # /workspace/.config/gh is a read root nested in the write root: renaming .config carries it.
+    mounts = ["/workspace", "/workspace/sub", "/tmp", "/workspace/.config/gh", "/data/ro"]
+    assert movable_masks(masks, mounts, ["/workspace", "/workspace/sub", "/tmp"]) == (
+        "/workspace/conf/secret.env", "/tmp/x/key", "/workspace/.config/gh/hosts.yml")
 
 
 def test_a_write_through_a_shared_mapping_never_reaches_the_baseline(tmp_path, monkeypatch):

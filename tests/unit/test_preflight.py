@@ -695,3 +695,12 @@ def test_always_blocked_rule_answers_by_name_for_a_resolved_workspace(host):
     assert always_blocked_rule(host.settings, ws, "/workspace") is None
     assert always_blocked_rule(host.settings, ws, "/tmp/.env") is None  # tempDir: the sandbox's own
     assert always_blocked_rule(with_blocked(host), ws, "/workspace/.env") is None
+
+
+@pytest.mark.parametrize("root", ["/workspace/proj/.ssh/keys", "/workspace/proj/.ssh/keys/id_rsa"])
+def test_a_root_named_inside_a_directory_a_walk_pattern_blocks_is_refused(host, root):
+    """`**/.ssh/` blocks the directory: a root named inside it (a directory, or one bound
+    file) would show what it holds, and the walk never meets the name `.ssh` below it."""
+    mkfile(host.ws / "proj" / ".ssh" / "keys" / "id_rsa", "PRIVATE")
+    exc = refused(PermissionDenied, plan_for, host, {"readRoots": [root]}, settings=with_blocked(host, "**/.ssh/"))
+    assert "always_blocked: **/.ssh/" in exc.reason and exc.field == "policy.filesystem.readRoots[0]"

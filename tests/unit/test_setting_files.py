@@ -19,7 +19,8 @@ from sandboxd.core.artifact_settings import ArtifactSettings, mask_userinfo, wit
 from sandboxd.core.errors import BackendUnavailable, FailedPrecondition
 from sandboxd.api.transport import RelayPump
 from sandboxd.backends.nsjail.host import is_static_elf, verified_nsjail
-from sandboxd.core.safe_open import UnsafeFile, held_setting_file, open_setting_file, read_setting_file
+from sandboxd.core.safe_open import UnsafeFile, held_setting_file, load_library, open_setting_file, read_setting_file
+from sandboxd.core.settings import DaemonSettings
 from sandboxd.recording import fanotify_reader
 from sandboxd.recording.errors import FileWatchError
 from sandboxd.ledger.blobs import BlobStoreUnavailable
@@ -203,3 +204,14 @@ def test_the_native_helpers_named_by_settings_never_block_the_start_on_a_fifo(tm
     with pytest.raises(UnsafeFile, match="not a regular file"):  # a directory is no file either
         with held_setting_file(tmp_path):
             pass
+
+
+def test_two_libraries_loaded_through_descriptors_are_never_taken_for_each_other():
+    """dlopen knows a loaded object by the name it was given: were the first library's
+    /proc/self/fd/N closed and N reused for the second, the second load would return the
+    first. Each descriptor stays open, so each name stays its own."""
+    settings = DaemonSettings()
+    relay = load_library(settings.relay_library, setting="relay_library")
+    reader = load_library(settings.file_audit.reader_library, setting="file_audit.reader_library")
+    assert hasattr(relay, "relay_start") and not hasattr(relay, "fw_new")
+    assert hasattr(reader, "fw_new") and not hasattr(reader, "relay_start")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandboxd.core.errors import FailedPrecondition
-from sandboxd.core.safe_open import UnsafeFile, held_setting_file
+from sandboxd.core.safe_open import UnsafeFile, load_library
 from sandboxd.core.settings import DaemonSettings
 
 log = logging.getLogger("sandboxd.api.transport")
@@ -33,8 +33,7 @@ class RelayPump:
 
     def __init__(self, library: Path):
         try:
-            with held_setting_file(library, setting="relay_library") as held:  # a FIFO there: refused, not waited on
-                lib = ctypes.CDLL(held, use_errno=True)
+            lib = load_library(library, setting="relay_library", use_errno=True)  # a FIFO there: refused
         except (OSError, UnsafeFile) as exc:
             raise FailedPrecondition(f"the relay {library} cannot be loaded (build it with `make native`): "
                                      f"{exc}") from None

@@ -340,7 +340,9 @@ class CallRun:
             collector = OutputCollector(self._host.settings.artifacts, self._host.artifacts, self._host.baseline,
                                         self.tool_call_id, roots, redactor, reader=(p.plan.uid, p.plan.gid),
                                         blocked=movable_masks([m.sandbox_path for m in p.plan.masks],
-                                                              [b.sandbox_path for b in p.plan.binds]))
+                                                              [b.sandbox_path for b in p.plan.binds],
+                                                              [b.sandbox_path for b in p.plan.binds
+                                                               if not b.read_only]))
             collected = collector.collect(files.changed, kept)
             collected.omitted[:0] = gaps
             return collected

@@ -147,3 +147,22 @@ def held_setting_file(path: str | os.PathLike[str], *, setting: str = "") -> Ite
         yield f"/proc/self/fd/{fd}"
     finally:
         os.close(fd)
+
+
+# The descriptors of the libraries loaded through them (load_library), open for the
+# process's life: glibc's dlopen knows a loaded object by the name it was given, and a
+# /proc/self/fd/N closed and reused would make a later load return the earlier library.
+_LIBRARY_FDS: list[int] = []
+
+
+def load_library(path: str | os.PathLike[str], *, setting: str, use_errno: bool = False) -> ctypes.CDLL:
+    """The shared library `path` a setting names, loaded through one held non-blocking
+    descriptor (held_setting_file's checks: a FIFO there is refused, never waited on)."""
+    fd, _st = open_setting_file(path, setting=setting, follow=True)
+    try:
+        library = ctypes.CDLL(f"/proc/self/fd/{fd}", use_errno=use_errno)
+    except BaseException:
+        os.close(fd)
+        raise
+    _LIBRARY_FDS.append(fd)
+    return library

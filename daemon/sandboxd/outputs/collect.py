@@ -45,13 +45,29 @@ class _Budget:
     bytes: int
 
 
-def movable_masks(masks: Sequence[str], mount_points: Sequence[str]) -> tuple[str, ...]:
+def movable_masks(masks: Sequence[str], mount_points: Sequence[str], write_roots: Sequence[str]) -> tuple[str, ...]:
     """The masked paths the sandbox could carry out from under their masks by renaming a
-    directory on their way: those whose parent is no mount point of the sandbox (a root
-    or tempDir, which rename refuses with EBUSY; the masked path is a mount itself). A
-    mask right below a root (the operator's `.env`) leaves collection on."""
+    directory on their way: those with a directory inside a write root, between the mask
+    and the top of that root, that is no mount point of the sandbox (rename refuses a
+    mount point with EBUSY, but moves a directory that merely holds one: a read root nested
+    in a write root is carried along by its parent). A mask right below a root, in no
+    write root's directory but its mounts, leaves collection on (the operator's `.env`)."""
     mounts = set(mount_points)
-    return tuple(m for m in masks if posixpath.dirname(m) not in mounts)
+
+    def in_a_write_root(path: str) -> bool:
+        return any(path == w or path.startswith(w.rstrip("/") + "/") for w in write_roots)
+
+    def movable(mask: str) -> bool:
+        directory = posixpath.dirname(mask)
+        while in_a_write_root(directory):
+            if directory not in mounts:
+                return True
+            if directory == "/":
+                break
+            directory = posixpath.dirname(directory)
+        return False
+
+    return tuple(m for m in masks if movable(m))
 
 
 class OutputCollector:

@@ -172,8 +172,12 @@ def _walked(always: AlwaysBlocked, above: tuple[str, ...], lister: _Lister, root
             continue  # walked with its enclosing root
         where = root_fields.get(root, "workspace")
         rel = () if root == WORKSPACE else tuple(os.path.relpath(root, WORKSPACE).split("/"))
-        if rel and always.blocking((*above, *rel), anchors):
-            found[rel] = None
+        # The root itself, or a directory on its way (a root named inside `**/.ssh/`):
+        # found, so that preflight refuses a root that would show it.
+        hidden = next((rel[:end] for end in range(1, len(rel) + 1) if always.blocking((*above, *rel[:end]), anchors)),
+                      None)
+        if hidden is not None:
+            found[hidden] = None
             continue
         top = lister.open_dir("/".join(rel), where)
         if top is None:  # a bound file: matched by its name above

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from sandboxd.core.safe_open import UnsafeFile, held_setting_file
+from sandboxd.core.safe_open import UnsafeFile, load_library
 from sandboxd.core.settings import FileAuditSettings
 from sandboxd.recording.errors import FileWatchError
 
@@ -35,8 +35,7 @@ def reader_library() -> ctypes.CDLL:
     if _reader is None:
         path = reader_library_path()
         try:
-            with held_setting_file(path, setting="file_audit.reader_library") as held:  # a FIFO: refused, not waited on
-                lib = ctypes.CDLL(held)
+            lib = load_library(path, setting="file_audit.reader_library")  # a FIFO there: refused
         except (OSError, UnsafeFile) as exc:
             raise FileWatchError(f"the fanotify reader {path} cannot be loaded (build it with "
                                  f"`make native`): {exc}") from None
