@@ -9,6 +9,7 @@ cli_parser.py has their arguments, contexts.py where to connect."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import yaml
@@ -18,6 +19,9 @@ from .cli_parser import build_parser
 from .cli_records import file_access_line, network_line
 from .contexts import ConfigError
 
+# 128 + SIGPIPE, as a command the shell saw die of it.
+EXIT_BROKEN_PIPE = 141
+
 __all__ = ["EXIT_CANCELLED", "EXIT_OOM", "EXIT_REFUSED", "EXIT_TIMEOUT", "build_parser", "exit_code_for",
            "file_access_line", "load_policy", "main", "network_line", "shown"]
 
@@ -26,10 +30,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # the reader went away (`| head`): nothing to say, as `git log | head`
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
     except ConfigError as exc:  # where to connect: nothing was sent
         return fail(str(exc))
     except (OSError, ValueError, yaml.YAMLError) as exc:
         return fail(str(exc))
+
+
+def _quiet_stdout() -> None:
+    """stdout pointed at /dev/null: Python's flush at exit would meet the broken pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -230,3 +230,23 @@ def test_a_negative_since_byte_is_refused_before_connecting(tmp_path, capsys):
     assert cli.main(["logs", "--socket", str(tmp_path / "none.sock"), "--since-byte", "-1", "tc_x"]) == 2
     err = capsys.readouterr().err
     assert "--since-byte" in err and "UNAVAILABLE" not in err
+
+
+def test_a_reader_that_goes_away_ends_sandboxctl_quietly():
+    """`sandboxctl ... | head`: no traceback and no "[Errno 32] Broken pipe" (exit 125); the
+    exit a command killed by SIGPIPE has."""
+    import subprocess
+    import sys
+
+    # A command that prints more than a pipe holds (as `ps` or `audit` may).
+    code = ("import argparse, sys; from sandboxd_client import cli\n"
+            "parser = argparse.ArgumentParser()\n"
+            "parser.set_defaults(func=lambda args: [print('row ' * 50) for _ in range(10_000)] and 0)\n"
+            "cli.build_parser = lambda: parser\n"
+            "sys.exit(cli.main([]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.read(10)
+    proc.stdout.close()  # the reader goes away after its first bytes
+    _, stderr = proc.communicate(timeout=30)
+    assert (proc.returncode, stderr) == (141, b"")
