@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 import yaml
 
 from .client import SandboxdClient
@@ -31,8 +32,15 @@ def fail(message: str, code: int = EXIT_REFUSED) -> int:
     return code
 
 
+# What gRPC says when nothing listens where the client points (no socket, or refused).
+_NOT_LISTENING = ("failed to connect to all addresses", "Connection refused", "No such file or directory")
+
+
 def rpc_failed(exc: SandboxdClientError, code: int = 1) -> int:
     suffix = f" (call {exc.tool_call_id})" if exc.tool_call_id else ""
+    if exc.code == grpc.StatusCode.UNAVAILABLE and any(sign in exc.message for sign in _NOT_LISTENING):
+        suffix += ("\nsandboxctl: is sandboxd running, or still starting? Start it with `make run` (a checkout) or "
+                   "`sandboxd`; `sandboxctl context ls` shows where this client points")
     return fail(f"{exc.code.name}: {exc.message}{suffix}", code)
 
 

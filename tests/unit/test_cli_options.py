@@ -250,3 +250,11 @@ def test_a_reader_that_goes_away_ends_sandboxctl_quietly():
     proc.stdout.close()  # the reader goes away after its first bytes
     _, stderr = proc.communicate(timeout=30)
     assert (proc.returncode, stderr) == (141, b"")
+
+
+def test_a_daemon_that_is_not_there_is_named_as_such(tmp_path, capsys):
+    from sandboxd_client.cli import main
+
+    assert main(["ps", "--socket", str(tmp_path / "none.sock")]) == 1
+    said = capsys.readouterr().err
+    assert said.startswith("sandboxctl: UNAVAILABLE: ") and "is sandboxd running, or still starting?" in said
