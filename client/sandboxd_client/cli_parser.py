@@ -44,12 +44,14 @@ def _exec(sub, conn) -> None:
     p.add_argument("--workspace", help="host workspace directory (default: the current directory)")
     p.add_argument("--policy", help="SandboxPolicy as JSON or YAML (camelCase names); a flag below fills what "
                    "it leaves unset and is refused where it says otherwise")
-    p.add_argument("--image")
+    p.add_argument("--image", help="image to run (an allowed one; default: the daemon's default_image)")
     p.add_argument("--adapter", help="docker (default) or nsjail")
     p.add_argument("--lease", help="run in this leased warm sandbox (`sandboxctl pool acquire`)")
     p.add_argument("--cwd", help="working directory inside the sandbox")
-    p.add_argument("--timeout-ms", type=int)
-    p.add_argument("--memory-mb", type=int)
+    p.add_argument("--timeout-ms", type=int, help="kill the command after this many milliseconds "
+                   "(policy.process.timeoutMs; exit 124)")
+    p.add_argument("--memory-mb", type=int, help="memory limit in MiB (policy.process.maxMemoryMb; exit 137 "
+                   "when it is passed)")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="set in the command's environment "
                    "(policy.environment.injectedEnv); repeatable")
     p.add_argument("-w", "--write", action="append", metavar="PATH", help="a write root: relative to /workspace "
@@ -126,9 +128,9 @@ def _records(sub, conn) -> None:
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("explain", parents=[conn], help="show what a policy would materialize to, without running")
-    p.add_argument("--policy")
-    p.add_argument("--workspace")
-    p.add_argument("--image")
+    p.add_argument("--policy", help="SandboxPolicy as JSON or YAML (camelCase names)")
+    p.add_argument("--workspace", help="host workspace directory (default: the current directory)")
+    p.add_argument("--image", help="image to run (an allowed one; default: the daemon's default_image)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_explain)
 
@@ -162,7 +164,7 @@ def _pool(sub, conn) -> None:
     for sp in (pa, pc):  # the same sandbox either way
         sp.add_argument("--workspace", help="host workspace directory (default: the current directory)")
         sp.add_argument("--policy", help="SandboxPolicy as JSON or YAML: the part that fixes the sandbox")
-        sp.add_argument("--image")
+        sp.add_argument("--image", help="image to run (an allowed one; default: the daemon's default_image)")
         sp.add_argument("--adapter", help="docker (default) or nsjail")
         sp.add_argument("--json", action="store_true")
     pa.add_argument("--lease-ms", type=int, default=0)
