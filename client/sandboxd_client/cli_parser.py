@@ -9,7 +9,7 @@ import sys
 from . import __version__
 from .cli_exec import cmd_exec
 from .cli_live import cmd_cancel, cmd_logs, cmd_pool, cmd_ps
-from .cli_records import cmd_artifact_get, cmd_artifact_ls, cmd_audit, cmd_diff, cmd_explain, cmd_trace
+from .cli_records import cmd_artifact_get, cmd_artifact_ls, cmd_audit, cmd_diff, cmd_explain, cmd_trace, point_in_time
 from .cli_setup import CONTEXT_COMMANDS, cmd_context
 from .cli_transfer import cmd_cp
 from .client import default_socket
@@ -146,8 +146,8 @@ def _audit(sub, conn) -> None:
     p.add_argument("--session", help="the call's sessionId, exactly")
     p.add_argument("--workspace")
     p.add_argument("--status", help="running|success|error|partial|cancelled|rejected")
-    p.add_argument("--since", help="RFC 3339, inclusive")
-    p.add_argument("--until", help="RFC 3339, exclusive")
+    p.add_argument("--since", type=point_in_time, help="RFC 3339, or a time ago (30s, 15m, 1h, 2d, 1w); inclusive")
+    p.add_argument("--until", type=point_in_time, help="RFC 3339, or a time ago (30s, 15m, 1h, 2d, 1w); exclusive")
     p.add_argument("--limit", type=int, default=0, help="page size (default 50, at most 500)")
     p.add_argument("--page-token", help="from the previous page")
     p.add_argument("--json", action="store_true", help="one JSON object per call")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import Counter
+from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 from typing import Any, BinaryIO, cast
 
@@ -107,6 +109,19 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if bad:
         return fail(f"{bad} event(s) do not match their hash", 1)
     return 0
+
+
+_AGO = re.compile(r"(\d+)([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def point_in_time(text: str, now: datetime | None = None) -> str:
+    """`--since`/`--until`: RFC 3339 as given, or a time ago (`1h`) as RFC 3339 in UTC."""
+    ago = _AGO.fullmatch(text.strip())
+    if ago is None:
+        return text  # the daemon checks RFC 3339 and names the field when it is not
+    at = (now or datetime.now(timezone.utc)) - timedelta(seconds=int(ago.group(1)) * _UNIT_S[ago.group(2)])
+    return at.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def cmd_audit(args: argparse.Namespace) -> int:

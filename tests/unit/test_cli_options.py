@@ -258,3 +258,19 @@ def test_a_daemon_that_is_not_there_is_named_as_such(tmp_path, capsys):
     assert main(["ps", "--socket", str(tmp_path / "none.sock")]) == 1
     said = capsys.readouterr().err
     assert said.startswith("sandboxctl: UNAVAILABLE: ") and "is sandboxd running, or still starting?" in said
+
+
+def test_audit_takes_a_time_ago_as_well_as_rfc_3339():
+    from datetime import datetime, timezone
+
+    from sandboxd_client.cli_parser import build_parser
+    from sandboxd_client.cli_records import point_in_time
+
+    now = datetime(2026, 12, 7, 12, 0, 0, tzinfo=timezone.utc)
+    assert point_in_time("1h", now) == "2026-12-07T11:00:00Z"
+    assert point_in_time("90m", now) == "2026-12-07T10:30:00Z"
+    assert point_in_time("2d", now) == "2026-12-05T12:00:00Z"
+    assert point_in_time("1w", now) == "2026-11-30T12:00:00Z"
+    assert point_in_time("2026-12-01T00:00:00Z", now) == "2026-12-01T00:00:00Z"  # as given
+    args = build_parser().parse_args(["audit", "--since", "1h"])
+    assert args.since.endswith("Z") and args.since != "1h"
