@@ -130,6 +130,17 @@ def test_oom_kills_are_read_from_each_versions_own_file(tmp_path):
     assert V2(str(tmp_path)).oom_kills("gone") == 0
 
 
+def test_a_sandboxs_oom_kills_are_read_for_its_cgroup_on_either_version(tmp_path):
+    """What DockerBackend.collect adds to dockerd's OOMKilled flag, which it may miss."""
+    v2 = tmp_path / "v2"
+    touch(v2 / "sandboxd" / "sbx-1" / "memory.events", "oom 1\noom_kill 2\noom_group_kill 1\n")
+    assert cgroups.oom_kills_in("/sandboxd/sbx-1/", str(v2)) == 2
+    assert cgroups.oom_kills_in("sandboxd/gone", str(v2)) == 0
+    v1 = tmp_path / "v1"
+    touch(v1 / "memory" / "sandboxd" / "sbx-1" / "memory.oom_control", "oom_kill_disable 0\noom_kill 1\n")
+    assert cgroups.oom_kills_in("sandboxd/sbx-1", str(v1)) == 1
+
+
 def test_usage_on_v2_is_the_peak_and_cpu_stat(tmp_path):
     touch(tmp_path / "s" / "memory.peak", "7340032\n")
     touch(tmp_path / "s" / "cpu.stat", "usage_usec 25300\nuser_usec 20000\nsystem_usec 5300\n")

@@ -458,6 +458,13 @@ def cgroup_usage(rel: str, root: str = CGROUP_ROOT) -> ResourceUsage:
     return ResourceUsage(cpu_ms=_keyed(f"{root}/{rel}/cpu.stat", "usage_usec") // 1000, peak_memory_bytes=peak or 0)
 
 
+def oom_kills_in(rel: str, root: str = CGROUP_ROOT) -> int:
+    """The processes the OOM killer killed in a cgroup: on v2 its whole subtree
+    (memory.events is hierarchical), on v1 the cgroup whose limit was met."""
+    layout = V1(root) if os.path.isdir(f"{root}/memory") else V2(root)  # v1 (or hybrid), or v2
+    return layout.oom_kills(rel.strip("/"))
+
+
 def layout_for(version: CgroupVersion | None, root: str = CGROUP_ROOT,
                join_exec: str | os.PathLike[str] | None = None, base: str = "") -> Layout | None:
     """The layout of a host whose cgroup version was probed (core/hostfacts.py: once, at

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from sandboxd.backends import backstop, staging
-from sandboxd.backends.cgroups import cgroup_usage
+from sandboxd.backends.cgroups import cgroup_usage, oom_kills_in
 from sandboxd.backends.oom_guard import OomGuard
 from sandboxd.backends.docker.compile import (CGROUP_DRIVERS, CgroupDriver, DockerSpec, cgroup_dir_for,
                                               compile_docker, sandbox_slice)
@@ -354,7 +354,11 @@ class DockerBackend:
         with dockerd("report how the sandbox ended"):
             code = int(self._api.wait(handle.engine_id, timeout=30)["StatusCode"])
             state = self._api.inspect_container(handle.engine_id)["State"]
-        status = ExitStatus(exit_code=code, signal=signal_name(code), oom_killed=bool(state.get("OOMKilled")))
+        # dockerd's flag, or the kernel's own count: dockerd learns of an OOM kill from an
+        # event it may miss (cgroup v2, systemd's driver, a slow host); the sandbox's
+        # cgroup counts every kill in it.
+        oom_killed = bool(state.get("OOMKilled")) or oom_kills_in(handle.spec.cgroup_dir) > 0
+        status = ExitStatus(exit_code=code, signal=signal_name(code), oom_killed=oom_killed)
         return status, cgroup_usage(handle.spec.cgroup_dir)
 
     def destroy(self, handle: SandboxHandle) -> None:
