@@ -325,6 +325,7 @@ def test_a_daemon_that_fails_halfway_unwinds_what_it_made(tmp_path, docker_engin
 
     from sandboxd.core import hostfacts
     from sandboxd.core.errors import BackendUnavailable
+    from sandboxd.core.safe_open import library_descriptors
     from sandboxd.core.settings import load_settings
     from sandboxd.main import build_daemon
     from sandboxd_testing import make_daemon
@@ -361,7 +362,9 @@ def test_a_daemon_that_fails_halfway_unwinds_what_it_made(tmp_path, docker_engin
                 target = os.readlink(f"/proc/self/fd/{fd}")
             except OSError:
                 continue  # listdir's own descriptor
-            if not target.startswith("anon_inode:"):  # gRPC core's pollers live as long as the process
+            # gRPC core's pollers, and the native libraries loaded (load_library), live as
+            # long as the process.
+            if not target.startswith("anon_inode:") and int(fd) not in library_descriptors():
                 out[fd] = target
         return out
 

@@ -149,20 +149,31 @@ def held_setting_file(path: str | os.PathLike[str], *, setting: str = "") -> Ite
         os.close(fd)
 
 
-# The descriptors of the libraries loaded through them (load_library), open for the
-# process's life: glibc's dlopen knows a loaded object by the name it was given, and a
-# /proc/self/fd/N closed and reused would make a later load return the earlier library.
-_LIBRARY_FDS: list[int] = []
+# The libraries loaded through their descriptors (load_library), by file and errno use;
+# each descriptor stays open for the process's life: glibc's dlopen knows a loaded object
+# by the name it was given, and a /proc/self/fd/N closed and reused would make a later
+# load return the earlier library. (ctypes never unloads one: nothing is kept longer.)
+_LIBRARIES: dict[tuple[int, int, bool], tuple[int, ctypes.CDLL]] = {}
 
 
 def load_library(path: str | os.PathLike[str], *, setting: str, use_errno: bool = False) -> ctypes.CDLL:
     """The shared library `path` a setting names, loaded through one held non-blocking
-    descriptor (held_setting_file's checks: a FIFO there is refused, never waited on)."""
-    fd, _st = open_setting_file(path, setting=setting, follow=True)
+    descriptor (held_setting_file's checks: a FIFO there is refused, never waited on);
+    a file loaded before is that load's library."""
+    fd, st = open_setting_file(path, setting=setting, follow=True)
+    key = (st.st_dev, st.st_ino, use_errno)
+    if key in _LIBRARIES:
+        os.close(fd)
+        return _LIBRARIES[key][1]
     try:
         library = ctypes.CDLL(f"/proc/self/fd/{fd}", use_errno=use_errno)
     except BaseException:
         os.close(fd)
         raise
-    _LIBRARY_FDS.append(fd)
+    _LIBRARIES[key] = (fd, library)
     return library
+
+
+def library_descriptors() -> frozenset[int]:
+    """The descriptors load_library holds (for whoever counts the process's own)."""
+    return frozenset(fd for fd, _ in _LIBRARIES.values())
